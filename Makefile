@@ -1,0 +1,64 @@
+# mok — build, test and run. `make` builds the library, the `mok` command and the test
+# runner, and compiles every .cu file for sm_90a when nvcc is found.
+#   make test       CPU test suite (what CI runs)
+#   make run        mok check + mok bench on the default shape
+#   make test-asan  the test suite under AddressSanitizer + UBSan
+
+CC      ?= gcc
+BUILD   ?= build
+NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CFLAGS  ?= -O3 -g
+CFLAGS  += -std=c11 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -Werror=implicit-function-declaration \
+           -fopenmp -ffp-contract=off -fPIC -fvisibility=hidden -Iinclude
+LDLIBS  += -lm -lpthread -fopenmp
+
+LIB_SRC  := $(wildcard src/*.c src/cpu/*.c)
+TOOL_SRC := tools/problem.c
+TEST_SRC := $(wildcard tests/*.c)
+CU_SRC   := $(wildcard src/cuda/*.cu src/comm/*.cu bench/*.cu)
+
+LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
+TOOL_OBJ := $(TOOL_SRC:%.c=$(BUILD)/%.o)
+TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
+CU_OBJ   := $(if $(NVCC),$(CU_SRC:%.cu=$(BUILD)/%.cu.o))
+
+.PHONY: all test run test-asan clean info
+all: info $(BUILD)/libmok.a $(BUILD)/libmok.so $(BUILD)/mok $(BUILD)/mok_tests $(CU_OBJ)
+
+info:
+	@echo "mok: CC=$(CC) nvcc=$(if $(NVCC),$(NVCC),not found) .cu files=$(words $(CU_SRC))"
+
+$(BUILD)/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h tools/*.h tests/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Isrc -Itools -c $< -o $@
+
+$(BUILD)/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -c $< -o $@
+
+$(BUILD)/libmok.a: $(LIB_OBJ)
+	ar rcs $@ $^
+
+$(BUILD)/libmok.so: $(LIB_OBJ)
+	$(CC) -shared -o $@ $^ $(LDLIBS)
+
+$(BUILD)/mok: $(BUILD)/tools/mok.o $(TOOL_OBJ) $(BUILD)/libmok.a
+	$(CC) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/mok_tests: $(TEST_OBJ) $(TOOL_OBJ) $(BUILD)/libmok.a
+	$(CC) -o $@ $^ $(LDLIBS)
+
+test: $(BUILD)/mok_tests
+	$(BUILD)/mok_tests
+
+run: $(BUILD)/mok
+	$(BUILD)/mok check --shape tiny --ranks 1,2,4
+	$(BUILD)/mok bench --shape tiny
+
+test-asan:
+	$(MAKE) BUILD=build-asan CFLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer" \
+	        LDLIBS="-lm -lpthread -fopenmp -fsanitize=address,undefined" build-asan/mok_tests
+	ASAN_OPTIONS=detect_leaks=1 build-asan/mok_tests
+
+clean:
+	rm -rf build build-asan

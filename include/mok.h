@@ -1,0 +1,220 @@
+/*
+ * mok.h — the one public header of mok, a deterministic mixture-of-experts (MoE)
+ * training layer: router, top-K, dispatch, SwiGLU experts, weighted combine, forward
+ * and backward, with bits that do not depend on threads, SMs or the number of ranks.
+ *
+ * Use, per rank (one context per GPU or per simulated CPU rank):
+ *
+ *   mok_config_t cfg = MOK_CONFIG_INIT;          // versioned defaults
+ *   cfg.T = 4096; cfg.H = 2048; cfg.F = 768; cfg.E = 128; cfg.K = 8;
+ *   mok_context_t* ctx;
+ *   mok_context_create(&cfg, &ctx);              // allocates everything it will need
+ *   size_t ws, sv;
+ *   mok_workspace_size(ctx, &ws);                // scratch for one call
+ *   mok_saved_size(ctx, &sv);                    // what forward keeps for backward
+ *   mok_forward_args_t f = {0};  ... fill tensors, f.num_tokens = T ...
+ *   mok_forward(ctx, &f);                        // y, losses, tokens_per_expert, saved
+ *   mok_backward_args_t b = {0}; ... dy, saved ...
+ *   mok_backward(ctx, &b);                       // dx, weight gradients
+ *   mok_context_destroy(ctx);
+ *
+ * Every call returns a mok_status_t; mok_status_string() names it and
+ * mok_context_last_error() gives the message of the context's last failure (which
+ * argument, which rule). A failing call leaves every output buffer untouched.
+ * Nothing is allocated inside a step. The layer and its rounding points are described
+ * in docs/ (and in the design brief): every sum has one fixed order.
+ */
+#ifndef MOK_H
+#define MOK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define MOK_API __attribute__((visibility("default")))
+#else
+#define MOK_API
+#endif
+
+#define MOK_VERSION_MAJOR 0
+#define MOK_VERSION_MINOR 1
+#define MOK_VERSION_PATCH 0
+#define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
+
+/* Tokens per fixed chunk of mok's replicated-gradient reduction (see mok_reduce_tree):
+ * replicated gradients and global loss statistics are an fp32 partial per chunk of
+ * this many tokens, combined by one fixed binary tree over the chunks. */
+#define MOK_REDUCE_CHUNK_TOKENS 64
+
+typedef enum {
+  MOK_STATUS_SUCCESS = 0,
+  MOK_STATUS_INVALID_CONTEXT,     /* null, destroyed or foreign context */
+  MOK_STATUS_NULL_POINTER,        /* a required pointer is NULL */
+  MOK_STATUS_MISALIGNED_POINTER,  /* a tensor or workspace pointer breaks its alignment rule */
+  MOK_STATUS_INVALID_SHAPE,       /* a shape rule is broken (K > E, E % W, T > config T, ...) */
+  MOK_STATUS_UNSUPPORTED_SHAPE,   /* valid, but the chosen backend does not run it */
+  MOK_STATUS_INVALID_ARGUMENT,    /* an enum, rank or flag out of range */
+  MOK_STATUS_NONFINITE_VALUE,     /* NaN or Inf where a finite coefficient is required */
+  MOK_STATUS_VERSION_MISMATCH,    /* config struct from another version of mok.h */
+  MOK_STATUS_INDEX_OUT_OF_RANGE,  /* replay topk_idx outside [0, E) */
+  MOK_STATUS_DUPLICATE_INDEX,     /* replay topk_idx names one expert twice for a token */
+  MOK_STATUS_WORKSPACE_TOO_SMALL, /* workspace or saved buffer smaller than reported */
+  MOK_STATUS_INVALID_SAVED,       /* saved buffer not written by this context's forward */
+  MOK_STATUS_CAPACITY_EXCEEDED,   /* a rank would receive more rows than its capacity */
+  MOK_STATUS_COMM_TIMEOUT,        /* a peer did not arrive within the timeout */
+  MOK_STATUS_COMM_ERROR,          /* communicator misuse or failure */
+  MOK_STATUS_BACKEND_UNAVAILABLE, /* backend not built in, or no device */
+  MOK_STATUS_OUT_OF_MEMORY,       /* allocation at context creation failed */
+  MOK_STATUS_CUDA_ERROR,          /* a CUDA call failed (message has file:line) */
+  MOK_STATUS_INTERNAL_ERROR,      /* a bug in mok: please report the message */
+  MOK_STATUS_COUNT_
+} mok_status_t;
+
+typedef enum { MOK_BACKEND_CPU = 0, MOK_BACKEND_CUDA = 1 } mok_backend_t;
+typedef enum { MOK_SCORE_SOFTMAX = 0, MOK_SCORE_SIGMOID = 1 } mok_score_t;
+typedef enum {
+  MOK_ROUTING_FUSED = 0,  /* router inside the layer: logits, scores, top-K, losses */
+  MOK_ROUTING_REPLAY = 1  /* caller passes topk_idx / topk_weight; backward gives d_topk_weight */
+} mok_routing_t;
+typedef enum {
+  MOK_WGRAD_BF16 = 0,       /* weight gradients written as bf16 (overwriting) */
+  MOK_WGRAD_FP32_ACCUM = 1  /* weight gradients added into caller fp32 buffers */
+} mok_wgrad_t;
+typedef enum {
+  MOK_NUMERICS_BF16 = 0,  /* the contract: bf16 tensors, fp32 accumulation, bf16 rounding points */
+  MOK_NUMERICS_EXACT = 1  /* CPU only: every floating tensor is double, nothing is rounded;
+                             for checking gradients against finite differences */
+} mok_numerics_t;
+
+typedef struct mok_cpu_comm mok_cpu_comm_t; /* in-process communicator for W CPU ranks */
+typedef struct mok_context mok_context_t;
+
+typedef struct {
+  size_t struct_size;  /* sizeof(mok_config_t), set by MOK_CONFIG_INIT */
+  int version;         /* MOK_VERSION_CODE, set by MOK_CONFIG_INIT */
+  /* shape */
+  int64_t T;           /* max tokens per call on this rank (a call may pass fewer; 0 allowed) */
+  int64_t H;           /* hidden size */
+  int64_t F;           /* expert ffn size */
+  int64_t E;           /* experts in all */
+  int64_t K;           /* experts per token, 1 <= K <= E */
+  int W;               /* expert-parallel ranks; E % W == 0 */
+  int rank;            /* this rank, 0 <= rank < W; owns experts rank*E/W .. */
+  /* router */
+  mok_routing_t routing;
+  mok_score_t score;
+  int normalize;       /* divide the K weights by their sum (before route_scale) */
+  float route_scale;   /* multiplies the weights */
+  int use_bias_select; /* bias_select [E] fp32 is added to scores for selection only */
+  float aux_loss_coef; /* alpha of the load-balancing loss; 0 disables it */
+  float z_loss_coef;   /* beta of the router z-loss; 0 disables it */
+  /* shared expert, applied to every token; Fs = 0 means none */
+  int64_t Fs;
+  /* outputs and execution */
+  mok_wgrad_t wgrad;
+  mok_numerics_t numerics;
+  mok_backend_t backend;
+  int64_t capacity;    /* rows this rank can receive; 0 = safe default (all tokens of all ranks) */
+  int num_threads;     /* CPU threads of this context; 0 = all cores */
+  double comm_timeout_s; /* bound on every wait for a peer; 0 = default (5 s) */
+  mok_cpu_comm_t* cpu_comm; /* CPU backend with W > 1: the shared in-process communicator */
+} mok_config_t;
+
+#define MOK_CONFIG_INIT                                                              \
+  {                                                                                  \
+    sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
+        MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, MOK_WGRAD_BF16,                \
+        MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL                          \
+  }
+
+/* Tensors of one forward call. bf16 tensors are uint16_t bit patterns (double in
+ * EXACT numerics, where "fp32" tensors are double too). Pointers are host pointers for
+ * the CPU backend, device pointers for CUDA; all 16-byte aligned, rows contiguous. */
+typedef struct {
+  int64_t num_tokens;        /* T of this call, 0 <= T <= config T */
+  const void* x;             /* [T, H] bf16 */
+  const void* w_router;      /* [E, H] bf16, fused routing */
+  const float* bias_select;  /* [E] fp32, when use_bias_select */
+  const void* w13;           /* [E/W, 2F, H] bf16: rows 0..F-1 gate, F..2F-1 up */
+  const void* w2;            /* [E/W, H, F] bf16 */
+  const void* ws13;          /* [2Fs, H] bf16, when Fs > 0 */
+  const void* ws2;           /* [H, Fs] bf16, when Fs > 0 */
+  int32_t* topk_idx;         /* [T, K] int32: replay input; fused: written if not NULL */
+  float* topk_weight;        /* [T, K] fp32: replay input; fused: written if not NULL */
+  void* y;                   /* [T, H] bf16 out */
+  int32_t* tokens_per_expert;/* [E] int32 out, global over ranks; optional */
+  float* aux_loss;           /* [1] fp32 out, global; optional */
+  float* z_loss;             /* [1] fp32 out, global; optional */
+  void* saved;               /* mok_saved_size() bytes: kept for backward */
+  size_t saved_bytes;
+  void* workspace;           /* mok_workspace_size() bytes, 256-byte aligned */
+  size_t workspace_bytes;
+  void* stream;              /* cudaStream_t for CUDA; ignored by CPU */
+} mok_forward_args_t;
+
+typedef struct {
+  int64_t num_tokens;        /* same T as the forward that wrote saved */
+  const void* x;             /* [T, H] bf16, the forward's input */
+  const void* w_router;      /* [E, H] bf16 */
+  const void* w13;           /* [E/W, 2F, H] bf16 */
+  const void* w2;            /* [E/W, H, F] bf16 */
+  const void* ws13;          /* [2Fs, H] bf16 */
+  const void* ws2;           /* [H, Fs] bf16 */
+  const void* dy;            /* [T, H] bf16, gradient of y */
+  const float* d_aux_loss;   /* [1] gradient of aux_loss; NULL means 1 */
+  const float* d_z_loss;     /* [1] gradient of z_loss; NULL means 1 */
+  const void* saved;         /* written by mok_forward on this context */
+  size_t saved_bytes;
+  void* dx;                  /* [T, H] bf16 out */
+  float* d_topk_weight;      /* [T, K] fp32 out, replay routing */
+  /* weight gradients: bf16 written, or fp32 buffers added into (config wgrad) */
+  void* d_w_router;          /* [E, H], summed over ranks by mok's fixed tree */
+  void* d_w13;               /* [E/W, 2F, H] */
+  void* d_w2;                /* [E/W, H, F] */
+  void* d_ws13;              /* [2Fs, H], summed over ranks by mok's fixed tree */
+  void* d_ws2;               /* [H, Fs], summed over ranks by mok's fixed tree */
+  void* workspace;
+  size_t workspace_bytes;
+  void* stream;
+} mok_backward_args_t;
+
+MOK_API const char* mok_status_string(mok_status_t status);
+MOK_API int mok_version(void); /* MOK_VERSION_CODE of the library */
+
+/* In-process communicator for W CPU ranks of one process (one thread per rank). */
+MOK_API mok_status_t mok_cpu_comm_create(int num_ranks, mok_cpu_comm_t** comm);
+MOK_API mok_status_t mok_cpu_comm_destroy(mok_cpu_comm_t* comm);
+
+/* Validates cfg and allocates the context. With W > 1 the W ranks' creates are
+ * collective: call them concurrently, one thread per rank. On failure *ctx is NULL and
+ * mok_last_create_error() holds the message. */
+MOK_API mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** ctx);
+/* With W > 1 destroy is collective too (peers may still read this rank's buffers);
+ * its wait is bounded by the timeout, so a context whose peers died still goes. */
+MOK_API mok_status_t mok_context_destroy(mok_context_t* ctx);
+MOK_API const char* mok_context_last_error(const mok_context_t* ctx);
+MOK_API const char* mok_last_create_error(void); /* message of this thread's last failed create */
+
+MOK_API mok_status_t mok_workspace_size(const mok_context_t* ctx, size_t* bytes);
+MOK_API mok_status_t mok_saved_size(const mok_context_t* ctx, size_t* bytes);
+
+/* With W > 1, every rank calls the same sequence of forward/backward concurrently. */
+MOK_API mok_status_t mok_forward(mok_context_t* ctx, const mok_forward_args_t* args);
+MOK_API mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* args);
+
+/* mok's fixed-order reduction, for any replicated parameter's gradient.
+ * partials: [num_chunks, n] fp32, one partial per chunk (chunks in global order);
+ * out: [n] = the sum over chunks by the balanced binary tree fixed by num_chunks
+ * (node [lo, hi) = node [lo, mid) + node [mid, hi), mid = lo + (hi - lo + 1) / 2).
+ * Summing a contiguous run of chunks per rank and combining the ranks' subtrees by the
+ * same tree gives the same bits (see mok_cpu_comm and docs/DETERMINISM.md). */
+MOK_API mok_status_t mok_reduce_tree(const float* partials, int64_t num_chunks, int64_t n, float* out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOK_H */

@@ -1,0 +1,424 @@
+/* api.c — the public entry points: status strings, the context (validated config,
+ * exchange buffers, registry of live contexts), and the validation of every argument of
+ * every call before anything is touched. The arithmetic is in the backends (src/cpu/). */
+#include <math.h>
+#include <omp.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "cpu/cpu_comm.h"
+#include "cpu/gemm.h"
+#include "internal.h"
+
+int mok_version(void) { return MOK_VERSION_CODE; }
+
+const char* mok_status_string(mok_status_t s) {
+  switch (s) {
+    case MOK_STATUS_SUCCESS: return "MOK_STATUS_SUCCESS: success";
+    case MOK_STATUS_INVALID_CONTEXT: return "MOK_STATUS_INVALID_CONTEXT: null, destroyed or unknown context";
+    case MOK_STATUS_NULL_POINTER: return "MOK_STATUS_NULL_POINTER: a required pointer is NULL";
+    case MOK_STATUS_MISALIGNED_POINTER: return "MOK_STATUS_MISALIGNED_POINTER: a pointer breaks its alignment rule";
+    case MOK_STATUS_INVALID_SHAPE: return "MOK_STATUS_INVALID_SHAPE: a shape rule is broken";
+    case MOK_STATUS_UNSUPPORTED_SHAPE: return "MOK_STATUS_UNSUPPORTED_SHAPE: the backend does not run this shape";
+    case MOK_STATUS_INVALID_ARGUMENT: return "MOK_STATUS_INVALID_ARGUMENT: an argument is out of range";
+    case MOK_STATUS_NONFINITE_VALUE: return "MOK_STATUS_NONFINITE_VALUE: NaN or Inf where a finite value is required";
+    case MOK_STATUS_VERSION_MISMATCH: return "MOK_STATUS_VERSION_MISMATCH: config from another version of mok.h";
+    case MOK_STATUS_INDEX_OUT_OF_RANGE: return "MOK_STATUS_INDEX_OUT_OF_RANGE: an expert index outside [0, E)";
+    case MOK_STATUS_DUPLICATE_INDEX: return "MOK_STATUS_DUPLICATE_INDEX: a token names one expert twice";
+    case MOK_STATUS_WORKSPACE_TOO_SMALL: return "MOK_STATUS_WORKSPACE_TOO_SMALL: workspace or saved buffer too small";
+    case MOK_STATUS_INVALID_SAVED: return "MOK_STATUS_INVALID_SAVED: saved buffer not from this context's forward";
+    case MOK_STATUS_CAPACITY_EXCEEDED: return "MOK_STATUS_CAPACITY_EXCEEDED: a rank would receive more rows than its capacity";
+    case MOK_STATUS_COMM_TIMEOUT: return "MOK_STATUS_COMM_TIMEOUT: a peer did not arrive in time";
+    case MOK_STATUS_COMM_ERROR: return "MOK_STATUS_COMM_ERROR: communicator error";
+    case MOK_STATUS_BACKEND_UNAVAILABLE: return "MOK_STATUS_BACKEND_UNAVAILABLE: backend not built or no device";
+    case MOK_STATUS_OUT_OF_MEMORY: return "MOK_STATUS_OUT_OF_MEMORY: allocation failed";
+    case MOK_STATUS_CUDA_ERROR: return "MOK_STATUS_CUDA_ERROR: a CUDA call failed";
+    case MOK_STATUS_INTERNAL_ERROR: return "MOK_STATUS_INTERNAL_ERROR: internal error";
+    case MOK_STATUS_COUNT_: break;
+  }
+  return "MOK_STATUS_?: unknown status code";
+}
+
+/* ---- errors ---- */
+
+static _Thread_local char create_error[MOK_ERROR_LEN];
+
+mok_status_t mok_error_at(mok_context_t* ctx, mok_status_t s, const char* file, int line,
+                          const char* fmt, ...) {
+  char* dst = ctx ? ctx->last_error : create_error;
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(dst, MOK_ERROR_LEN, fmt, ap);
+  va_end(ap);
+  if (n >= 0 && n < MOK_ERROR_LEN)
+    snprintf(dst + n, (size_t)(MOK_ERROR_LEN - n), " [%s:%d]", file, line);
+  return s;
+}
+
+const char* mok_last_create_error(void) { return create_error; }
+
+/* ---- registry of live contexts: lets a call detect a destroyed context without
+ * reading its freed memory ---- */
+
+static pthread_mutex_t registry_mu = PTHREAD_MUTEX_INITIALIZER;
+static mok_context_t** registry;
+static size_t registry_len, registry_cap;
+
+static int registry_add(mok_context_t* ctx) {
+  pthread_mutex_lock(&registry_mu);
+  int ok = 1;
+  if (registry_len == registry_cap) {
+    size_t cap = registry_cap ? 2 * registry_cap : 16;
+    mok_context_t** grown = realloc(registry, cap * sizeof *grown);
+    if (grown) registry = grown, registry_cap = cap;
+    else ok = 0;
+  }
+  if (ok) registry[registry_len++] = ctx;
+  pthread_mutex_unlock(&registry_mu);
+  return ok;
+}
+
+static int registry_remove(const mok_context_t* ctx) {
+  pthread_mutex_lock(&registry_mu);
+  int found = 0;
+  for (size_t i = 0; i < registry_len; i++)
+    if (registry[i] == ctx) {
+      registry[i] = registry[--registry_len];
+      found = 1;
+      break;
+    }
+  if (registry_len == 0) {
+    free(registry);
+    registry = NULL;
+    registry_cap = 0;
+  }
+  pthread_mutex_unlock(&registry_mu);
+  return found;
+}
+
+static int registry_has(const mok_context_t* ctx) {
+  pthread_mutex_lock(&registry_mu);
+  int found = 0;
+  for (size_t i = 0; i < registry_len && !found; i++) found = registry[i] == ctx;
+  pthread_mutex_unlock(&registry_mu);
+  return found;
+}
+
+/* ---- the context ---- */
+
+#define CFG_ERR(status, ...) MOK_ERR(NULL, status, "mok_context_create: " __VA_ARGS__)
+
+static mok_status_t validate_config(const mok_config_t* c) {
+  if (c->struct_size != sizeof(mok_config_t) || c->version != MOK_VERSION_CODE)
+    return CFG_ERR(MOK_STATUS_VERSION_MISMATCH,
+                   "cfg.struct_size = %zu, cfg.version = %d, but this library has %zu and %d: "
+                   "initialise the config with MOK_CONFIG_INIT of the same mok.h",
+                   c->struct_size, c->version, sizeof(mok_config_t), MOK_VERSION_CODE);
+  if (c->T < 0) return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.T = %lld must be >= 0", (long long)c->T);
+  if (c->H < 1) return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.H = %lld must be >= 1", (long long)c->H);
+  if (c->F < 1) return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.F = %lld must be >= 1", (long long)c->F);
+  if (c->E < 1) return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.E = %lld must be >= 1", (long long)c->E);
+  if (c->K < 1 || c->K > c->E)
+    return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.K = %lld must be in [1, E = %lld]",
+                   (long long)c->K, (long long)c->E);
+  if (c->W < 1 || c->W > MOK_MAX_RANKS)
+    return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.W = %d must be in [1, %d]", c->W, MOK_MAX_RANKS);
+  if (c->E % c->W != 0)
+    return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.E = %lld must be divisible by cfg.W = %d",
+                   (long long)c->E, c->W);
+  if (c->Fs < 0) return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.Fs = %lld must be >= 0", (long long)c->Fs);
+  if (c->capacity < 0)
+    return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.capacity = %lld must be >= 0 (0 = default)",
+                   (long long)c->capacity);
+  if (c->rank < 0 || c->rank >= c->W)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.rank = %d must be in [0, W = %d)", c->rank, c->W);
+  if ((unsigned)c->routing > MOK_ROUTING_REPLAY)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.routing = %d is not a mok_routing_t", (int)c->routing);
+  if ((unsigned)c->score > MOK_SCORE_SIGMOID)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.score = %d is not a mok_score_t", (int)c->score);
+  if ((unsigned)c->wgrad > MOK_WGRAD_FP32_ACCUM)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.wgrad = %d is not a mok_wgrad_t", (int)c->wgrad);
+  if ((unsigned)c->numerics > MOK_NUMERICS_EXACT)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.numerics = %d is not a mok_numerics_t", (int)c->numerics);
+  if ((unsigned)c->backend > MOK_BACKEND_CUDA)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.backend = %d is not a mok_backend_t", (int)c->backend);
+  if (c->num_threads < 0)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.num_threads = %d must be >= 0 (0 = all cores)", c->num_threads);
+  if (!isfinite(c->route_scale))
+    return CFG_ERR(MOK_STATUS_NONFINITE_VALUE, "cfg.route_scale = %g must be finite", (double)c->route_scale);
+  if (!isfinite(c->aux_loss_coef))
+    return CFG_ERR(MOK_STATUS_NONFINITE_VALUE, "cfg.aux_loss_coef = %g must be finite", (double)c->aux_loss_coef);
+  if (!isfinite(c->z_loss_coef))
+    return CFG_ERR(MOK_STATUS_NONFINITE_VALUE, "cfg.z_loss_coef = %g must be finite", (double)c->z_loss_coef);
+  if (!isfinite(c->comm_timeout_s) || c->comm_timeout_s < 0)
+    return CFG_ERR(MOK_STATUS_NONFINITE_VALUE, "cfg.comm_timeout_s = %g must be finite and >= 0",
+                   c->comm_timeout_s);
+  if (c->numerics == MOK_NUMERICS_EXACT && c->backend != MOK_BACKEND_CPU)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
+                   "cfg.numerics = MOK_NUMERICS_EXACT needs cfg.backend = MOK_BACKEND_CPU");
+  if (c->backend == MOK_BACKEND_CUDA)
+    return CFG_ERR(MOK_STATUS_BACKEND_UNAVAILABLE,
+                   "cfg.backend = MOK_BACKEND_CUDA: this build of mok has no CUDA backend");
+  if (c->E > MOK_MAX_EXPERTS)
+    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "cfg.E = %lld: the CPU backend runs E <= %d",
+                   (long long)c->E, MOK_MAX_EXPERTS);
+  /* sizes must fit: the largest buffer is [W T K, H]; row positions are int32 */
+  const double rows = (double)c->W * (double)c->T * (double)c->K;
+  const double width = (double)(c->H > 2 * c->F ? c->H : 2 * c->F) + (double)c->E + 2.0 * (double)c->Fs;
+  if (rows >= 2147483647.0 || rows * width >= 9.0e15 || (double)c->H * (double)c->F * (double)c->E >= 9.0e15)
+    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                   "cfg.T = %lld, W = %d, K = %lld, H = %lld, F = %lld: buffers would exceed "
+                   "int32 row positions or 2^53 elements",
+                   (long long)c->T, c->W, (long long)c->K, (long long)c->H, (long long)c->F);
+  if (c->W > 1 && !c->cpu_comm)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
+                   "cfg.cpu_comm is NULL: the CPU backend with W = %d > 1 needs the ranks' shared "
+                   "communicator (mok_cpu_comm_create)", c->W);
+  if (c->cpu_comm && (c->cpu_comm->magic != MOK_COMM_MAGIC || c->cpu_comm->num_ranks != c->W))
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
+                   "cfg.cpu_comm: not a live communicator of W = %d ranks", c->W);
+  return MOK_STATUS_SUCCESS;
+}
+
+static void context_free(mok_context_t* ctx) {
+  free(ctx->recv_rows);
+  free(ctx->ret_rows);
+  free(ctx->pack);
+  if (ctx->owns_comm) mok_cpu_comm_destroy(ctx->comm);
+  ctx->magic = 0;
+  free(ctx);
+}
+
+static void* alloc_aligned(size_t bytes) {
+  size_t n = (bytes + MOK_ALIGN_WORKSPACE - 1) / MOK_ALIGN_WORKSPACE * MOK_ALIGN_WORKSPACE;
+  return aligned_alloc(MOK_ALIGN_WORKSPACE, n ? n : MOK_ALIGN_WORKSPACE);
+}
+
+mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** out) {
+  if (!out) return CFG_ERR(MOK_STATUS_NULL_POINTER, "ctx (the output pointer) is NULL");
+  *out = NULL;
+  if (!cfg) return CFG_ERR(MOK_STATUS_NULL_POINTER, "cfg is NULL");
+  mok_status_t s = validate_config(cfg);
+  if (s) return s;
+  mok_context_t* ctx = calloc(1, sizeof *ctx);
+  if (!ctx) return CFG_ERR(MOK_STATUS_OUT_OF_MEMORY, "no host memory for the context");
+  ctx->magic = MOK_CONTEXT_MAGIC;
+  ctx->cfg = *cfg;
+  mok_config_t* c = &ctx->cfg;
+  if (c->num_threads == 0) c->num_threads = omp_get_max_threads();
+  if (c->comm_timeout_s == 0) c->comm_timeout_s = 5.0;
+  ctx->E_loc = c->E / c->W;
+  ctx->act_size = c->numerics == MOK_NUMERICS_EXACT ? 8 : 2;
+  ctx->real_size = c->numerics == MOK_NUMERICS_EXACT ? 8 : 4;
+  if (c->W == 1) {
+    s = mok_cpu_comm_create(1, &ctx->comm);
+    if (s) {
+      free(ctx);
+      return CFG_ERR(MOK_STATUS_OUT_OF_MEMORY, "no host memory for the communicator");
+    }
+    ctx->owns_comm = 1;
+  } else {
+    ctx->comm = c->cpu_comm;
+  }
+  s = mok_cpu_comm_attach(ctx->comm, ctx);
+  if (s) {
+    snprintf(create_error, MOK_ERROR_LEN, "mok_context_create: %.400s", ctx->last_error);
+    context_free(ctx);
+    return s;
+  }
+  for (int r = 0; r < c->W; r++) ctx->T_global_max += ctx->T_all[r];
+  if (c->capacity == 0) /* safe: every token of every rank sends min(K, E/W) rows here */
+    c->capacity = ctx->T_global_max * (c->K < ctx->E_loc ? c->K : ctx->E_loc);
+  const size_t row_bytes = (size_t)c->H * (size_t)ctx->act_size;
+  ctx->recv_rows = alloc_aligned((size_t)c->capacity * row_bytes);
+  ctx->ret_rows = alloc_aligned((size_t)c->capacity * row_bytes);
+  ctx->pack_bytes_per_thread = mok_gemm_pack_bytes();
+  ctx->pack = alloc_aligned(ctx->pack_bytes_per_thread * (size_t)c->num_threads);
+  if (!ctx->recv_rows || !ctx->ret_rows || !ctx->pack || !registry_add(ctx)) {
+    CFG_ERR(MOK_STATUS_OUT_OF_MEMORY,
+            "no host memory for the exchange buffers (capacity = %lld rows of H = %lld)",
+            (long long)c->capacity, (long long)c->H);
+    mok_cpu_comm_detach(ctx->comm, ctx);
+    context_free(ctx);
+    return MOK_STATUS_OUT_OF_MEMORY;
+  }
+  *out = ctx;
+  return MOK_STATUS_SUCCESS;
+}
+
+mok_status_t mok_context_destroy(mok_context_t* ctx) {
+  if (!ctx || !registry_remove(ctx)) return MOK_STATUS_INVALID_CONTEXT;
+  /* collective: peers may still read this rank's exchange buffers in their last call
+   * (bounded: a failed communicator returns at once) */
+  if (ctx->cfg.W > 1) mok_cpu_comm_barrier(ctx->comm, ctx);
+  mok_cpu_comm_detach(ctx->comm, ctx);
+  context_free(ctx);
+  return MOK_STATUS_SUCCESS;
+}
+
+const char* mok_context_last_error(const mok_context_t* ctx) {
+  if (!ctx || !registry_has(ctx)) return "invalid context (NULL or destroyed)";
+  return ctx->last_error;
+}
+
+mok_status_t mok_workspace_size(const mok_context_t* ctx, size_t* bytes) {
+  if (!ctx || !registry_has(ctx)) return MOK_STATUS_INVALID_CONTEXT;
+  if (!bytes) return MOK_ERR((mok_context_t*)ctx, MOK_STATUS_NULL_POINTER, "mok_workspace_size: bytes is NULL");
+  mok_workspace_plan_t p;
+  mok_plan_workspace(ctx, ctx->cfg.T, &p);
+  *bytes = p.total;
+  return MOK_STATUS_SUCCESS;
+}
+
+mok_status_t mok_saved_size(const mok_context_t* ctx, size_t* bytes) {
+  if (!ctx || !registry_has(ctx)) return MOK_STATUS_INVALID_CONTEXT;
+  if (!bytes) return MOK_ERR((mok_context_t*)ctx, MOK_STATUS_NULL_POINTER, "mok_saved_size: bytes is NULL");
+  mok_saved_plan_t p;
+  mok_plan_saved(ctx, ctx->cfg.T, &p);
+  *bytes = p.total;
+  return MOK_STATUS_SUCCESS;
+}
+
+/* ---- argument checks shared by forward and backward ---- */
+
+typedef struct {
+  const char* name;
+  const void* ptr;
+  int required;
+  size_t align;
+} ptr_rule_t;
+
+static mok_status_t check_pointers(mok_context_t* ctx, const char* fn, const ptr_rule_t* rules, int n) {
+  for (int i = 0; i < n; i++) {
+    const ptr_rule_t* r = &rules[i];
+    if (!r->ptr) {
+      if (r->required)
+        return MOK_ERR(ctx, MOK_STATUS_NULL_POINTER, "%s: args->%s is NULL but required by this config", fn, r->name);
+      continue;
+    }
+    if ((uintptr_t)r->ptr % r->align)
+      return MOK_ERR(ctx, MOK_STATUS_MISALIGNED_POINTER, "%s: args->%s = %p must be %zu-byte aligned",
+                     fn, r->name, r->ptr, r->align);
+  }
+  return MOK_STATUS_SUCCESS;
+}
+
+static mok_status_t check_tokens(mok_context_t* ctx, const char* fn, int64_t T) {
+  if (T < 0 || T > ctx->cfg.T)
+    return MOK_ERR(ctx, MOK_STATUS_INVALID_SHAPE, "%s: args->num_tokens = %lld must be in [0, cfg.T = %lld]",
+                   fn, (long long)T, (long long)ctx->cfg.T);
+  return MOK_STATUS_SUCCESS;
+}
+
+static mok_status_t check_workspace(mok_context_t* ctx, const char* fn, size_t have, size_t saved_have) {
+  mok_workspace_plan_t wp;
+  mok_saved_plan_t sp;
+  mok_plan_workspace(ctx, ctx->cfg.T, &wp);
+  mok_plan_saved(ctx, ctx->cfg.T, &sp);
+  if (have < wp.total)
+    return MOK_ERR(ctx, MOK_STATUS_WORKSPACE_TOO_SMALL,
+                   "%s: args->workspace_bytes = %zu, below mok_workspace_size() = %zu", fn, have, wp.total);
+  if (saved_have < sp.total)
+    return MOK_ERR(ctx, MOK_STATUS_WORKSPACE_TOO_SMALL,
+                   "%s: args->saved_bytes = %zu, below mok_saved_size() = %zu", fn, saved_have, sp.total);
+  return MOK_STATUS_SUCCESS;
+}
+
+#define T16 MOK_ALIGN_TENSOR
+#define WS256 MOK_ALIGN_WORKSPACE
+
+mok_status_t mok_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
+  static const char fn[] = "mok_forward";
+  if (!ctx || !registry_has(ctx)) return MOK_STATUS_INVALID_CONTEXT;
+  if (!a) return MOK_ERR(ctx, MOK_STATUS_NULL_POINTER, "%s: args is NULL", fn);
+  const mok_config_t* c = &ctx->cfg;
+  mok_status_t s = check_tokens(ctx, fn, a->num_tokens);
+  if (s) return s;
+  const int64_t T = a->num_tokens, K = c->K, E = c->E;
+  if (T == 0 && c->W == 1) return MOK_STATUS_SUCCESS; /* nothing to do, nothing written */
+  const int tok = T > 0, fused = c->routing == MOK_ROUTING_FUSED, shared = c->Fs > 0;
+  const ptr_rule_t rules[] = {
+      {"x", a->x, tok, T16},
+      {"w_router", a->w_router, fused, T16},
+      {"bias_select", a->bias_select, fused && c->use_bias_select, T16},
+      {"w13", a->w13, 1, T16},
+      {"w2", a->w2, 1, T16},
+      {"ws13", a->ws13, shared, T16},
+      {"ws2", a->ws2, shared, T16},
+      {"topk_idx", a->topk_idx, !fused && tok, T16},
+      {"topk_weight", a->topk_weight, !fused && tok, T16},
+      {"y", a->y, tok, T16},
+      {"tokens_per_expert", a->tokens_per_expert, 0, 4},
+      {"aux_loss", a->aux_loss, 0, 4},
+      {"z_loss", a->z_loss, 0, 4},
+      {"saved", a->saved, 1, WS256},
+      {"workspace", a->workspace, 1, WS256},
+  };
+  s = check_pointers(ctx, fn, rules, (int)(sizeof rules / sizeof rules[0]));
+  if (s) return s;
+  s = check_workspace(ctx, fn, a->workspace_bytes, a->saved_bytes);
+  if (s) return s;
+  if (!fused) /* replay routing: K distinct experts in [0, E) per token */
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t j = 0; j < K; j++) {
+        int32_t e = a->topk_idx[t * K + j];
+        if (e < 0 || e >= E)
+          return MOK_ERR(ctx, MOK_STATUS_INDEX_OUT_OF_RANGE,
+                         "%s: args->topk_idx[%lld, %lld] = %d must be in [0, E = %lld)", fn,
+                         (long long)t, (long long)j, e, (long long)E);
+        for (int64_t i = 0; i < j; i++)
+          if (a->topk_idx[t * K + i] == e)
+            return MOK_ERR(ctx, MOK_STATUS_DUPLICATE_INDEX,
+                           "%s: args->topk_idx of token %lld names expert %d twice (slots %lld "
+                           "and %lld): a token's K experts must be distinct",
+                           fn, (long long)t, e, (long long)i, (long long)j);
+      }
+  return mok_cpu_forward(ctx, a);
+}
+
+mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
+  static const char fn[] = "mok_backward";
+  if (!ctx || !registry_has(ctx)) return MOK_STATUS_INVALID_CONTEXT;
+  if (!a) return MOK_ERR(ctx, MOK_STATUS_NULL_POINTER, "%s: args is NULL", fn);
+  const mok_config_t* c = &ctx->cfg;
+  mok_status_t s = check_tokens(ctx, fn, a->num_tokens);
+  if (s) return s;
+  const int64_t T = a->num_tokens;
+  if (T == 0 && c->W == 1) return MOK_STATUS_SUCCESS;
+  const int tok = T > 0, fused = c->routing == MOK_ROUTING_FUSED, shared = c->Fs > 0;
+  const size_t wa = c->wgrad == MOK_WGRAD_FP32_ACCUM ? 4 : T16;
+  const ptr_rule_t rules[] = {
+      {"x", a->x, tok, T16},
+      {"w_router", a->w_router, fused, T16},
+      {"w13", a->w13, 1, T16},
+      {"w2", a->w2, 1, T16},
+      {"ws13", a->ws13, shared, T16},
+      {"ws2", a->ws2, shared, T16},
+      {"dy", a->dy, tok, T16},
+      {"d_aux_loss", a->d_aux_loss, 0, 4},
+      {"d_z_loss", a->d_z_loss, 0, 4},
+      {"saved", a->saved, 1, WS256},
+      {"dx", a->dx, tok, T16},
+      {"d_topk_weight", a->d_topk_weight, !fused && tok, T16},
+      {"d_w_router", a->d_w_router, 0, wa},
+      {"d_w13", a->d_w13, 1, wa},
+      {"d_w2", a->d_w2, 1, wa},
+      {"d_ws13", a->d_ws13, shared, wa},
+      {"d_ws2", a->d_ws2, shared, wa},
+      {"workspace", a->workspace, 1, WS256},
+  };
+  s = check_pointers(ctx, fn, rules, (int)(sizeof rules / sizeof rules[0]));
+  if (s) return s;
+  s = check_workspace(ctx, fn, a->workspace_bytes, a->saved_bytes);
+  if (s) return s;
+  const mok_saved_header_t* h = a->saved;
+  if (h->magic != MOK_SAVED_MAGIC || h->context_id != (uint64_t)(uintptr_t)ctx)
+    return MOK_ERR(ctx, MOK_STATUS_INVALID_SAVED,
+                   "%s: args->saved was not written by mok_forward on this context", fn);
+  if (h->T != T)
+    return MOK_ERR(ctx, MOK_STATUS_INVALID_SAVED,
+                   "%s: args->num_tokens = %lld, but the forward that wrote args->saved had %lld",
+                   fn, (long long)T, (long long)h->T);
+  return mok_cpu_backward(ctx, a);
+}

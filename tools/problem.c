@@ -1,0 +1,405 @@
+/* problem.c — random problems and their runs on W CPU ranks (see problem.h). */
+#define _POSIX_C_SOURCE 200809L
+#include "problem.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static uint64_t splitmix(uint64_t* s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+static double uniform(uint64_t* s) { return (double)(splitmix(s) >> 11) * 0x1.0p-53 * 2.0 - 1.0; }
+
+static uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+static double from_bf16(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static void* alloc0(size_t bytes) {
+  size_t n = (bytes + 255) / 256 * 256;
+  void* p = aligned_alloc(256, n ? n : 256);
+  if (p) memset(p, 0, n ? n : 256);
+  return p;
+}
+
+/* Fills an act tensor with U(-scale, scale); in bf16 the values are bf16-exact. */
+static void fill_act(const mok_problem_t* p, void* dst, int64_t n, double scale, uint64_t* s) {
+  for (int64_t i = 0; i < n; i++) {
+    double v = uniform(s) * scale;
+    if (p->act == 2)
+      ((uint16_t*)dst)[i] = to_bf16((float)v);
+    else
+      ((double*)dst)[i] = from_bf16(to_bf16((float)v)); /* same values as bf16 mode */
+  }
+}
+static void set_real(const mok_problem_t* p, void* dst, int64_t i, double v) {
+  if (p->real == 4)
+    ((float*)dst)[i] = (float)v;
+  else
+    ((double*)dst)[i] = v;
+}
+
+void mok_problem_destroy(mok_problem_t* p) {
+  if (!p) return;
+  void* bufs[] = {p->x, p->w_router, p->bias_select, p->w13, p->w2, p->ws13, p->ws2, p->dy,
+                  p->topk_idx, p->topk_weight, p->d_aux_loss, p->d_z_loss, p->y, p->dx,
+                  p->out_topk_idx, p->out_topk_weight, p->d_topk_weight, p->tokens_per_expert,
+                  p->aux_loss, p->z_loss, p->d_w_router, p->d_w13, p->d_w2, p->d_ws13,
+                  p->d_ws2};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+  free(p);
+}
+
+mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint64_t seed,
+                                mok_problem_t** out) {
+  *out = NULL;
+  mok_problem_t* p = calloc(1, sizeof *p);
+  if (!p) return MOK_STATUS_OUT_OF_MEMORY;
+  p->cfg = *cfg;
+  p->T_global = T_global;
+  p->seed = seed;
+  int exact = cfg->numerics == MOK_NUMERICS_EXACT;
+  p->act = exact ? 8 : 2;
+  p->real = exact ? 8 : 4;
+  p->wgrad_elem = exact ? 8 : cfg->wgrad == MOK_WGRAD_FP32_ACCUM ? 4 : 2;
+  const int64_t T = T_global, H = cfg->H, F = cfg->F, E = cfg->E, K = cfg->K, Fs = cfg->Fs;
+  const size_t a = p->act, r = p->real, w = p->wgrad_elem;
+  p->x = alloc0(T * H * a);
+  p->w_router = alloc0(E * H * a);
+  p->bias_select = alloc0(E * r);
+  p->w13 = alloc0(E * 2 * F * H * a);
+  p->w2 = alloc0(E * H * F * a);
+  p->ws13 = alloc0(2 * Fs * H * a);
+  p->ws2 = alloc0(H * Fs * a);
+  p->dy = alloc0(T * H * a);
+  p->topk_idx = alloc0(T * K * 4);
+  p->topk_weight = alloc0(T * K * r);
+  p->d_aux_loss = alloc0(r);
+  p->d_z_loss = alloc0(r);
+  p->y = alloc0(T * H * a);
+  p->dx = alloc0(T * H * a);
+  p->out_topk_idx = alloc0(T * K * 4);
+  p->out_topk_weight = alloc0(T * K * r);
+  p->d_topk_weight = alloc0(T * K * r);
+  p->tokens_per_expert = alloc0(E * 4);
+  p->aux_loss = alloc0(r);
+  p->z_loss = alloc0(r);
+  p->d_w_router = alloc0(E * H * w);
+  p->d_w13 = alloc0(E * 2 * F * H * w);
+  p->d_w2 = alloc0(E * H * F * w);
+  p->d_ws13 = alloc0(2 * Fs * H * w);
+  p->d_ws2 = alloc0(H * Fs * w);
+  if (!p->x || !p->w13 || !p->w2 || !p->dy || !p->y || !p->dx || !p->d_w13 || !p->d_w2 ||
+      !p->ws13 || !p->ws2 || !p->d_ws13 || !p->d_ws2 || !p->d_w_router || !p->topk_idx) {
+    mok_problem_destroy(p);
+    return MOK_STATUS_OUT_OF_MEMORY;
+  }
+  uint64_t s = seed;
+  fill_act(p, p->x, T * H, 1.0, &s);
+  fill_act(p, p->w_router, E * H, 1.0 / sqrt((double)H), &s);
+  fill_act(p, p->w13, E * 2 * F * H, 1.0 / sqrt((double)H), &s);
+  fill_act(p, p->w2, E * H * F, 1.0 / sqrt((double)F), &s);
+  fill_act(p, p->ws13, 2 * Fs * H, 1.0 / sqrt((double)H), &s);
+  fill_act(p, p->ws2, H * Fs, 1.0 / sqrt((double)(Fs ? Fs : 1)), &s);
+  fill_act(p, p->dy, T * H, 1.0, &s);
+  for (int64_t e = 0; e < E; e++) set_real(p, p->bias_select, e, 0.01 * uniform(&s));
+  int32_t* perm = malloc(E * sizeof *perm);
+  for (int64_t t = 0; t < T; t++) { /* K distinct experts per token, random weights */
+    for (int64_t e = 0; e < E; e++) perm[e] = (int32_t)e;
+    for (int64_t j = 0; j < K; j++) {
+      int64_t pick = j + (int64_t)(splitmix(&s) % (uint64_t)(E - j));
+      int32_t tmp = perm[j];
+      perm[j] = perm[pick];
+      perm[pick] = tmp;
+      p->topk_idx[t * K + j] = perm[j];
+      set_real(p, p->topk_weight, t * K + j, 0.5 + 0.5 * uniform(&s));
+    }
+  }
+  free(perm);
+  set_real(p, p->d_aux_loss, 0, 1.0 + 0.25 * uniform(&s));
+  set_real(p, p->d_z_loss, 0, 1.0 + 0.25 * uniform(&s));
+  *out = p;
+  return MOK_STATUS_SUCCESS;
+}
+
+/* ---- running on W ranks ---- */
+
+typedef struct {
+  mok_problem_t* p;
+  const mok_run_opts_t* o;
+  mok_cpu_comm_t* comm;
+  int rank;
+  int64_t t0, T;          /* this rank's tokens [t0, t0 + T) */
+  mok_status_t status;
+  char err[512];
+  double fwd_s, bwd_s;
+} rank_job_t;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void* dup_slice(const void* src, size_t offset, size_t bytes) {
+  void* d = alloc0(bytes);
+  if (d && bytes) memcpy(d, (const char*)src + offset, bytes);
+  return d;
+}
+
+#define RANK_FAIL(job, st, ...)                                 \
+  do {                                                          \
+    (job)->status = (st);                                       \
+    snprintf((job)->err, sizeof (job)->err, __VA_ARGS__);       \
+    goto done;                                                  \
+  } while (0)
+
+static void* rank_main(void* arg) {
+  rank_job_t* j = arg;
+  mok_problem_t* p = j->p;
+  const mok_run_opts_t* o = j->o;
+  const mok_config_t* c = &p->cfg;
+  const int64_t H = c->H, F = c->F, K = c->K, Fs = c->Fs, E = c->E;
+  const int64_t El = E / o->W, e0 = (int64_t)j->rank * El, T = j->T, t0 = j->t0;
+  const size_t a = p->act, r = p->real, w = p->wgrad_elem;
+  mok_context_t* ctx = NULL;
+  void *x = NULL, *w13 = NULL, *w2 = NULL, *dy = NULL, *y = NULL, *dx = NULL, *idx = NULL,
+       *tw = NULL, *dtw = NULL, *saved = NULL, *ws = NULL, *dw13 = NULL, *dw2 = NULL,
+       *dwr = NULL, *dws13 = NULL, *dws2 = NULL, *tpe = NULL, *aux = NULL, *z = NULL;
+  mok_config_t cfg = *c;
+  cfg.T = T;
+  cfg.W = o->W;
+  cfg.rank = j->rank;
+  cfg.cpu_comm = o->W > 1 ? j->comm : NULL;
+  cfg.capacity = o->capacity;
+  cfg.num_threads = o->num_threads;
+  if (o->comm_timeout_s > 0) cfg.comm_timeout_s = o->comm_timeout_s;
+  mok_status_t s = mok_context_create(&cfg, &ctx);
+  if (s) RANK_FAIL(j, s, "rank %d: create: %s", j->rank, mok_last_create_error());
+  size_t ws_bytes = 0, sv_bytes = 0;
+  mok_workspace_size(ctx, &ws_bytes);
+  mok_saved_size(ctx, &sv_bytes);
+  x = dup_slice(p->x, t0 * H * a, T * H * a);
+  w13 = dup_slice(p->w13, e0 * 2 * F * H * a, El * 2 * F * H * a);
+  w2 = dup_slice(p->w2, e0 * H * F * a, El * H * F * a);
+  dy = dup_slice(p->dy, t0 * H * a, T * H * a);
+  idx = dup_slice(p->topk_idx, t0 * K * 4, T * K * 4);
+  tw = dup_slice(p->topk_weight, t0 * K * r, T * K * r);
+  y = alloc0(T * H * a);
+  dx = alloc0(T * H * a);
+  dtw = alloc0(T * K * r);
+  saved = alloc0(sv_bytes);
+  ws = alloc0(ws_bytes);
+  dw13 = alloc0(El * 2 * F * H * w);
+  dw2 = alloc0(El * H * F * w);
+  dwr = alloc0(E * H * w);
+  dws13 = alloc0(2 * Fs * H * w);
+  dws2 = alloc0(H * Fs * w);
+  tpe = alloc0(E * 4);
+  aux = alloc0(r);
+  z = alloc0(r);
+  if (!x || !w13 || !w2 || !dy || !idx || !tw || !y || !dx || !dtw || !saved || !ws || !dw13 ||
+      !dw2 || !dwr || !dws13 || !dws2 || !tpe || !aux || !z)
+    RANK_FAIL(j, MOK_STATUS_OUT_OF_MEMORY, "rank %d: out of host memory", j->rank);
+  const int replay = c->routing == MOK_ROUTING_REPLAY;
+  mok_forward_args_t fa = {0};
+  fa.num_tokens = T;
+  fa.x = x;
+  fa.w_router = p->w_router;
+  fa.bias_select = c->use_bias_select ? p->bias_select : NULL;
+  fa.w13 = w13;
+  fa.w2 = w2;
+  fa.ws13 = Fs ? p->ws13 : NULL;
+  fa.ws2 = Fs ? p->ws2 : NULL;
+  fa.topk_idx = idx;
+  fa.topk_weight = tw;
+  fa.y = y;
+  fa.tokens_per_expert = tpe;
+  fa.aux_loss = aux;
+  fa.z_loss = z;
+  fa.saved = saved;
+  fa.saved_bytes = sv_bytes;
+  fa.workspace = ws;
+  fa.workspace_bytes = ws_bytes;
+  mok_backward_args_t ba = {0};
+  ba.num_tokens = T;
+  ba.x = x;
+  ba.w_router = p->w_router;
+  ba.w13 = w13;
+  ba.w2 = w2;
+  ba.ws13 = fa.ws13;
+  ba.ws2 = fa.ws2;
+  ba.dy = dy;
+  ba.d_aux_loss = p->d_aux_loss;
+  ba.d_z_loss = p->d_z_loss;
+  ba.saved = saved;
+  ba.saved_bytes = sv_bytes;
+  ba.dx = dx;
+  ba.d_topk_weight = replay ? dtw : NULL;
+  ba.d_w_router = replay ? NULL : dwr;
+  ba.d_w13 = dw13;
+  ba.d_w2 = dw2;
+  ba.d_ws13 = Fs ? dws13 : NULL;
+  ba.d_ws2 = Fs ? dws2 : NULL;
+  ba.workspace = ws;
+  ba.workspace_bytes = ws_bytes;
+  for (int step = 0; step < o->steps; step++) {
+    double t_start = now_s();
+    s = mok_forward(ctx, &fa);
+    if (s) RANK_FAIL(j, s, "rank %d: forward: %s", j->rank, mok_context_last_error(ctx));
+    double t_mid = now_s();
+    if (o->backward) {
+      s = mok_backward(ctx, &ba);
+      if (s) RANK_FAIL(j, s, "rank %d: backward: %s", j->rank, mok_context_last_error(ctx));
+    }
+    j->fwd_s = t_mid - t_start;
+    j->bwd_s = now_s() - t_mid;
+  }
+  /* gather this rank's slices into the global outputs */
+  memcpy((char*)p->y + t0 * H * a, y, T * H * a);
+  memcpy((char*)p->out_topk_idx + t0 * K * 4, idx, T * K * 4);
+  memcpy((char*)p->out_topk_weight + t0 * K * r, tw, T * K * r);
+  if (o->backward) {
+    memcpy((char*)p->dx + t0 * H * a, dx, T * H * a);
+    memcpy((char*)p->d_topk_weight + t0 * K * r, dtw, T * K * r);
+    memcpy((char*)p->d_w13 + e0 * 2 * F * H * w, dw13, El * 2 * F * H * w);
+    memcpy((char*)p->d_w2 + e0 * H * F * w, dw2, El * H * F * w);
+  }
+  if (j->rank == 0) { /* replicated and global results: rank 0's copy */
+    memcpy(p->tokens_per_expert, tpe, E * 4);
+    memcpy(p->aux_loss, aux, r);
+    memcpy(p->z_loss, z, r);
+    if (o->backward) {
+      memcpy(p->d_w_router, dwr, E * H * w);
+      memcpy(p->d_ws13, dws13, 2 * Fs * H * w);
+      memcpy(p->d_ws2, dws2, H * Fs * w);
+    }
+  }
+done:
+  if (ctx) mok_context_destroy(ctx);
+  void* bufs[] = {x, w13, w2, dy, y, dx, idx, tw, dtw, saved, ws, dw13, dw2, dwr, dws13,
+                  dws2, tpe, aux, z};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+  return NULL;
+}
+
+mok_status_t mok_problem_run(mok_problem_t* p, const mok_run_opts_t* o, char* err,
+                             size_t err_len) {
+  const int W = o->W;
+  if (W < 1 || W > 64) return MOK_STATUS_INVALID_ARGUMENT;
+  mok_cpu_comm_t* comm = NULL;
+  if (W > 1) {
+    mok_status_t s = mok_cpu_comm_create(W, &comm);
+    if (s) return s;
+  }
+  rank_job_t jobs[64];
+  pthread_t th[64];
+  int64_t start = 0;
+  for (int r = 0; r < W; r++) {
+    int64_t T = p->T_global / W + (r < p->T_global % W ? 1 : 0);
+    jobs[r] = (rank_job_t){.p = p, .o = o, .comm = comm, .rank = r, .t0 = start, .T = T};
+    start += T;
+  }
+  for (int r = 0; r < W; r++)
+    if (r != o->skip_rank) pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+  mok_status_t first = MOK_STATUS_SUCCESS;
+  p->seconds_forward = p->seconds_backward = 0;
+  for (int r = 0; r < W; r++) {
+    if (r == o->skip_rank) continue;
+    pthread_join(th[r], NULL);
+    if (jobs[r].status && !first) {
+      first = jobs[r].status;
+      if (err) snprintf(err, err_len, "%s", jobs[r].err);
+    }
+    if (jobs[r].fwd_s > p->seconds_forward) p->seconds_forward = jobs[r].fwd_s;
+    if (jobs[r].bwd_s > p->seconds_backward) p->seconds_backward = jobs[r].bwd_s;
+  }
+  if (comm) mok_cpu_comm_destroy(comm);
+  return first;
+}
+
+/* ---- comparing results ---- */
+
+double mok_view_get(const mok_tensor_view_t* v, int64_t i) {
+  switch (v->kind) {
+    case 0: return from_bf16(((const uint16_t*)v->data)[i]);
+    case 1: return ((const float*)v->data)[i];
+    case 2: return ((const double*)v->data)[i];
+    default: return ((const int32_t*)v->data)[i];
+  }
+}
+
+int64_t mok_first_difference(const mok_tensor_view_t* a, const mok_tensor_view_t* b) {
+  if (a->count != b->count || a->elem != b->elem) return 0;
+  for (int64_t i = 0; i < a->count; i++)
+    if (memcmp((const char*)a->data + i * a->elem, (const char*)b->data + i * b->elem,
+               a->elem) != 0)
+      return i;
+  return -1;
+}
+
+double mok_relative_error(const mok_tensor_view_t* a, const mok_tensor_view_t* b) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < b->count; i++) {
+    double va = mok_view_get(a, i), vb = mok_view_get(b, i);
+    if (isnan(vb) && isnan(va)) continue;
+    if (isnan(va) || isnan(vb)) return INFINITY;
+    num += (va - vb) * (va - vb);
+    den += vb * vb;
+  }
+  if (den == 0) return num == 0 ? 0 : INFINITY;
+  return sqrt(num / den);
+}
+
+int mok_problem_outputs(const mok_problem_t* p, int with_backward, mok_tensor_view_t* v,
+                        int max_views) {
+  const mok_config_t* c = &p->cfg;
+  const int64_t T = p->T_global, H = c->H, F = c->F, E = c->E, K = c->K, Fs = c->Fs;
+  const int act_kind = p->act == 2 ? 0 : 2, real_kind = p->real == 4 ? 1 : 2;
+  const int w_kind = p->wgrad_elem == 2 ? 0 : p->wgrad_elem == 4 ? 1 : 2;
+  const int replay = c->routing == MOK_ROUTING_REPLAY;
+  mok_tensor_view_t all[16];
+  int n = 0;
+#define VIEW(nm, ptr, cnt, el, kd) all[n++] = (mok_tensor_view_t){nm, ptr, cnt, el, kd}
+  VIEW("y", p->y, T * H, p->act, act_kind);
+  VIEW("tokens_per_expert", p->tokens_per_expert, E, 4, 3);
+  if (!replay) {
+    VIEW("topk_idx", p->out_topk_idx, T * K, 4, 3);
+    VIEW("topk_weight", p->out_topk_weight, T * K, p->real, real_kind);
+    VIEW("aux_loss", p->aux_loss, 1, p->real, real_kind);
+    VIEW("z_loss", p->z_loss, 1, p->real, real_kind);
+  }
+  if (with_backward) {
+    VIEW("dx", p->dx, T * H, p->act, act_kind);
+    if (replay)
+      VIEW("d_topk_weight", p->d_topk_weight, T * K, p->real, real_kind);
+    else
+      VIEW("d_w_router", p->d_w_router, E * H, p->wgrad_elem, w_kind);
+    VIEW("d_w13", p->d_w13, E * 2 * F * H, p->wgrad_elem, w_kind);
+    VIEW("d_w2", p->d_w2, E * H * F, p->wgrad_elem, w_kind);
+    if (Fs) {
+      VIEW("d_ws13", p->d_ws13, 2 * Fs * H, p->wgrad_elem, w_kind);
+      VIEW("d_ws2", p->d_ws2, H * Fs, p->wgrad_elem, w_kind);
+    }
+  }
+#undef VIEW
+  int m = n < max_views ? n : max_views;
+  memcpy(v, all, (size_t)m * sizeof *v);
+  return m;
+}

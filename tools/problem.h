@@ -1,0 +1,92 @@
+/* problem.h — a random MoE problem of one global batch, run on W ranks of the CPU
+ * backend (one thread and one context per rank) or on one rank: what `mok check`,
+ * `mok bench` and the tests drive the library with.
+ *
+ * All tensors here are global and host-side; a run copies each rank's slice into its
+ * own aligned buffers (rank-major token split: rank r gets tokens
+ * [r*T/W + min(r, T%W) ...), experts r*E/W ..), runs the steps, and gathers the results
+ * back into the global outputs. bf16 tensors are uint16_t, fp32 tensors float; in
+ * EXACT numerics every floating tensor is double. */
+#ifndef MOK_TOOLS_PROBLEM_H
+#define MOK_TOOLS_PROBLEM_H
+#include <stdint.h>
+
+#include "mok.h"
+
+typedef struct {
+  mok_config_t cfg;   /* the layer; T, W, rank and cpu_comm are set per run */
+  int64_t T_global;   /* tokens over all ranks */
+  uint64_t seed;
+  size_t act, real;   /* element bytes: 2 and 4, or 8 and 8 in EXACT numerics */
+  /* inputs, drawn from seed (weights ~ U(-1/sqrt(in), 1/sqrt(in)), x and dy ~ U(-1, 1)) */
+  void* x;            /* [T_global, H] */
+  void* w_router;     /* [E, H] */
+  void* bias_select;  /* [E] real */
+  void* w13;          /* [E, 2F, H] */
+  void* w2;           /* [E, H, F] */
+  void* ws13;         /* [2Fs, H] */
+  void* ws2;          /* [H, Fs] */
+  void* dy;           /* [T_global, H] */
+  int32_t* topk_idx;  /* [T_global, K] replay input (distinct experts per token) */
+  void* topk_weight;  /* [T_global, K] real, replay input */
+  void* d_aux_loss;   /* [1] real, gradient of aux_loss fed to backward */
+  void* d_z_loss;     /* [1] real */
+  /* outputs of the last run */
+  void* y;            /* [T_global, H] */
+  void* dx;           /* [T_global, H] */
+  int32_t* out_topk_idx;   /* [T_global, K] (fused routing) */
+  void* out_topk_weight;   /* [T_global, K] real */
+  void* d_topk_weight;     /* [T_global, K] real (replay routing) */
+  int32_t* tokens_per_expert; /* [E] */
+  void* aux_loss;     /* [1] real */
+  void* z_loss;       /* [1] real */
+  void* d_w_router;   /* [E, H] wgrad dtype (bf16/act, or fp32 accumulators) */
+  void* d_w13;        /* [E, 2F, H] */
+  void* d_w2;         /* [E, H, F] */
+  void* d_ws13;       /* [2Fs, H] */
+  void* d_ws2;        /* [H, Fs] */
+  size_t wgrad_elem;  /* bytes per weight-gradient element */
+  double seconds_forward, seconds_backward; /* time of the last step, slowest rank */
+} mok_problem_t;
+
+/* Allocates and fills a problem; cfg gives the layer (its T, W, rank are ignored). */
+mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint64_t seed,
+                                mok_problem_t** out);
+void mok_problem_destroy(mok_problem_t* p);
+/* Element count and pointer of a named tensor ("y", "dx", "d_w13", ...) for comparisons. */
+typedef struct {
+  const char* name;
+  const void* data;
+  int64_t count;
+  size_t elem;   /* bytes per element */
+  int kind;      /* 0 bf16, 1 fp32, 2 double, 3 int32 */
+} mok_tensor_view_t;
+/* Outputs of the last run that the config produces; returns how many were written. */
+int mok_problem_outputs(const mok_problem_t* p, int with_backward, mok_tensor_view_t* views,
+                        int max_views);
+
+typedef struct {
+  int W;              /* ranks */
+  int steps;          /* forward (+ backward) steps on the same contexts; outputs are the last */
+  int backward;       /* run backward too */
+  int num_threads;    /* per context; 0 = library default */
+  int64_t capacity;   /* config capacity per rank; 0 = default */
+  double comm_timeout_s;
+  int skip_rank;      /* a rank that never creates its context nor calls (fault test), or -1 */
+} mok_run_opts_t;
+#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1}
+
+/* Runs the problem; returns the first failing rank's status. The message of the first
+ * failure is copied to err (size err_len) when err is not NULL. Gradient outputs in
+ * FP32_ACCUM mode start from zero at each run and accumulate over its steps. */
+mok_status_t mok_problem_run(mok_problem_t* p, const mok_run_opts_t* opts, char* err,
+                             size_t err_len);
+
+/* First differing element of two views, -1 when bitwise equal. */
+int64_t mok_first_difference(const mok_tensor_view_t* a, const mok_tensor_view_t* b);
+/* ||a - b|| / ||b|| over all elements as doubles (b the reference); NaN-aware: a NaN
+ * where b is not NaN makes the result +inf. */
+double mok_relative_error(const mok_tensor_view_t* a, const mok_tensor_view_t* b);
+double mok_view_get(const mok_tensor_view_t* v, int64_t i);
+
+#endif
