@@ -209,7 +209,8 @@ MOK_API mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t*
 /* mok's fixed-order reduction, for any replicated parameter's gradient.
  * partials: [num_chunks, n] fp32, one partial per chunk (chunks in global order);
  * out: [n] = the sum over chunks by the balanced binary tree fixed by num_chunks
- * (node [lo, hi) = node [lo, mid) + node [mid, hi), mid = lo + (hi - lo + 1) / 2).
+ * (node [lo, hi) = node [lo, mid) + node [mid, hi), mid = lo + the largest power of two
+ * below hi - lo: the pairwise tree, level l+1 node i = level l nodes 2i + 2i+1).
  * Summing a contiguous run of chunks per rank and combining the ranks' subtrees by the
  * same tree gives the same bits (see mok_cpu_comm and docs/DETERMINISM.md). */
 MOK_API mok_status_t mok_reduce_tree(const float* partials, int64_t num_chunks, int64_t n, float* out);

@@ -110,9 +110,15 @@ int64_t mok_tree_depth(int64_t num_chunks); /* levels of the fixed tree, leaves 
 
 
 
-/* The fixed reduction tree: node [lo, hi) of chunks splits at this point (left half
- * the larger). Used by mok_reduce_tree and by the backends' replicated sums. */
-static inline int64_t mok_tree_mid(int64_t lo, int64_t hi) { return lo + (hi - lo + 1) / 2; }
+/* The fixed reduction tree: node [lo, hi) of chunks (hi - lo >= 2) splits after the
+ * largest power of two below hi - lo. This is the pairwise tree built level by level
+ * (level l+1 node i = level l nodes 2i + 2i+1, a lone last node passed up), so a GPU
+ * can evaluate it in place without a stack. Used by mok_reduce_tree and the backends. */
+static inline int64_t mok_tree_mid(int64_t lo, int64_t hi) {
+  int64_t half = 1;
+  while (2 * half < hi - lo) half *= 2;
+  return lo + half;
+}
 
 /* Backend entry points (arguments validated by api.c). */
 mok_status_t mok_cpu_forward(mok_context_t* ctx, const mok_forward_args_t* a);

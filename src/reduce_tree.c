@@ -1,6 +1,7 @@
 /* reduce_tree.c — mok_reduce_tree: the fixed binary tree over chunk partials that
  * makes replicated gradients independent of how the chunks are shared out over ranks
- * (node [lo, hi) = node [lo, mid) + node [mid, hi), mid = mok_tree_mid(lo, hi)). */
+ * (node [lo, hi) = node [lo, mid) + node [mid, hi), mid = mok_tree_mid(lo, hi): the
+ * pairwise tree). */
 #include <stdlib.h>
 
 #include "internal.h"
