@@ -15,15 +15,26 @@ LDLIBS  += -lm -lpthread -fopenmp
 LIB_SRC  := $(wildcard src/*.c src/cpu/*.c)
 TOOL_SRC := tools/problem.c
 TEST_SRC := $(wildcard tests/*.c)
-CU_SRC   := $(wildcard src/cuda/*.cu src/comm/*.cu bench/*.cu)
+CU_SRC   := $(wildcard src/cuda/*.cu)
 
-LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o)
+# With nvcc the library carries the CUDA backend (sm_90a kernels, static cudart): it
+# builds and its CPU tests run on a machine without a GPU too.
+ifneq ($(NVCC),)
+CUDA_HOME := $(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))
+CUDA_LIB  := $(firstword $(wildcard $(CUDA_HOME)/lib64 $(CUDA_HOME)/targets/x86_64-linux/lib))
+CFLAGS    += -DMOK_HAVE_CUDA
+LDLIBS    += -L$(CUDA_LIB) -lcudart_static -ldl -lrt -lstdc++
+NVFLAGS   ?= -O3
+NVFLAGS   += -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC,-fvisibility=hidden \
+             -DMOK_HAVE_CUDA -Iinclude -Isrc
+endif
+
+LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(if $(NVCC),$(CU_SRC:%.cu=$(BUILD)/%.cu.o))
 TOOL_OBJ := $(TOOL_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
-CU_OBJ   := $(if $(NVCC),$(CU_SRC:%.cu=$(BUILD)/%.cu.o))
 
 .PHONY: all test run test-asan clean info
-all: info $(BUILD)/libmok.a $(BUILD)/libmok.so $(BUILD)/mok $(BUILD)/mok_tests $(CU_OBJ)
+all: info $(BUILD)/libmok.a $(BUILD)/libmok.so $(BUILD)/mok $(BUILD)/mok_tests
 
 info:
 	@echo "mok: CC=$(CC) nvcc=$(if $(NVCC),$(NVCC),not found) .cu files=$(words $(CU_SRC))"
@@ -32,9 +43,9 @@ $(BUILD)/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h tools/*.h tests/*.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Isrc -Itools -c $< -o $@
 
-$(BUILD)/%.cu.o: %.cu
+$(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*.h src/cuda/*.h src/cuda/*.cuh)
 	@mkdir -p $(dir $@)
-	$(NVCC) -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc -c $< -o $@
+	$(NVCC) $(NVFLAGS) -Xptxas -warn-spills -c $< -o $@
 
 $(BUILD)/libmok.a: $(LIB_OBJ)
 	ar rcs $@ $^

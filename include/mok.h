@@ -122,13 +122,14 @@ typedef struct {
   int num_threads;     /* CPU threads of this context; 0 = all cores */
   double comm_timeout_s; /* bound on every wait for a peer; 0 = default (5 s) */
   mok_cpu_comm_t* cpu_comm; /* CPU backend with W > 1: the shared in-process communicator */
+  int num_ctas;        /* CUDA: persistent CTAs per launch; 0 = one per SM (bits do not depend on it) */
 } mok_config_t;
 
 #define MOK_CONFIG_INIT                                                              \
   {                                                                                  \
     sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
         MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, MOK_WGRAD_BF16,                \
-        MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL                          \
+        MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0                       \
   }
 
 /* Tensors of one forward call. bf16 tensors are uint16_t bit patterns (double in
@@ -205,6 +206,12 @@ MOK_API mok_status_t mok_saved_size(const mok_context_t* ctx, size_t* bytes);
 /* With W > 1, every rank calls the same sequence of forward/backward concurrently. */
 MOK_API mok_status_t mok_forward(mok_context_t* ctx, const mok_forward_args_t* args);
 MOK_API mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* args);
+
+/* CUDA: forward and backward only enqueue work on args->stream and return; an error
+ * the kernel meets (a bounded wait that timed out, replay indices out of range, a saved
+ * buffer from elsewhere) is returned here, after waiting for the context's last launch.
+ * CPU: returns MOK_STATUS_SUCCESS at once (its calls are synchronous). */
+MOK_API mok_status_t mok_context_sync(mok_context_t* ctx);
 
 /* mok's fixed-order reduction, for any replicated parameter's gradient.
  * partials: [num_chunks, n] fp32, one partial per chunk (chunks in global order);

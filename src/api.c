@@ -10,6 +10,9 @@
 #include "cpu/cpu_comm.h"
 #include "cpu/gemm.h"
 #include "internal.h"
+#ifdef MOK_HAVE_CUDA
+#include "cuda/cuda_backend.h"
+#endif
 
 int mok_version(void) { return MOK_VERSION_CODE; }
 
@@ -157,9 +160,28 @@ static mok_status_t validate_config(const mok_config_t* c) {
   if (c->numerics == MOK_NUMERICS_EXACT && c->backend != MOK_BACKEND_CPU)
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
                    "cfg.numerics = MOK_NUMERICS_EXACT needs cfg.backend = MOK_BACKEND_CPU");
-  if (c->backend == MOK_BACKEND_CUDA)
+  if (c->num_ctas < 0)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.num_ctas = %d must be >= 0 (0 = one per SM)", c->num_ctas);
+  if (c->backend == MOK_BACKEND_CUDA) {
+#ifndef MOK_HAVE_CUDA
     return CFG_ERR(MOK_STATUS_BACKEND_UNAVAILABLE,
-                   "cfg.backend = MOK_BACKEND_CUDA: this build of mok has no CUDA backend");
+                   "cfg.backend = MOK_BACKEND_CUDA: this build of mok has no CUDA backend (built without nvcc)");
+#else
+    /* the kernels' tiles: 64-wide TMA boxes along H, F, Fs; E in one warp's 8 registers */
+    if (c->H % 64 || c->F % 64 || c->Fs % 64)
+      return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                     "cfg.H = %lld, cfg.F = %lld, cfg.Fs = %lld: the CUDA backend needs multiples of 64",
+                     (long long)c->H, (long long)c->F, (long long)c->Fs);
+    if (c->E % 8 || c->E > 256)
+      return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                     "cfg.E = %lld: the CUDA backend needs E a multiple of 8 and at most 256", (long long)c->E);
+    if (c->K > 32)
+      return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "cfg.K = %lld: the CUDA backend needs K <= 32", (long long)c->K);
+    if (c->W != 1)
+      return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                     "cfg.W = %d: the CUDA backend runs one rank per process group of W = 1 in this version", c->W);
+#endif
+  }
   if (c->E > MOK_MAX_EXPERTS)
     return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "cfg.E = %lld: the CPU backend runs E <= %d",
                    (long long)c->E, MOK_MAX_EXPERTS);
@@ -182,6 +204,9 @@ static mok_status_t validate_config(const mok_config_t* c) {
 }
 
 static void context_free(mok_context_t* ctx) {
+#ifdef MOK_HAVE_CUDA
+  mok_cuda_destroy(ctx);
+#endif
   free(ctx->recv_rows);
   free(ctx->ret_rows);
   free(ctx->pack);
@@ -211,6 +236,21 @@ mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** out) {
   ctx->E_loc = c->E / c->W;
   ctx->act_size = c->numerics == MOK_NUMERICS_EXACT ? 8 : 2;
   ctx->real_size = c->numerics == MOK_NUMERICS_EXACT ? 8 : 4;
+#ifdef MOK_HAVE_CUDA
+  if (c->backend == MOK_BACKEND_CUDA) {
+    ctx->T_all[0] = ctx->T_global_max = c->T;
+    c->capacity = c->T * c->K; /* W = 1: every routed row stays here */
+    s = mok_cuda_create(ctx);
+    if (s || !registry_add(ctx)) {
+      snprintf(create_error, MOK_ERROR_LEN, "mok_context_create: %.400s", s ? ctx->last_error : "out of host memory");
+      mok_cuda_destroy(ctx);
+      free(ctx);
+      return s ? s : MOK_STATUS_OUT_OF_MEMORY;
+    }
+    *out = ctx;
+    return MOK_STATUS_SUCCESS;
+  }
+#endif
   if (c->W == 1) {
     s = mok_cpu_comm_create(1, &ctx->comm);
     if (s) {
@@ -251,8 +291,10 @@ mok_status_t mok_context_destroy(mok_context_t* ctx) {
   if (!ctx || !registry_remove(ctx)) return MOK_STATUS_INVALID_CONTEXT;
   /* collective: peers may still read this rank's exchange buffers in their last call
    * (bounded: a failed communicator returns at once) */
-  if (ctx->cfg.W > 1) mok_cpu_comm_barrier(ctx->comm, ctx);
-  mok_cpu_comm_detach(ctx->comm, ctx);
+  if (ctx->comm) {
+    if (ctx->cfg.W > 1) mok_cpu_comm_barrier(ctx->comm, ctx);
+    mok_cpu_comm_detach(ctx->comm, ctx);
+  }
   context_free(ctx);
   return MOK_STATUS_SUCCESS;
 }
@@ -265,6 +307,12 @@ const char* mok_context_last_error(const mok_context_t* ctx) {
 mok_status_t mok_workspace_size(const mok_context_t* ctx, size_t* bytes) {
   if (!ctx || !registry_has(ctx)) return MOK_STATUS_INVALID_CONTEXT;
   if (!bytes) return MOK_ERR((mok_context_t*)ctx, MOK_STATUS_NULL_POINTER, "mok_workspace_size: bytes is NULL");
+#ifdef MOK_HAVE_CUDA
+  if (ctx->gpu) {
+    mok_cuda_sizes(ctx, NULL, bytes);
+    return MOK_STATUS_SUCCESS;
+  }
+#endif
   mok_workspace_plan_t p;
   mok_plan_workspace(ctx, ctx->cfg.T, &p);
   *bytes = p.total;
@@ -274,6 +322,12 @@ mok_status_t mok_workspace_size(const mok_context_t* ctx, size_t* bytes) {
 mok_status_t mok_saved_size(const mok_context_t* ctx, size_t* bytes) {
   if (!ctx || !registry_has(ctx)) return MOK_STATUS_INVALID_CONTEXT;
   if (!bytes) return MOK_ERR((mok_context_t*)ctx, MOK_STATUS_NULL_POINTER, "mok_saved_size: bytes is NULL");
+#ifdef MOK_HAVE_CUDA
+  if (ctx->gpu) {
+    mok_cuda_sizes(ctx, bytes, NULL);
+    return MOK_STATUS_SUCCESS;
+  }
+#endif
   mok_saved_plan_t p;
   mok_plan_saved(ctx, ctx->cfg.T, &p);
   *bytes = p.total;
@@ -312,16 +366,15 @@ static mok_status_t check_tokens(mok_context_t* ctx, const char* fn, int64_t T) 
 }
 
 static mok_status_t check_workspace(mok_context_t* ctx, const char* fn, size_t have, size_t saved_have) {
-  mok_workspace_plan_t wp;
-  mok_saved_plan_t sp;
-  mok_plan_workspace(ctx, ctx->cfg.T, &wp);
-  mok_plan_saved(ctx, ctx->cfg.T, &sp);
-  if (have < wp.total)
+  size_t need = 0, saved_need = 0;
+  mok_workspace_size(ctx, &need);
+  mok_saved_size(ctx, &saved_need);
+  if (have < need)
     return MOK_ERR(ctx, MOK_STATUS_WORKSPACE_TOO_SMALL,
-                   "%s: args->workspace_bytes = %zu, below mok_workspace_size() = %zu", fn, have, wp.total);
-  if (saved_have < sp.total)
+                   "%s: args->workspace_bytes = %zu, below mok_workspace_size() = %zu", fn, have, need);
+  if (saved_have < saved_need)
     return MOK_ERR(ctx, MOK_STATUS_WORKSPACE_TOO_SMALL,
-                   "%s: args->saved_bytes = %zu, below mok_saved_size() = %zu", fn, saved_have, sp.total);
+                   "%s: args->saved_bytes = %zu, below mok_saved_size() = %zu", fn, saved_have, saved_need);
   return MOK_STATUS_SUCCESS;
 }
 
@@ -359,6 +412,9 @@ mok_status_t mok_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   if (s) return s;
   s = check_workspace(ctx, fn, a->workspace_bytes, a->saved_bytes);
   if (s) return s;
+#ifdef MOK_HAVE_CUDA
+  if (ctx->gpu) return mok_cuda_forward(ctx, a); /* replay indices are checked on the device */
+#endif
   if (!fused) /* replay routing: K distinct experts in [0, E) per token */
     for (int64_t t = 0; t < T; t++)
       for (int64_t j = 0; j < K; j++) {
@@ -412,6 +468,9 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
   if (s) return s;
   s = check_workspace(ctx, fn, a->workspace_bytes, a->saved_bytes);
   if (s) return s;
+#ifdef MOK_HAVE_CUDA
+  if (ctx->gpu) return mok_cuda_backward(ctx, a); /* the saved header is checked on the device */
+#endif
   const mok_saved_header_t* h = a->saved;
   if (h->magic != MOK_SAVED_MAGIC || h->context_id != (uint64_t)(uintptr_t)ctx)
     return MOK_ERR(ctx, MOK_STATUS_INVALID_SAVED,
@@ -421,4 +480,12 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
                    "%s: args->num_tokens = %lld, but the forward that wrote args->saved had %lld",
                    fn, (long long)T, (long long)h->T);
   return mok_cpu_backward(ctx, a);
+}
+
+mok_status_t mok_context_sync(mok_context_t* ctx) {
+  if (!ctx || !registry_has(ctx)) return MOK_STATUS_INVALID_CONTEXT;
+#ifdef MOK_HAVE_CUDA
+  if (ctx->gpu) return mok_cuda_sync(ctx);
+#endif
+  return MOK_STATUS_SUCCESS;
 }

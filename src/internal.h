@@ -9,6 +9,10 @@
 
 #include "mok.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define MOK_ERROR_LEN 512
 #define MOK_MAX_RANKS 64
 #define MOK_MAX_EXPERTS 1024
@@ -31,6 +35,7 @@ struct mok_context {
   void* ret_rows;          /* [capacity, H] act: expert results, read back by token ranks */
   void* pack;              /* GEMM packing scratch, per thread */
   size_t pack_bytes_per_thread;
+  void* gpu;               /* CUDA backend state (src/cuda/cuda_backend.cu), or NULL */
   uint64_t forward_serial; /* counts forwards; written into saved to tie it to this context */
   char last_error[MOK_ERROR_LEN];
 };
@@ -123,4 +128,7 @@ static inline int64_t mok_tree_mid(int64_t lo, int64_t hi) {
 /* Backend entry points (arguments validated by api.c). */
 mok_status_t mok_cpu_forward(mok_context_t* ctx, const mok_forward_args_t* a);
 mok_status_t mok_cpu_backward(mok_context_t* ctx, const mok_backward_args_t* a);
+#ifdef __cplusplus
+}
+#endif
 #endif

@@ -1,0 +1,360 @@
+// cuda_backend.cu — host side of the Hopper backend: the context's device state, the
+// byte plans of the saved buffer and the workspace, tensor maps, and the launches of
+// the two megakernels (one launch per forward, one per backward; no other kernel, no
+// copy, no host synchronisation inside a step, so a step can be captured in a graph).
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+
+#include "cuda_backend.h"
+#include "gpu_params.h"
+
+namespace mok {
+__global__ void sm90_moe_forward_kernel(const __grid_constant__ FwdParams p);
+__global__ void sm90_moe_backward_kernel(const __grid_constant__ BwdParams p);
+}  // namespace mok
+#include "sm90_common.cuh"
+
+using namespace mok;
+
+struct GpuContext {
+  int device;
+  int num_sms;
+  GpuSync* sync;          // device: ticket, exit count, error, counters
+  uint32_t* status;       // device: status of the last launch
+  uint32_t sync_words;    // counters available
+  cudaStream_t last_stream;
+  PFN_cuTensorMapEncodeTiled_v12000 encode;
+};
+
+#define CUDA_TRY(ctx, call)                                                                   \
+  do {                                                                                        \
+    cudaError_t err_ = (call);                                                                \
+    if (err_ != cudaSuccess)                                                                  \
+      return MOK_ERR(ctx, MOK_STATUS_CUDA_ERROR, "%s failed: %s", #call, cudaGetErrorString(err_)); \
+  } while (0)
+
+static GpuContext* gpu(const mok_context_t* ctx) { return static_cast<GpuContext*>(ctx->gpu); }
+
+static int cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
+
+static Shape make_shape(const mok_config_t& c, int64_t T) {
+  Shape s{};
+  s.T = (int)T, s.H = (int)c.H, s.F = (int)c.F, s.E = (int)c.E, s.K = (int)c.K, s.Fs = (int)c.Fs;
+  s.fused = c.routing == MOK_ROUTING_FUSED;
+  s.score = c.score;
+  s.normalize = c.normalize != 0;
+  s.use_bias = c.use_bias_select != 0;
+  s.route_scale = c.route_scale, s.aux_coef = c.aux_loss_coef, s.z_coef = c.z_loss_coef;
+  s.nb = cdiv(T, 128);
+  s.max_mt = cdiv(T * c.K, BM) + (int)c.E;
+  s.smt = s.nb;
+  s.chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
+  return s;
+}
+
+// ---- byte plans (every piece 256-byte aligned); for the context's max T ----
+struct Plan {
+  size_t at = 0;
+  size_t take(size_t bytes) {
+    size_t here = at;
+    at += (bytes + 255) / 256 * 256;
+    return here;
+  }
+};
+
+struct SavedPlan {
+  size_t header, idx, g, pos, logits, counts, expert_off, x_rows, a_rows, h_rows, o_rows, sa, sh, total;
+};
+static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
+  const int64_t R = T * c.K;
+  Plan p;
+  SavedPlan s;
+  s.header = p.take(64);
+  s.idx = p.take(T * c.K * 4);
+  s.g = p.take(T * c.K * 4);
+  s.pos = p.take(T * c.K * 4);
+  s.logits = p.take(T * c.E * 4);
+  s.counts = p.take(c.E * 4);
+  s.expert_off = p.take((c.E + 1) * 4);
+  s.x_rows = p.take(R * c.H * 2);
+  s.a_rows = p.take(R * 2 * c.F * 2);
+  s.h_rows = p.take(R * c.F * 2);
+  s.o_rows = p.take(R * c.H * 2);
+  s.sa = p.take(T * 2 * c.Fs * 2);
+  s.sh = p.take(T * c.Fs * 2);
+  s.total = p.at;
+  return s;
+}
+
+// Forward and backward scratch share the workspace (a call uses one of them).
+struct FwdWsPlan {
+  size_t scores, lse, rank, block_counts, block_off, tile_expert, tile_row0, tile_row_end, num_tiles, chunk_stats,
+      shared_o, total;
+};
+static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
+  const Shape s = make_shape(c, T);
+  Plan p;
+  FwdWsPlan w;
+  w.scores = p.take(T * c.E * 4);
+  w.lse = p.take(T * 4);
+  w.rank = p.take(T * c.K * 4);
+  w.block_counts = p.take((int64_t)s.nb * c.E * 4);
+  w.block_off = p.take((int64_t)s.nb * c.E * 4);
+  w.tile_expert = p.take((int64_t)s.max_mt * 4);
+  w.tile_row0 = p.take((int64_t)s.max_mt * 4);
+  w.tile_row_end = p.take((int64_t)s.max_mt * 4);
+  w.num_tiles = p.take(4);
+  w.chunk_stats = p.take((int64_t)s.nb * 2 * (c.E + 1) * 4);
+  w.shared_o = p.take(T * c.H * 2);
+  w.total = p.at;
+  return w;
+}
+struct BwdWsPlan {
+  size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, partials, total;
+  int64_t partial_len;
+};
+static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
+  const int64_t R = T * c.K, chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
+  Plan p;
+  BwdWsPlan w;
+  w.partial_len = c.E * c.H + 3 * c.Fs * c.H;
+  w.dg = p.take(T * c.K * 4);
+  w.dy_rows = p.take(R * c.H * 2);
+  w.d_a = p.take(R * 2 * c.F * 2);
+  w.dx_rows = p.take(R * c.H * 2);
+  w.dlogits = p.take(T * c.E * 2);
+  w.d_a_s = p.take(T * 2 * c.Fs * 2);
+  w.dx_router = p.take(T * c.H * 4);
+  w.dx_shared = p.take(T * c.H * 4);
+  w.partials = p.take(chunks * w.partial_len * 4);
+  w.total = p.at;
+  return w;
+}
+
+void mok_cuda_sizes(const mok_context_t* ctx, size_t* saved_bytes, size_t* workspace_bytes) {
+  const mok_config_t& c = ctx->cfg;
+  if (saved_bytes) *saved_bytes = plan_saved(c, c.T).total;
+  if (workspace_bytes) *workspace_bytes = std::max(plan_fwd_ws(c, c.T).total, plan_bwd_ws(c, c.T).total);
+}
+
+// ---- context ----
+mok_status_t mok_cuda_create(mok_context_t* ctx) {
+  const mok_config_t& c = ctx->cfg;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return MOK_ERR(ctx, MOK_STATUS_BACKEND_UNAVAILABLE, "cfg.backend = MOK_BACKEND_CUDA: no CUDA device is visible");
+  }
+  GpuContext g{};
+  CUDA_TRY(ctx, cudaGetDevice(&g.device));
+  cudaDeviceProp prop;
+  CUDA_TRY(ctx, cudaGetDeviceProperties(&prop, g.device));
+  if (prop.major != 9)
+    return MOK_ERR(ctx, MOK_STATUS_BACKEND_UNAVAILABLE,
+                   "cfg.backend = MOK_BACKEND_CUDA: device %d is sm_%d%d; the kernels are built for sm_90a (Hopper)",
+                   g.device, prop.major, prop.minor);
+  g.num_sms = prop.multiProcessorCount;
+  if (c.num_ctas > g.num_sms)
+    return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT, "cfg.num_ctas = %d must be <= the %d SMs of device %d",
+                   c.num_ctas, g.num_sms, g.device);
+  cudaDriverEntryPointQueryResult q;
+  void* fn = nullptr;
+  CUDA_TRY(ctx, cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+  if (!fn || q != cudaDriverEntryPointSuccess)
+    return MOK_ERR(ctx, MOK_STATUS_BACKEND_UNAVAILABLE, "the driver has no cuTensorMapEncodeTiled");
+  g.encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  const Shape s = make_shape(c, c.T);
+  g.sync_words = (uint32_t)(8 + s.max_mt + s.smt);
+  CUDA_TRY(ctx, cudaMalloc(&g.sync, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
+  CUDA_TRY(ctx, cudaMemset(g.sync, 0, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
+  CUDA_TRY(ctx, cudaMalloc(&g.status, sizeof(uint32_t)));
+  CUDA_TRY(ctx, cudaMemset(g.status, 0, sizeof(uint32_t)));
+  const int smem = (int)sizeof(Smem) + 1024;
+  CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  ctx->gpu = new GpuContext(g);
+  return MOK_STATUS_SUCCESS;
+}
+
+void mok_cuda_destroy(mok_context_t* ctx) {
+  GpuContext* g = gpu(ctx);
+  if (!g) return;
+  cudaFree(g->sync);
+  cudaFree(g->status);
+  delete g;
+  ctx->gpu = nullptr;
+}
+
+mok_status_t mok_cuda_sync(mok_context_t* ctx) {
+  GpuContext* g = gpu(ctx);
+  CUDA_TRY(ctx, cudaStreamSynchronize(g->last_stream));
+  uint32_t st = 0;
+  CUDA_TRY(ctx, cudaMemcpy(&st, g->status, sizeof st, cudaMemcpyDeviceToHost));
+  if (st != MOK_STATUS_SUCCESS)
+    return MOK_ERR(ctx, (mok_status_t)st, "the last step on the device stopped with %s", mok_status_string((mok_status_t)st));
+  return MOK_STATUS_SUCCESS;
+}
+
+// A 2-D bf16 tensor map [rows, cols] (cols contiguous), 64 x 64 boxes, 128-byte swizzle;
+// out-of-bound elements read as zero.
+static mok_status_t make_map(mok_context_t* ctx, CUtensorMap* map, const void* base, int64_t rows, int64_t cols,
+                             const char* name) {
+  memset(map, 0, sizeof *map);
+  if (!base) return MOK_STATUS_SUCCESS;  // not used by this configuration
+  cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)std::max<int64_t>(rows, 1)};
+  cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
+  cuuint32_t box[2] = {64, 64};
+  cuuint32_t elem[2] = {1, 1};
+  CUresult r = gpu(ctx)->encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+                                elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return MOK_ERR(ctx, MOK_STATUS_CUDA_ERROR, "cuTensorMapEncodeTiled(%s [%lld, %lld]) failed with %d", name,
+                   (long long)rows, (long long)cols, (int)r);
+  return MOK_STATUS_SUCCESS;
+}
+
+#define MAP_TRY(expr)                 \
+  do {                                \
+    mok_status_t s_ = (expr);         \
+    if (s_ != MOK_STATUS_SUCCESS) return s_; \
+  } while (0)
+
+static SavedView saved_view(const mok_config_t& c, void* base) {
+  const SavedPlan sp = plan_saved(c, c.T);
+  char* b = static_cast<char*>(base);
+  SavedView v;
+  v.header = reinterpret_cast<uint64_t*>(b + sp.header);
+  v.idx = reinterpret_cast<int32_t*>(b + sp.idx);
+  v.g = reinterpret_cast<float*>(b + sp.g);
+  v.pos = reinterpret_cast<int32_t*>(b + sp.pos);
+  v.logits = reinterpret_cast<float*>(b + sp.logits);
+  v.counts = reinterpret_cast<int32_t*>(b + sp.counts);
+  v.expert_off = reinterpret_cast<int32_t*>(b + sp.expert_off);
+  v.x_rows = reinterpret_cast<bf16*>(b + sp.x_rows);
+  v.a_rows = reinterpret_cast<bf16*>(b + sp.a_rows);
+  v.h_rows = reinterpret_cast<bf16*>(b + sp.h_rows);
+  v.o_rows = reinterpret_cast<bf16*>(b + sp.o_rows);
+  v.sa = reinterpret_cast<bf16*>(b + sp.sa);
+  v.sh = reinterpret_cast<bf16*>(b + sp.sh);
+  return v;
+}
+
+static GpuStep make_step(const mok_context_t* ctx) {
+  GpuContext* g = gpu(ctx);
+  GpuStep st;
+  st.sync = g->sync;
+  st.status = g->status;
+  st.num_counters = g->sync_words;
+  st.timeout_ns = (uint64_t)(ctx->cfg.comm_timeout_s * 1e9);
+  return st;
+}
+
+static int grid_size(const mok_context_t* ctx) {
+  return ctx->cfg.num_ctas > 0 ? ctx->cfg.num_ctas : gpu(ctx)->num_sms;
+}
+
+mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
+  const mok_config_t& c = ctx->cfg;
+  const int64_t T = a->num_tokens, R = T * c.K, H = c.H, F = c.F, E = c.E, Fs = c.Fs;
+  FwdParams p;
+  memset(&p, 0, sizeof p);
+  p.s = make_shape(c, T);
+  p.st = make_step(ctx);
+  p.context_id = (uint64_t)(uintptr_t)ctx;
+  p.serial = ++ctx->forward_serial;
+  p.sv = saved_view(c, a->saved);
+  const FwdWsPlan wp = plan_fwd_ws(c, c.T);
+  char* ws = static_cast<char*>(a->workspace);
+  MAP_TRY(make_map(ctx, &p.m_x, a->x, T, H, "x"));
+  MAP_TRY(make_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router"));
+  MAP_TRY(make_map(ctx, &p.m_w13, a->w13, E * 2 * F, H, "w13"));
+  MAP_TRY(make_map(ctx, &p.m_w2, a->w2, E * H, F, "w2"));
+  MAP_TRY(make_map(ctx, &p.m_xrows, p.sv.x_rows, R, H, "x_rows"));
+  MAP_TRY(make_map(ctx, &p.m_hrows, p.sv.h_rows, R, F, "h_rows"));
+  MAP_TRY(make_map(ctx, &p.m_ws13, Fs ? a->ws13 : nullptr, 2 * Fs, H, "ws13"));
+  MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
+  MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
+  p.x = static_cast<const bf16*>(a->x);
+  p.bias = c.use_bias_select ? a->bias_select : nullptr;
+  p.in_idx = a->topk_idx;
+  p.in_w = a->topk_weight;
+  p.y = static_cast<bf16*>(a->y);
+  p.tokens_per_expert = a->tokens_per_expert;
+  p.aux_loss = a->aux_loss;
+  p.z_loss = a->z_loss;
+  p.out_idx = p.s.fused ? a->topk_idx : nullptr;
+  p.out_w = p.s.fused ? a->topk_weight : nullptr;
+  p.logits = p.sv.logits;
+  p.scores = reinterpret_cast<float*>(ws + wp.scores);
+  p.lse = reinterpret_cast<float*>(ws + wp.lse);
+  p.rank = reinterpret_cast<int32_t*>(ws + wp.rank);
+  p.block_counts = reinterpret_cast<int32_t*>(ws + wp.block_counts);
+  p.block_off = reinterpret_cast<int32_t*>(ws + wp.block_off);
+  p.tile_expert = reinterpret_cast<int32_t*>(ws + wp.tile_expert);
+  p.tile_row0 = reinterpret_cast<int32_t*>(ws + wp.tile_row0);
+  p.tile_row_end = reinterpret_cast<int32_t*>(ws + wp.tile_row_end);
+  p.num_tiles = reinterpret_cast<int32_t*>(ws + wp.num_tiles);
+  p.chunk_stats = reinterpret_cast<float*>(ws + wp.chunk_stats);
+  p.shared_o = reinterpret_cast<bf16*>(ws + wp.shared_o);
+  cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
+  sm90_moe_forward_kernel<<<grid_size(ctx), kThreads, sizeof(Smem) + 1024, stream>>>(p);
+  CUDA_TRY(ctx, cudaGetLastError());
+  gpu(ctx)->last_stream = stream;
+  return MOK_STATUS_SUCCESS;
+}
+
+mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
+  const mok_config_t& c = ctx->cfg;
+  const int64_t T = a->num_tokens, R = T * c.K, H = c.H, F = c.F, E = c.E, Fs = c.Fs;
+  BwdParams p;
+  memset(&p, 0, sizeof p);
+  p.s = make_shape(c, T);
+  p.st = make_step(ctx);
+  p.context_id = (uint64_t)(uintptr_t)ctx;
+  p.wgrad_fp32 = c.wgrad == MOK_WGRAD_FP32_ACCUM;
+  p.sv = saved_view(c, const_cast<void*>(a->saved));
+  const BwdWsPlan wp = plan_bwd_ws(c, c.T);
+  char* ws = static_cast<char*>(a->workspace);
+  p.dg = reinterpret_cast<float*>(ws + wp.dg);
+  p.dy_rows = reinterpret_cast<bf16*>(ws + wp.dy_rows);
+  p.d_a = reinterpret_cast<bf16*>(ws + wp.d_a);
+  p.dx_rows = reinterpret_cast<bf16*>(ws + wp.dx_rows);
+  p.dlogits = reinterpret_cast<bf16*>(ws + wp.dlogits);
+  p.d_a_s = reinterpret_cast<bf16*>(ws + wp.d_a_s);
+  p.dx_router = reinterpret_cast<float*>(ws + wp.dx_router);
+  p.dx_shared = reinterpret_cast<float*>(ws + wp.dx_shared);
+  p.partials = reinterpret_cast<float*>(ws + wp.partials);
+  p.partial_len = wp.partial_len;
+  MAP_TRY(make_map(ctx, &p.m_dy, a->dy, T, H, "dy"));
+  MAP_TRY(make_map(ctx, &p.m_x, a->x, T, H, "x"));
+  MAP_TRY(make_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router"));
+  MAP_TRY(make_map(ctx, &p.m_w13, a->w13, E * 2 * F, H, "w13"));
+  MAP_TRY(make_map(ctx, &p.m_w2, a->w2, E * H, F, "w2"));
+  MAP_TRY(make_map(ctx, &p.m_dyrows, p.dy_rows, R, H, "dy_rows"));
+  MAP_TRY(make_map(ctx, &p.m_xrows, p.sv.x_rows, R, H, "x_rows"));
+  MAP_TRY(make_map(ctx, &p.m_hrows, p.sv.h_rows, R, F, "h_rows"));
+  MAP_TRY(make_map(ctx, &p.m_da, p.d_a, R, 2 * F, "d_a"));
+  MAP_TRY(make_map(ctx, &p.m_dlog, p.s.fused ? p.dlogits : nullptr, T, E, "dlogits"));
+  MAP_TRY(make_map(ctx, &p.m_ws13, Fs ? a->ws13 : nullptr, 2 * Fs, H, "ws13"));
+  MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
+  MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
+  MAP_TRY(make_map(ctx, &p.m_das, Fs ? p.d_a_s : nullptr, T, 2 * Fs, "d_a_s"));
+  p.dy = static_cast<const bf16*>(a->dy);
+  p.d_aux = a->d_aux_loss;
+  p.d_z = a->d_z_loss;
+  p.dx = static_cast<bf16*>(a->dx);
+  p.d_topk_weight = a->d_topk_weight;
+  p.d_w_router = a->d_w_router;
+  p.d_w13 = a->d_w13;
+  p.d_w2 = a->d_w2;
+  p.d_ws13 = a->d_ws13;
+  p.d_ws2 = a->d_ws2;
+  cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
+  sm90_moe_backward_kernel<<<grid_size(ctx), kThreads, sizeof(Smem) + 1024, stream>>>(p);
+  CUDA_TRY(ctx, cudaGetLastError());
+  gpu(ctx)->last_stream = stream;
+  return MOK_STATUS_SUCCESS;
+}

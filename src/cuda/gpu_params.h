@@ -1,0 +1,143 @@
+// gpu_params.h — what the CUDA host code passes to the megakernels: the step's sync
+// words, views of the saved buffer and workspace, and each kernel's parameters (tensor
+// maps by value, as __grid_constant__). Shapes in the brief's letters; R = rows of this
+// rank's experts (T*K with W = 1). Host and device C++ only.
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "mok.h"
+
+namespace mok {
+
+typedef __nv_bfloat16 bf16;
+
+constexpr uint64_t MOK_SAVED_MAGIC_GPU = 0x6d6f6b2d67707573ull;  // header[0] of a saved buffer
+
+// Sync words of a step, zeroed by the last CTA of every launch (sm90_common.cuh).
+struct GpuSync {
+  uint32_t ticket;      // next task
+  uint32_t exit_count;  // CTAs done
+  uint32_t error;       // first mok_status_t raised in the step
+  uint32_t pad;
+  uint32_t counter[1];  // the step's dependency counters follow (num_counters)
+};
+
+struct GpuStep {
+  GpuSync* sync;
+  uint32_t* status;      // status of the last launch, kept for mok_context_sync_status
+  uint32_t num_counters;
+  uint64_t timeout_ns;
+};
+
+// The saved buffer (forward -> backward), device pointers.
+struct SavedView {
+  uint64_t* header;   // [4]: magic, context id, T, serial
+  int32_t* idx;       // [T, K]
+  float* g;           // [T, K] final weights
+  int32_t* pos;       // [T, K] row of slot (t, j) in the expert rows
+  float* logits;      // [T, E]
+  int32_t* counts;    // [E] rows per expert
+  int32_t* expert_off;// [E + 1] first row of each expert
+  bf16* x_rows;       // [R, H] dispatched rows
+  bf16* a_rows;       // [R, 2F] gate | up
+  bf16* h_rows;       // [R, F]
+  bf16* o_rows;       // [R, H] expert outputs
+  bf16* sa;           // [T, 2Fs] shared gate | up
+  bf16* sh;           // [T, Fs]
+};
+
+struct Shape {
+  int T, H, F, E, K, Fs;
+  int fused, score, normalize, use_bias;
+  float route_scale, aux_coef, z_coef;
+  int nb;       // token blocks of 128
+  int max_mt;   // expert m-tiles at most: ceil(T*K / 128) + E
+  int smt;      // shared-expert m-tiles: nb
+  int chunks;   // replicated-sum chunks of MOK_REDUCE_CHUNK_TOKENS tokens
+};
+
+struct FwdParams {
+  CUtensorMap m_x;      // x [T, H]
+  CUtensorMap m_wr;     // w_router [E, H]
+  CUtensorMap m_w13;    // w13 [E*2F, H]
+  CUtensorMap m_w2;     // w2 [E*H, F]
+  CUtensorMap m_xrows;  // x_rows [R, H]
+  CUtensorMap m_hrows;  // h_rows [R, F]
+  CUtensorMap m_ws13;   // ws13 [2Fs, H]
+  CUtensorMap m_ws2;    // ws2 [H, Fs]
+  CUtensorMap m_sh;     // sh [T, Fs]
+  GpuStep st;
+  Shape s;
+  uint64_t context_id, serial;
+  const bf16* x;
+  const float* bias;          // [E] or null
+  const int32_t* in_idx;      // replay [T, K]
+  const float* in_w;          // replay [T, K]
+  bf16* y;
+  int32_t* tokens_per_expert; // [E] or null
+  float* aux_loss;            // or null
+  float* z_loss;              // or null
+  int32_t* out_idx;           // fused, or null
+  float* out_w;               // fused, or null
+  SavedView sv;
+  // workspace
+  float* logits;        // [T, E]
+  float* scores;        // [T, E]
+  float* lse;           // [T]
+  int32_t* rank;        // [T, K] slot's rank among its block's rows of that expert
+  int32_t* block_counts;// [nb, E]
+  int32_t* block_off;   // [nb, E]
+  int32_t* tile_expert; // [max_mt]
+  int32_t* tile_row0;   // [max_mt]
+  int32_t* tile_row_end;// [max_mt]
+  int32_t* num_tiles;   // [1]
+  float* chunk_stats;   // [chunks, E + 1]
+  bf16* shared_o;       // [T, H]
+};
+
+struct BwdParams {
+  CUtensorMap m_dy;     // dy [T, H]
+  CUtensorMap m_x;      // x [T, H]
+  CUtensorMap m_wr;     // w_router [E, H]
+  CUtensorMap m_w13;    // w13 [E*2F, H]
+  CUtensorMap m_w2;     // w2 [E*H, F]
+  CUtensorMap m_dyrows; // dy_rows [R, H]
+  CUtensorMap m_xrows;  // x_rows [R, H]
+  CUtensorMap m_hrows;  // h_rows [R, F]
+  CUtensorMap m_da;     // d_a [R, 2F]
+  CUtensorMap m_dlog;   // dlogits [T, E]
+  CUtensorMap m_ws13;   // ws13 [2Fs, H]
+  CUtensorMap m_ws2;    // ws2 [H, Fs]
+  CUtensorMap m_sh;     // sh [T, Fs]
+  CUtensorMap m_das;    // d_a_s [T, 2Fs]
+  GpuStep st;
+  Shape s;
+  uint64_t context_id;
+  int wgrad_fp32;       // add into fp32 buffers instead of writing bf16
+  const bf16* dy;
+  const float* d_aux;   // or null (1)
+  const float* d_z;     // or null (1)
+  SavedView sv;
+  bf16* dx;
+  float* d_topk_weight; // replay
+  void* d_w_router;     // [E, H]
+  void* d_w13;          // [E, 2F, H]
+  void* d_w2;           // [E, H, F]
+  void* d_ws13;         // [2Fs, H]
+  void* d_ws2;          // [H, Fs]
+  // workspace
+  float* dg;            // [T, K]
+  bf16* dy_rows;        // [R, H]
+  bf16* d_a;            // [R, 2F]
+  bf16* dx_rows;        // [R, H]
+  bf16* dlogits;        // [T, E]
+  bf16* d_a_s;          // [T, 2Fs]
+  float* dx_router;     // [T, H]
+  float* dx_shared;     // [T, H]
+  float* partials;      // [chunks, E*H + 3*Fs*H]
+  int64_t partial_len;  // E*H + 3*Fs*H
+};
+
+}  // namespace mok

@@ -1,0 +1,229 @@
+// sm90_common.cuh — what the forward and backward megakernels share: the persistent
+// task loop's shared memory, bounded dependency waits, and the TMA + wgmma tile GEMM.
+//
+// A CTA is 384 threads: warpgroup 0 (warp 0, lane 0) is the TMA producer of GEMM tasks,
+// warpgroups 1 and 2 are the wgmma consumers (64 output rows each); non-GEMM tasks use
+// all 384 threads. Tasks come from one integer ticket in a fixed topological order, so
+// a task only waits for tasks already taken (no deadlock with one CTA per SM).
+//
+// GEMM tile: C[128 x 128] = A[128 x K] B[K x 128], fp32 accumulators. Each K block of 64
+// is four 64 x 64 bf16 TMA boxes (two of A, two of B; 128-byte swizzle) in a ring of
+// kStages stages with full/empty mbarriers. An operand is K-major (box = 64 rows x 64 k,
+// k contiguous) or MN-major (box = 64 k rows x 64 mn, mn contiguous); wgmma reads either
+// through its descriptor (the transpose bits). Within a tile each output element is one
+// accumulator summed over K blocks in increasing order; inside a block the order is the
+// tensor core's, the same on every SM and for every M (one tile shape for everything).
+#pragma once
+#include "gpu_params.h"
+#include "ptx.cuh"
+
+namespace mok {
+
+constexpr int kThreads = 384;
+constexpr int BM = 128, BN = 128, BK = 64;
+constexpr int kStages = 4;
+constexpr int kBoxBytes = 64 * 64 * 2;
+constexpr int kStageBytes = 4 * kBoxBytes;  // A box 0, A box 1, B box 0, B box 1
+
+struct alignas(1024) Smem {
+  uint8_t stage[kStages][kStageBytes];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+  float warp_scratch[kThreads / 32][256];  // per warp: one token's expert scores
+  int task;
+  int abort;
+  int last_cta;
+};
+static_assert(sizeof(Smem) <= 227 * 1024, "shared memory");
+
+// One operand of a tile: the tensor map and, per box, the row (K-major) or the mn start
+// (MN-major); k0 is the first k (inner coordinate for K-major, outer for MN-major).
+struct Operand {
+  const CUtensorMap* map;
+  int pos[2];
+  int k0;
+};
+
+__device__ __forceinline__ void smem_init(Smem& sm) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; s++) {
+      mbar_init(&sm.full[s], 1);
+      mbar_init(&sm.empty[s], 2);  // one arrival per consumer warpgroup
+    }
+    sm.abort = 0;
+    fence_mbar_init();
+  }
+  __syncthreads();
+}
+
+// ---- dependencies ----
+
+// Thread 0 waits until *counter >= target, at most timeout_ns; then every thread of the
+// CTA returns true, or false when the step is being abandoned (timeout or an error
+// raised elsewhere). The acquire plus the CTA barrier order the producers' writes
+// before this CTA's reads, and fence.proxy.async before its TMA reads.
+static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* counter, uint32_t target,
+                                          const GpuStep& st) {
+  if (threadIdx.x == 0) {
+    const uint64_t t0 = globaltimer_ns();
+    while (ld_acquire(counter) < target) {
+      if (*(volatile uint32_t*)&st.sync->error != 0) {
+        sm.abort = 1;
+        break;
+      }
+      if (globaltimer_ns() - t0 > st.timeout_ns) {
+        atomicCAS(&st.sync->error, 0u, (uint32_t)MOK_STATUS_COMM_TIMEOUT);
+        sm.abort = 1;
+        break;
+      }
+      __nanosleep(128);
+    }
+    fence_proxy_async();
+  }
+  __syncthreads();
+  return sm.abort == 0;
+}
+
+// Marks one unit of a counter done, after every thread's writes of this task.
+__device__ __forceinline__ void signal_counter(uint32_t* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    red_release_add(counter, 1);
+  }
+}
+
+// Raises a device-side error (first one wins); every CTA abandons the step.
+__device__ __forceinline__ void raise_error(const GpuStep& st, mok_status_t s) {
+  atomicCAS(&st.sync->error, 0u, (uint32_t)s);
+}
+
+// Takes the next task; false when none is left or the step is abandoned.
+__device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_tasks, int* task) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int t = (int)atomicAdd(&st.sync->ticket, 1u);
+    if (*(volatile uint32_t*)&st.sync->error != 0) t = num_tasks;
+    sm.task = t;
+  }
+  __syncthreads();
+  *task = sm.task;
+  return sm.task < num_tasks && sm.abort == 0;
+}
+
+// The last CTA to leave publishes the step's status and zeroes the counters for the
+// next launch (so a launch needs no memset before it and a CUDA graph can replay it).
+static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    sm.last_cta = atomicAdd(&st.sync->exit_count, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!sm.last_cta) return;
+  __threadfence();
+  if (threadIdx.x == 0) *st.status = *(volatile uint32_t*)&st.sync->error;
+  uint32_t* words = st.sync->counter;
+  for (uint32_t i = threadIdx.x; i < st.num_counters; i += blockDim.x) words[i] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    st.sync->ticket = 0;
+    st.sync->error = 0;
+    __threadfence();
+    st.sync->exit_count = 0;
+  }
+}
+
+// ---- the tile GEMM ----
+
+// Ring position: K blocks this CTA has put through the ring, the same in every thread.
+struct Ring {
+  uint32_t it;
+};
+
+// acc (per consumer thread: 64 floats) = A[128 x K] B[K x 128] over num_kb K blocks of 64.
+// TA / TB = 1 when that operand is MN-major. k_valid_last < 64 zeroes the k rows past it
+// in the last block (MN-major operands whose k are rows of several experts).
+// The epilogue runs in the consumer threads: epi(acc, wg, warp, lane), rows
+// wg*64 + warp*16 + lane/4 (+8), columns 8*i + 2*(lane%4) (+1) for acc[4i..4i+3].
+template <int TA, int TB, class Epi>
+__device__ __forceinline__ void gemm_tile(Smem& sm, Ring& ring, const Operand& A, const Operand& B,
+                                          int num_kb, int k_valid_last, Epi epi) {
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int kb = 0; kb < num_kb; kb++) {
+      const uint32_t it = ring.it + kb, s = it % kStages, ph = (it / kStages) & 1;
+      while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
+      }
+      mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
+      uint8_t* dst = sm.stage[s];
+      const int k = kb * BK;
+#pragma unroll
+      for (int b = 0; b < 2; b++) {
+        if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.pos[b], A.k0 + k);
+        else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.k0 + k, A.pos[b]);
+        if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + k);
+        else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.k0 + k, B.pos[b]);
+      }
+    }
+  } else if (tid >= 128) {
+    const int wg = tid / 128 - 1, ct = tid - 128;
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.f;
+    for (int kb = 0; kb < num_kb; kb++) {
+      const uint32_t it = ring.it + kb, s = it % kStages, ph = (it / kStages) & 1;
+      while (!mbar_try_wait(&sm.full[s], ph)) {
+      }
+      uint8_t* stage = sm.stage[s];
+      if (kb == num_kb - 1 && k_valid_last < BK) {
+        // zero k rows [k_valid_last, 64) of all four boxes (MN-major: a k row = 128 B)
+        const int rows = BK - k_valid_last, chunks = 4 * rows * 8;
+        for (int i = ct; i < chunks; i += 256) {
+          const int box = i / (rows * 8), r = k_valid_last + (i / 8) % rows, c = i % 8;
+          *reinterpret_cast<uint4*>(stage + box * kBoxBytes + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ks++) {
+        const uint8_t* a = stage + wg * kBoxBytes;
+        const uint8_t* b = stage + 2 * kBoxBytes;
+        const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
+        const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
+        wgmma_m64n128k16<TA, TB>(acc, da, db, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      if (ct % 128 == 0) mbar_arrive(&sm.empty[s]);
+    }
+    epi(acc, wg, (ct % 128) / 32, ct % 32);
+  }
+  ring.it += num_kb;
+}
+
+// Output coordinates of accumulator pair i (acc[4i + 2h], acc[4i + 2h + 1]).
+__device__ __forceinline__ int acc_row(int wg, int warp, int lane, int h) { return wg * 64 + warp * 16 + lane / 4 + 8 * h; }
+__device__ __forceinline__ int acc_col(int lane, int i) { return 8 * i + 2 * (lane % 4); }
+
+__device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ __nv_bfloat16 to_bf(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ float silu(float g) { return __fdiv_rn(g, __fadd_rn(1.f, __expf(-g))); }
+
+// bf16 store of a 128 x 128 tile into out [rows, ld] for rows < row_end, cols < ncols.
+__device__ __forceinline__ void store_tile_bf16(float (&acc)[64], int wg, int w, int l, int row0, int row_end, int c0,
+                                                int ncols, bf16* out, int64_t ld) {
+#pragma unroll
+  for (int i = 0; i < 16; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int r = row0 + acc_row(wg, w, l, h), c = c0 + acc_col(l, i);
+      if (r < row_end && c < ncols)
+        *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)r * ld + c) =
+            __halves2bfloat162(to_bf(acc[4 * i + 2 * h]), to_bf(acc[4 * i + 2 * h + 1]));
+    }
+}
+
+}  // namespace mok

@@ -1,0 +1,443 @@
+// sm90_moe_backward.cu — the backward megakernel: every gradient of the layer in one
+// persistent launch (CPU reference: bf16_backward in src/cpu/layer_impl.h).
+//
+// Tasks, in ticket order (each waits only on earlier ones):
+//   DG[b]         token block b: d_g[t, j] = dy[t] . o_j; dy_j = bf16(g dy[t]) to the
+//                 expert rows; router backward (dlogits, bf16) or d_topk_weight
+//   DHS[m,n]      shared expert: dh_s = dy ws2, d_a_s = bf16(SwiGLU')
+//   DH[m,n]       experts: dh = dy_j w2[e], d_a = bf16(SwiGLU')
+//   DXR[b,n]      dx router path = dlogits w_router (fp32)
+//   DXS[m,n]      dx shared path = d_a_s ws13 (fp32)
+//   DX[m,n]       dx_j = bf16(d_a w13[e])
+//   WG2[e,m,n]    dw2[e] = dy_rows^T h_rows, over the expert's rows in order
+//   WG13[e,m,n]   dw13[e] = d_a^T x_rows
+//   RW[c,tile]    replicated gradients of 64-token chunk c: dW_router, dws13, dws2
+//   TREE[slice]   the fixed pairwise tree over the chunks, then written out
+//   DXSUM[b]      dx[t] = bf16(sum_j dx_j + router path + shared path)
+#include "sm90_common.cuh"
+
+namespace mok {
+
+enum : int { B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_FIXED };  // then dh[max_mt], dhs[smt]
+
+constexpr int kTreeSlice = 8192;  // elements per TREE task
+
+__device__ __forceinline__ int cdivb(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = __fadd_rn(v, __shfl_xor_sync(~0u, v, o));
+  return v;
+}
+
+// ---- DG: d_g, dy_j, router backward ----
+__device__ void dg_task(Smem& sm, const BwdParams& p, int b) {
+  const Shape& s = p.s;
+  const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H, E = s.E;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
+    const int t = i / K, pos = p.sv.pos[i];
+    const float g = p.sv.g[i];
+    const uint4* dyv = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
+    const uint4* ov = reinterpret_cast<const uint4*>(p.sv.o_rows + (int64_t)pos * H);
+    uint4* dst = reinterpret_cast<uint4*>(p.dy_rows + (int64_t)pos * H);
+    float part = 0.f;  // lane's h in increasing order, then the warp's fixed tree
+    for (int v = lane; v < H / 8; v += 32) {
+      const uint4 dr = dyv[v], orw = ov[v];
+      const bf16* d = reinterpret_cast<const bf16*>(&dr);
+      const bf16* o = reinterpret_cast<const bf16*>(&orw);
+      uint4 out;
+      bf16* dj = reinterpret_cast<bf16*>(&out);
+#pragma unroll
+      for (int k = 0; k < 8; k++) {
+        part = __fadd_rn(part, __fmul_rn(bf(d[k]), bf(o[k])));
+        dj[k] = to_bf(__fmul_rn(g, bf(d[k])));
+      }
+      dst[v] = out;
+    }
+    part = warp_sum(part);
+    if (lane == 0) {
+      p.dg[i] = part;
+      if (!s.fused) p.d_topk_weight[i] = part;
+    }
+  }
+  if (s.fused) {
+    __syncthreads();
+    const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
+    const float TK = (float)s.T * (float)K;
+    for (int t = t0 + warp; t < t1; t += kThreads / 32) {
+      const float* lt = p.sv.logits + (int64_t)t * E;
+      float l[8], sc[8], pz[8], ds[8];
+      float m = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        l[i] = lane + 32 * i < E ? lt[lane + 32 * i] : -INFINITY;
+        m = fmaxf(m, l[i]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; i++) sum = __fadd_rn(sum, lane + 32 * i < E ? __expf(__fsub_rn(l[i], m)) : 0.f);
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(~0u, sum, o));
+      const float lse = __fadd_rn(m, __logf(sum));
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const int e = lane + 32 * i;
+        pz[i] = e < E ? __fdiv_rn(__expf(__fsub_rn(l[i], m)), sum) : 0.f;
+        sc[i] = s.score == MOK_SCORE_SOFTMAX ? pz[i] : (e < E ? __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-l[i]))) : 0.f);
+        ds[i] = 0.f;
+        if (e < E && s.aux_coef != 0.f)  // d aux / d s[t, e] = d_aux alpha E f_e / T
+          ds[i] = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),
+                                      __fdiv_rn((float)p.sv.counts[e], TK)), (float)s.T);
+      }
+      // g_j = route_scale s_j / S: S and sum_j dgn_j g_n_j over slots in order
+      float* sw = sm.warp_scratch[warp];
+#pragma unroll
+      for (int i = 0; i < 8; i++)
+        if (lane + 32 * i < E) sw[lane + 32 * i] = sc[i];
+      __syncwarp();
+      float S = 0.f, dot = 0.f;
+      for (int j = 0; j < K; j++) S = __fadd_rn(S, sw[p.sv.idx[(int64_t)t * K + j]]);
+      for (int j = 0; j < K; j++) {
+        const float v = sw[p.sv.idx[(int64_t)t * K + j]];
+        dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(p.dg[(int64_t)t * K + j], s.route_scale), __fdiv_rn(v, S)));
+      }
+      __syncwarp();
+      for (int j = 0; j < K; j++) {
+        const int e = p.sv.idx[(int64_t)t * K + j];
+        const float dgn = __fmul_rn(p.dg[(int64_t)t * K + j], s.route_scale);
+        const float d = s.normalize ? __fdiv_rn(__fsub_rn(dgn, dot), S) : dgn;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+          if (lane + 32 * i == e) ds[i] = __fadd_rn(ds[i], d);
+      }
+      float dl[8];
+      if (s.score == MOK_SCORE_SOFTMAX) {
+        float sd = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) sd = __fadd_rn(sd, __fmul_rn(ds[i], sc[i]));
+        sd = warp_sum(sd);
+#pragma unroll
+        for (int i = 0; i < 8; i++) dl[i] = __fmul_rn(sc[i], __fsub_rn(ds[i], sd));
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) dl[i] = __fmul_rn(__fmul_rn(ds[i], sc[i]), __fsub_rn(1.f, sc[i]));
+      }
+      if (s.z_coef != 0.f) {  // d/dl of beta mean_t lse^2 = beta 2 lse softmax(l) / T
+        const float zc = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_z, s.z_coef), 2.f), lse), (float)s.T);
+#pragma unroll
+        for (int i = 0; i < 8; i++) dl[i] = __fadd_rn(dl[i], __fmul_rn(zc, pz[i]));
+      }
+#pragma unroll
+      for (int i = 0; i < 8; i++)
+        if (lane + 32 * i < E) p.dlogits[(int64_t)t * E + lane + 32 * i] = to_bf(dl[i]);
+    }
+  }
+  signal_counter(&p.st.sync->counter[B_DG]);
+}
+
+// d_a = bf16(SwiGLU derivative) for a tile of dh (columns f0.., 128 wide) given a = gate|up.
+__device__ __forceinline__ void swiglu_bwd_epilogue(float (&acc)[64], int wg, int w, int l, int row0, int row_end,
+                                                    int f0, int F, const bf16* a_rows, bf16* d_a) {
+#pragma unroll
+  for (int i = 0; i < 16; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int r = row0 + acc_row(wg, w, l, h), f = f0 + acc_col(l, i);
+      if (r >= row_end || f >= F) continue;
+      const bf16* ar = a_rows + (int64_t)r * 2 * F;
+      bf16* dr = d_a + (int64_t)r * 2 * F;
+#pragma unroll
+      for (int x = 0; x < 2; x++) {
+        const float gate = bf(ar[f + x]), up = bf(ar[F + f + x]), dh = acc[4 * i + 2 * h + x];
+        const float sg = __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-gate)));
+        const float si = __fmul_rn(gate, sg);
+        const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
+        dr[f + x] = to_bf(__fmul_rn(__fmul_rn(dh, up), dsi));
+        dr[F + f + x] = to_bf(__fmul_rn(dh, si));
+      }
+    }
+}
+
+__device__ __forceinline__ void store_tile_f32(float (&acc)[64], int wg, int w, int l, int row0, int row_end, int c0,
+                                               int ncols, float* out, int64_t ld) {
+#pragma unroll
+  for (int i = 0; i < 16; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int r = row0 + acc_row(wg, w, l, h), c = c0 + acc_col(l, i);
+      if (r < row_end && c < ncols) out[(int64_t)r * ld + c] = acc[4 * i + 2 * h];
+      if (r < row_end && c + 1 < ncols) out[(int64_t)r * ld + c + 1] = acc[4 * i + 2 * h + 1];
+    }
+}
+
+// Weight-gradient tile out: bf16 written, or added into fp32 buffers.
+__device__ __forceinline__ void store_wgrad(const BwdParams& p, float (&acc)[64], int wg, int w, int l, int r0, int rows,
+                                            int c0, int cols, void* out) {
+#pragma unroll
+  for (int i = 0; i < 16; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+      for (int x = 0; x < 2; x++) {
+        const int r = r0 + acc_row(wg, w, l, h), c = c0 + acc_col(l, i) + x;
+        if (r >= rows || c >= cols) continue;
+        const int64_t k = (int64_t)r * cols + c;
+        if (p.wgrad_fp32) {
+          float* o = reinterpret_cast<float*>(out) + k;
+          *o = __fadd_rn(*o, acc[4 * i + 2 * h + x]);
+        } else {
+          reinterpret_cast<bf16*>(out)[k] = to_bf(acc[4 * i + 2 * h + x]);
+        }
+      }
+}
+
+// Expert m-tile of the expert rows: (expert, first row, end row) from the saved offsets.
+// Tiles follow the forward's order: experts in order, 128 rows each.
+__device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, int* row0, int* row_end) {
+  int first = 0;
+  for (int x = 0; x < p.s.E; x++) {
+    const int n = p.sv.counts[x], tiles = cdivb(n, BM);
+    if (mt < first + tiles) {
+      *e = x;
+      *row0 = p.sv.expert_off[x] + (mt - first) * BM;
+      *row_end = p.sv.expert_off[x] + n;
+      return true;
+    }
+    first += tiles;
+  }
+  return false;
+}
+
+__device__ void dhs_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
+  const Shape& s = p.s;
+  const int t0 = mt * BM;
+  Operand A{&p.m_dy, {t0, t0 + 64}, 0};
+  Operand B{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
+  gemm_tile<0, 1>(sm, ring, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+    swiglu_bwd_epilogue(acc, wg, w, l, t0, s.T, nt * BN, s.Fs, p.sv.sa, p.d_a_s);
+  });
+  signal_counter(&p.st.sync->counter[B_FIXED + s.max_mt + mt]);
+  if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DHS_ALL], 1);
+}
+
+__device__ void dh_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st)) return;
+  int e, row0, row_end;
+  if (expert_tile(p, mt, &e, &row0, &row_end)) {
+    Operand A{&p.m_dyrows, {row0, row0 + 64}, 0};
+    Operand B{&p.m_w2, {nt * BN, nt * BN + 64}, e * s.H};
+    gemm_tile<0, 1>(sm, ring, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+      swiglu_bwd_epilogue(acc, wg, w, l, row0, row_end, nt * BN, s.F, p.sv.a_rows, p.d_a);
+    });
+  }
+  signal_counter(&p.st.sync->counter[B_FIXED + mt]);
+  if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
+}
+
+__device__ void dxr_task(Smem& sm, Ring& ring, const BwdParams& p, int b, int nt) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st)) return;
+  const int t0 = b * BM;
+  Operand A{&p.m_dlog, {t0, t0 + 64}, 0};
+  Operand B{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
+  gemm_tile<0, 1>(sm, ring, A, B, cdivb(s.E, BK), BK, [&](float(&acc)[64], int wg, int w, int l) {
+    store_tile_f32(acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_router, s.H);
+  });
+  signal_counter(&p.st.sync->counter[B_DXR]);
+}
+
+__device__ void dxs_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], cdivb(s.Fs, BN), p.st)) return;
+  const int t0 = mt * BM;
+  Operand A{&p.m_das, {t0, t0 + 64}, 0};
+  Operand B{&p.m_ws13, {nt * BN, nt * BN + 64}, 0};
+  gemm_tile<0, 1>(sm, ring, A, B, 2 * s.Fs / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+    store_tile_f32(acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_shared, s.H);
+  });
+  signal_counter(&p.st.sync->counter[B_DXS]);
+}
+
+__device__ void dx_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], cdivb(s.F, BN), p.st)) return;
+  int e, row0, row_end;
+  if (expert_tile(p, mt, &e, &row0, &row_end)) {
+    Operand A{&p.m_da, {row0, row0 + 64}, 0};
+    Operand B{&p.m_w13, {nt * BN, nt * BN + 64}, e * 2 * s.F};
+    gemm_tile<0, 1>(sm, ring, A, B, 2 * s.F / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+      store_tile_bf16(acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H);
+    });
+  }
+  signal_counter(&p.st.sync->counter[B_DX]);
+}
+
+// dW[e] tile = sum over the expert's rows (in order, 64 per K block) of A^T B.
+__device__ void wgrad_task(Smem& sm, Ring& ring, const BwdParams& p, int which, int e, int mt, int nt) {
+  const Shape& s = p.s;
+  const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
+  const uint32_t target = which == 2 ? (uint32_t)s.nb : (uint32_t)(s.max_mt * cdivb(s.F, BN));
+  if (!wait_counter(sm, dep, target, p.st)) return;
+  const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
+  const int valid_last = n - (nk - 1) * BK;
+  if (which == 2) {  // dw2[e] [H, F] = dy_rows^T h_rows
+    Operand A{&p.m_dyrows, {mt * BM, mt * BM + 64}, off};
+    Operand B{&p.m_hrows, {nt * BN, nt * BN + 64}, off};
+    gemm_tile<1, 1>(sm, ring, A, B, nk, valid_last, [&](float(&acc)[64], int wg, int w, int l) {
+      store_wgrad(p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * (p.wgrad_fp32 ? 4 : 2));
+    });
+  } else {  // dw13[e] [2F, H] = d_a^T x_rows
+    Operand A{&p.m_da, {mt * BM, mt * BM + 64}, off};
+    Operand B{&p.m_xrows, {nt * BN, nt * BN + 64}, off};
+    gemm_tile<1, 1>(sm, ring, A, B, nk, valid_last, [&](float(&acc)[64], int wg, int w, int l) {
+      store_wgrad(p, acc, wg, w, l, mt * BM, 2 * s.F, nt * BN, s.H, (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * (p.wgrad_fp32 ? 4 : 2));
+    });
+  }
+}
+
+// Replicated gradients of chunk c: one 128 x 128 tile of [dW_router | dws13 | dws2].
+__device__ void rw_task(Smem& sm, Ring& ring, const BwdParams& p, int c, int tile) {
+  const Shape& s = p.s;
+  const int nH = cdivb(s.H, BN), tr = s.fused ? cdivb(s.E, BM) * nH : 0;
+  const int t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
+  const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
+  float* part = p.partials + (int64_t)c * p.partial_len;
+  if (tile < tr) {
+    if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st)) return;
+    const int mt = tile / nH, nt = tile % nH;
+    Operand A{&p.m_dlog, {mt * BM, mt * BM + 64}, k0};
+    Operand B{&p.m_x, {nt * BN, nt * BN + 64}, k0};
+    gemm_tile<1, 1>(sm, ring, A, B, 1, BK, [&](float(&acc)[64], int wg, int w, int l) {
+      store_tile_f32(acc, wg, w, l, mt * BM, s.E, nt * BN, s.H, part, s.H);
+    });
+  } else if (tile < tr + t13) {
+    tile -= tr;
+    if (!wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * cdivb(s.Fs, BN)), p.st)) return;
+    const int mt = tile / nH, nt = tile % nH;
+    Operand A{&p.m_das, {mt * BM, mt * BM + 64}, k0};
+    Operand B{&p.m_x, {nt * BN, nt * BN + 64}, k0};
+    gemm_tile<1, 1>(sm, ring, A, B, 1, BK, [&](float(&acc)[64], int wg, int w, int l) {
+      store_tile_f32(acc, wg, w, l, mt * BM, 2 * s.Fs, nt * BN, s.H, part + (int64_t)s.E * s.H, s.H);
+    });
+  } else {
+    tile -= tr + t13;
+    const int nF = cdivb(s.Fs, BN), mt = tile / nF, nt = tile % nF;
+    Operand A{&p.m_dy, {mt * BM, mt * BM + 64}, k0};
+    Operand B{&p.m_sh, {nt * BN, nt * BN + 64}, k0};
+    gemm_tile<1, 1>(sm, ring, A, B, 1, BK, [&](float(&acc)[64], int wg, int w, int l) {
+      store_tile_f32(acc, wg, w, l, mt * BM, s.H, nt * BN, s.Fs, part + (int64_t)s.E * s.H + 2LL * s.Fs * s.H, s.Fs);
+    });
+  }
+  signal_counter(&p.st.sync->counter[B_RW]);
+}
+
+__device__ int rw_tiles(const Shape& s) {
+  const int nH = cdivb(s.H, BN);
+  return (s.fused ? cdivb(s.E, BM) * nH : 0) + (s.Fs ? cdivb(2 * s.Fs, BM) * nH + nH * cdivb(s.Fs, BN) : 0);
+}
+
+// The fixed pairwise tree over the chunks for a slice of elements, then written out.
+__device__ void tree_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_total) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st)) return;
+  const int64_t len = p.partial_len, er = s.fused ? (int64_t)s.E * s.H : 0;
+  const int64_t e1 = (int64_t)s.E * s.H, e2 = e1 + 2LL * s.Fs * s.H;
+  for (int64_t x = (int64_t)slice * kTreeSlice + threadIdx.x; x < min(len, (int64_t)(slice + 1) * kTreeSlice);
+       x += kThreads) {
+    if (x < e1 && x >= er) continue;
+    float* col = p.partials + x;
+    for (int n = s.chunks; n > 1; n = (n + 1) / 2)
+      for (int i = 0; i < n / 2 + (n & 1); i++) {
+        const float left = col[(int64_t)(2 * i) * len];
+        col[(int64_t)i * len] = 2 * i + 1 < n ? __fadd_rn(left, col[(int64_t)(2 * i + 1) * len]) : left;
+      }
+    const float v = s.chunks > 0 ? col[0] : 0.f;
+    void* out = x < e1 ? p.d_w_router : x < e2 ? p.d_ws13 : p.d_ws2;
+    const int64_t k = x < e1 ? x : x < e2 ? x - e1 : x - e2;
+    if (!out) continue;
+    if (p.wgrad_fp32) reinterpret_cast<float*>(out)[k] = __fadd_rn(reinterpret_cast<float*>(out)[k], v);
+    else reinterpret_cast<bf16*>(out)[k] = to_bf(v);
+  }
+  __syncthreads();
+}
+
+__device__ void dxsum_task(Smem& sm, const BwdParams& p, int b) {
+  const Shape& s = p.s;
+  const int nH = cdivb(s.H, BN);
+  if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * nH), p.st)) return;
+  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DXR], (uint32_t)(s.nb * nH), p.st)) return;
+  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DXS], (uint32_t)(s.smt * nH), p.st)) return;
+  const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int t = t0 + warp; t < t1; t += kThreads / 32)
+    for (int v = lane; v < H / 8; v += 32) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int j = 0; j < K; j++) {  // slots in order, then router, then shared
+        const uint4 raw = reinterpret_cast<const uint4*>(p.dx_rows + (int64_t)p.sv.pos[(int64_t)t * K + j] * H)[v];
+        const bf16* d = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], bf(d[k]));
+      }
+#pragma unroll
+      for (int k = 0; k < 8; k++) {
+        if (s.fused) acc[k] = __fadd_rn(acc[k], p.dx_router[(int64_t)t * H + v * 8 + k]);
+        if (s.Fs) acc[k] = __fadd_rn(acc[k], p.dx_shared[(int64_t)t * H + v * 8 + k]);
+      }
+      uint4 out;
+      bf16* o = reinterpret_cast<bf16*>(&out);
+#pragma unroll
+      for (int k = 0; k < 8; k++) o[k] = to_bf(acc[k]);
+      reinterpret_cast<uint4*>(p.dx + (int64_t)t * H)[v] = out;
+    }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  smem_init(sm);
+  const Shape& s = p.s;
+  if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
+                           p.sv.header[2] != (uint64_t)s.T))
+    raise_error(p.st, MOK_STATUS_INVALID_SAVED);
+  Ring ring{0};
+  const int nH = cdivb(s.H, BN), nF = cdivb(s.F, BN), nFs = cdivb(s.Fs, BN);
+  const int n_dhs = s.Fs ? s.smt * nFs : 0, n_dh = s.max_mt * nF, n_dxr = s.fused ? s.nb * nH : 0;
+  const int n_dxs = s.Fs ? s.smt * nH : 0, n_dx = s.max_mt * nH;
+  const int w2_tiles = cdivb(s.H, BM) * nF, w13_tiles = cdivb(2 * s.F, BM) * nH;
+  const int n_wg2 = s.E * w2_tiles, n_wg13 = s.E * w13_tiles;
+  const int rwt = rw_tiles(s), n_rw = s.chunks * rwt;
+  const int n_tree = rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0;
+  const int num_tasks = s.nb + n_dhs + n_dh + n_dxr + n_dxs + n_dx + n_wg2 + n_wg13 + n_rw + n_tree + s.nb;
+  int task;
+  while (next_task(sm, p.st, num_tasks, &task)) {
+    if (task < s.nb) { dg_task(sm, p, task); continue; }
+    task -= s.nb;
+    if (task < n_dhs) { dhs_task(sm, ring, p, task / nFs, task % nFs); continue; }
+    task -= n_dhs;
+    if (task < n_dh) { dh_task(sm, ring, p, task / nF, task % nF); continue; }
+    task -= n_dh;
+    if (task < n_dxr) { dxr_task(sm, ring, p, task / nH, task % nH); continue; }
+    task -= n_dxr;
+    if (task < n_dxs) { dxs_task(sm, ring, p, task / nH, task % nH); continue; }
+    task -= n_dxs;
+    if (task < n_dx) { dx_task(sm, ring, p, task / nH, task % nH); continue; }
+    task -= n_dx;
+    if (task < n_wg2) { wgrad_task(sm, ring, p, 2, task / w2_tiles, (task % w2_tiles) / nF, task % nF); continue; }
+    task -= n_wg2;
+    if (task < n_wg13) { wgrad_task(sm, ring, p, 13, task / w13_tiles, (task % w13_tiles) / nH, task % nH); continue; }
+    task -= n_wg13;
+    if (task < n_rw) { rw_task(sm, ring, p, task / rwt, task % rwt); continue; }
+    task -= n_rw;
+    if (task < n_tree) { tree_task(sm, p, task, (uint32_t)n_rw); continue; }
+    task -= n_tree;
+    dxsum_task(sm, p, task);
+  }
+  finish_step(sm, p.st);
+}
+
+}  // namespace mok

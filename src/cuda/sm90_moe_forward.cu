@@ -1,0 +1,372 @@
+// sm90_moe_forward.cu — the forward megakernel: the whole MoE layer forward in one
+// persistent launch (CPU reference: bf16_forward in src/cpu/layer_impl.h).
+//
+// Tasks, in ticket order (each waits only on earlier ones):
+//   ROUTE[b]      token block b (128 tokens): logits = x w_router^T (wgmma), scores,
+//                 top-K, weights; per-expert counts of the block and each slot's rank
+//                 among them; loss statistics of its two 64-token chunks
+//   SHARED1[m,n]  shared expert gate|up with SwiGLU (no dependency: fills the gaps)
+//   PREFIX        counts -> expert offsets (prefix sums in global token order), the
+//                 expert m-tile table, tokens_per_expert, aux and z losses (fixed tree)
+//   DISPATCH[b]   x rows of block b to their expert rows at pos = expert_off[e] +
+//                 block_off[b, e] + rank (written through the rank's peer pointer)
+//   GEMM1[m,n]    expert m-tile: a = x_rows w13[e]^T, epilogue h = silu(gate) * up
+//   SHARED2[m,n]  shared expert down projection
+//   GEMM2[m,n]    o = h w2[e]^T
+//   COMBINE[b]    y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order
+#include "sm90_common.cuh"
+
+namespace mok {
+
+enum : int { C_ROUTE, C_PREFIX, C_DISPATCH, C_G2, C_S2, C_FIXED };  // then mt1[max_mt], smt1[smt]
+
+__host__ __device__ inline uint32_t fwd_num_counters(const Shape& s) { return C_FIXED + s.max_mt + s.smt; }
+
+__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// Is key a (expert ia) ahead of key b (expert ib)? Larger first, ties to the lower
+// index, NaN after every number (the CPU rule).
+__device__ __forceinline__ bool ahead(float a, int ia, float b, int ib) {
+  if (a != a) return b != b && ia < ib;
+  if (b != b) return true;
+  return a > b || (a == b && ia < ib);
+}
+
+// ---- ROUTE ----
+__device__ void route_task(Smem& sm, Ring& ring, const FwdParams& p, int b) {
+  const Shape& s = p.s;
+  const int t0 = b * 128, t1 = min(s.T, t0 + 128), E = s.E, K = s.K;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (s.fused) {
+    for (int nt = 0; nt < cdiv(E, BN); nt++) {
+      Operand A{&p.m_x, {t0, t0 + 64}, 0};
+      Operand B{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
+      gemm_tile<0, 0>(sm, ring, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+#pragma unroll
+          for (int h = 0; h < 2; h++) {
+            const int t = t0 + acc_row(wg, w, l, h), e = nt * BN + acc_col(l, i);
+            if (t < t1 && e < E) p.logits[(int64_t)t * E + e] = acc[4 * i + 2 * h];
+            if (t < t1 && e + 1 < E) p.logits[(int64_t)t * E + e + 1] = acc[4 * i + 2 * h + 1];
+          }
+      });
+    }
+    __syncthreads();
+    // a warp per token: lanes hold experts lane, lane + 32, ... (E <= 256)
+    for (int t = t0 + warp; t < t1; t += kThreads / 32) {
+      float l[8], sc[8];
+      const float* lt = p.logits + (int64_t)t * E;
+      float m = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const int e = lane + 32 * i;
+        l[i] = e < E ? lt[e] : -INFINITY;
+        m = fmaxf(m, l[i]);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; i++) sum = __fadd_rn(sum, lane + 32 * i < E ? __expf(__fsub_rn(l[i], m)) : 0.f);
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(~0u, sum, o));
+      uint32_t chosen = 0;
+      float key[8];
+#pragma unroll
+      for (int i = 0; i < 8; i++) {
+        const int e = lane + 32 * i;
+        sc[i] = s.score == MOK_SCORE_SOFTMAX ? __fdiv_rn(__expf(__fsub_rn(l[i], m)), sum)
+                                             : __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-l[i])));
+        key[i] = (s.use_bias && e < E) ? __fadd_rn(sc[i], p.bias[e]) : sc[i];
+        if (e < E) p.scores[(int64_t)t * E + e] = sc[i];
+        else chosen |= 1u << i;  // not an expert
+      }
+      if (lane == 0) p.lse[t] = __fadd_rn(m, __logf(sum));
+      // K rounds of a warp argmax; lane j keeps slot j (K <= 32)
+      float gsum = 0.f, my_g = 0.f;
+      int my_e = 0;
+      for (int j = 0; j < K; j++) {
+        float bk = 0.f;
+        int be = -1;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+          if (!(chosen >> i & 1u) && (be < 0 || ahead(key[i], lane + 32 * i, bk, be))) bk = key[i], be = lane + 32 * i;
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) {
+          const float ok = __shfl_xor_sync(~0u, bk, o);
+          const int oe = __shfl_xor_sync(~0u, be, o);
+          if (oe >= 0 && (be < 0 || ahead(ok, oe, bk, be))) bk = ok, be = oe;
+        }
+        float gs = 0.f;  // the winner's lane marks it and broadcasts its score
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+          if (lane + 32 * i == be) chosen |= 1u << i, gs = sc[i];
+        gs = __shfl_sync(~0u, gs, be % 32);
+        if (lane == j) my_g = gs, my_e = be;
+        gsum = __fadd_rn(gsum, gs);  // slots in order
+      }
+      if (lane < K) {
+        const float g = s.normalize ? __fdiv_rn(my_g, gsum) : my_g;
+        p.sv.idx[(int64_t)t * K + lane] = my_e;
+        p.sv.g[(int64_t)t * K + lane] = __fmul_rn(g, s.route_scale);
+      }
+    }
+  } else {
+    for (int t = t0 + (int)threadIdx.x; t < t1; t += kThreads) {
+      for (int j = 0; j < K; j++) {
+        const int e = p.in_idx[(int64_t)t * K + j];
+        if (e < 0 || e >= E) raise_error(p.st, MOK_STATUS_INDEX_OUT_OF_RANGE);
+        for (int i = 0; i < j; i++)
+          if (p.in_idx[(int64_t)t * K + i] == e) raise_error(p.st, MOK_STATUS_DUPLICATE_INDEX);
+        p.sv.idx[(int64_t)t * K + j] = min(max(e, 0), E - 1);
+        p.sv.g[(int64_t)t * K + j] = p.in_w[(int64_t)t * K + j];
+      }
+    }
+  }
+  __syncthreads();
+  // per expert: the block's count and each slot's rank, in token order
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    int n = 0;
+    for (int t = t0; t < t1; t++)
+      for (int j = 0; j < K; j++)
+        if (p.sv.idx[(int64_t)t * K + j] == e) p.rank[(int64_t)t * K + j] = n++;
+    p.block_counts[(int64_t)b * E + e] = n;
+  }
+  // loss statistics per 64-token chunk: sum_t s[t, e] and sum_t lse_t^2, increasing t
+  if (s.fused && (s.aux_coef != 0.f || s.z_coef != 0.f))
+    for (int c = 0; c < 2; c++) {
+      const int c0 = t0 + c * 64, c1 = min(t1, c0 + 64);
+      if (c0 >= t1) break;
+      for (int e = threadIdx.x; e <= E; e += kThreads) {
+        float acc = 0.f;
+        for (int t = c0; t < c1; t++)
+          acc = __fadd_rn(acc, e < E ? p.scores[(int64_t)t * E + e] : __fmul_rn(p.lse[t], p.lse[t]));
+        p.chunk_stats[(int64_t)(b * 2 + c) * (E + 1) + e] = acc;
+      }
+    }
+  signal_counter(&p.st.sync->counter[C_ROUTE]);
+}
+
+// ---- PREFIX ----
+__device__ void prefix_task(Smem& sm, const FwdParams& p) {
+  const Shape& s = p.s;
+  const int E = s.E;
+  if (!wait_counter(sm, &p.st.sync->counter[C_ROUTE], s.nb, p.st)) return;
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    int tot = 0;
+    for (int b = 0; b < s.nb; b++) {
+      p.block_off[(int64_t)b * E + e] = tot;
+      tot += p.block_counts[(int64_t)b * E + e];
+    }
+    p.sv.counts[e] = tot;
+    if (p.tokens_per_expert) p.tokens_per_expert[e] = tot;
+  }
+  // loss statistics: the fixed pairwise tree over the chunks, in place, per column
+  const bool losses = s.fused && (s.aux_coef != 0.f || s.z_coef != 0.f);
+  if (losses)
+    for (int e = threadIdx.x; e <= E; e += kThreads) {
+      float* col = p.chunk_stats + e;
+      for (int n = s.chunks; n > 1; n = (n + 1) / 2)
+        for (int i = 0; i < n / 2 + (n & 1); i++) {
+          const float left = col[(int64_t)(2 * i) * (E + 1)];
+          col[(int64_t)i * (E + 1)] = 2 * i + 1 < n ? __fadd_rn(left, col[(int64_t)(2 * i + 1) * (E + 1)]) : left;
+        }
+    }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int off = 0, mt = 0;
+    for (int e = 0; e < E; e++) {
+      const int n = p.sv.counts[e];
+      p.sv.expert_off[e] = off;
+      for (int r = 0; r < n; r += BM) {
+        p.tile_expert[mt] = e;
+        p.tile_row0[mt] = off + r;
+        p.tile_row_end[mt] = off + n;
+        mt++;
+      }
+      off += n;
+    }
+    p.sv.expert_off[E] = off;
+    *p.num_tiles = mt;
+    if (losses) {  // aux = alpha E sum_e f_e P_e (increasing e); z = beta mean_t lse^2
+      float aux = 0.f;
+      const float TK = (float)s.T * (float)s.K;
+      for (int e = 0; e < E; e++)
+        aux = __fadd_rn(aux, __fmul_rn(__fdiv_rn((float)p.sv.counts[e], TK), __fdiv_rn(p.chunk_stats[e], (float)s.T)));
+      if (p.aux_loss) *p.aux_loss = __fmul_rn(__fmul_rn(s.aux_coef, (float)E), aux);
+      if (p.z_loss) *p.z_loss = __fmul_rn(s.z_coef, __fdiv_rn(p.chunk_stats[E], (float)s.T));
+    } else {
+      if (p.aux_loss) *p.aux_loss = 0.f;
+      if (p.z_loss) *p.z_loss = 0.f;
+    }
+    p.sv.header[0] = MOK_SAVED_MAGIC_GPU;
+    p.sv.header[1] = p.context_id;
+    p.sv.header[2] = (uint64_t)s.T;
+    p.sv.header[3] = p.serial;
+  }
+  if (s.fused && (p.out_idx || p.out_w))
+    for (int64_t i = threadIdx.x; i < (int64_t)s.T * s.K; i += kThreads) {
+      if (p.out_idx) p.out_idx[i] = p.sv.idx[i];
+      if (p.out_w) p.out_w[i] = p.sv.g[i];
+    }
+  signal_counter(&p.st.sync->counter[C_PREFIX]);
+}
+
+// ---- DISPATCH ----
+__device__ void dispatch_task(Smem& sm, const FwdParams& p, int b) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st)) return;
+  const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
+    const int t = i / K, e = p.sv.idx[i];
+    const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
+    if (lane == 0) p.sv.pos[i] = pos;
+    const uint4* src = reinterpret_cast<const uint4*>(p.x + (int64_t)t * H);
+    uint4* dst = reinterpret_cast<uint4*>(p.sv.x_rows + (int64_t)pos * H);
+    for (int v = lane; v < H / 8; v += 32) dst[v] = src[v];
+  }
+  signal_counter(&p.st.sync->counter[C_DISPATCH]);
+}
+
+// SwiGLU epilogue of a gate|up tile: columns 0..63 gate f0.., 64..127 up f0.. .
+// Writes a (bf16 gate, up) and h = bf16(silu(gate) * up) for rows < row_end.
+__device__ __forceinline__ void swiglu_epilogue(float (&acc)[64], int wg, int w, int l, int row0, int row_end, int f0,
+                                                int F, bf16* a_rows, bf16* h_rows) {
+#pragma unroll
+  for (int i = 0; i < 8; i++)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int r = row0 + acc_row(wg, w, l, h), f = f0 + acc_col(l, i);
+      if (r >= row_end || f >= F) continue;
+      const bf16 g0 = to_bf(acc[4 * i + 2 * h]), g1 = to_bf(acc[4 * i + 2 * h + 1]);
+      const bf16 u0 = to_bf(acc[4 * (i + 8) + 2 * h]), u1 = to_bf(acc[4 * (i + 8) + 2 * h + 1]);
+      bf16* ar = a_rows + (int64_t)r * 2 * F;
+      *reinterpret_cast<__nv_bfloat162*>(ar + f) = __halves2bfloat162(g0, g1);
+      *reinterpret_cast<__nv_bfloat162*>(ar + F + f) = __halves2bfloat162(u0, u1);
+      const bf16 h0 = to_bf(__fmul_rn(silu(bf(g0)), bf(u0))), h1 = to_bf(__fmul_rn(silu(bf(g1)), bf(u1)));
+      *reinterpret_cast<__nv_bfloat162*>(h_rows + (int64_t)r * F + f) = __halves2bfloat162(h0, h1);
+    }
+}
+
+// ---- expert and shared GEMMs ----
+__device__ void gemm1_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.nb, p.st)) return;
+  if (mt < *p.num_tiles) {
+    const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
+    const int F = s.F, wrow = e * 2 * F + nt * 64;
+    Operand A{&p.m_xrows, {row0, row0 + 64}, 0};
+    Operand B{&p.m_w13, {wrow, wrow + F}, 0};
+    gemm_tile<0, 0>(sm, ring, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+      swiglu_epilogue(acc, wg, w, l, row0, row_end, nt * 64, F, p.sv.a_rows, p.sv.h_rows);
+    });
+  }
+  signal_counter(&p.st.sync->counter[C_FIXED + mt]);
+}
+
+__device__ void shared1_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
+  const Shape& s = p.s;
+  const int t0 = mt * BM, Fs = s.Fs;
+  Operand A{&p.m_x, {t0, t0 + 64}, 0};
+  Operand B{&p.m_ws13, {nt * 64, Fs + nt * 64}, 0};
+  gemm_tile<0, 0>(sm, ring, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+    swiglu_epilogue(acc, wg, w, l, t0, s.T, nt * 64, Fs, p.sv.sa, p.sv.sh);
+  });
+  signal_counter(&p.st.sync->counter[C_FIXED + s.max_mt + mt]);
+}
+
+__device__ void gemm2_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], s.F / 64, p.st)) return;
+  if (mt < *p.num_tiles) {
+    const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
+    const int wrow = e * s.H + nt * BN;
+    Operand A{&p.m_hrows, {row0, row0 + 64}, 0};
+    Operand B{&p.m_w2, {wrow, wrow + 64}, 0};
+    gemm_tile<0, 0>(sm, ring, A, B, s.F / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+      store_tile_bf16(acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H);
+    });
+  }
+  signal_counter(&p.st.sync->counter[C_G2]);
+}
+
+__device__ void shared2_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], s.Fs / 64, p.st)) return;
+  const int t0 = mt * BM;
+  Operand A{&p.m_sh, {t0, t0 + 64}, 0};
+  Operand B{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
+  gemm_tile<0, 0>(sm, ring, A, B, s.Fs / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+    store_tile_bf16(acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H);
+  });
+  signal_counter(&p.st.sync->counter[C_S2]);
+}
+
+// ---- COMBINE ----
+__device__ void combine_task(Smem& sm, const FwdParams& p, int b) {
+  const Shape& s = p.s;
+  const int nH = cdiv(s.H, BN);
+  if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH), p.st)) return;
+  if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nH), p.st)) return;
+  const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int t = t0 + warp; t < t1; t += kThreads / 32)
+    for (int v = lane; v < H / 8; v += 32) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int j = 0; j < K; j++) {  // slots in order
+        const int64_t i = (int64_t)t * K + j;
+        const float g = p.sv.g[i];
+        const uint4 raw = reinterpret_cast<const uint4*>(p.sv.o_rows + (int64_t)p.sv.pos[i] * H)[v];
+        const bf16* o = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], __fmul_rn(g, bf(o[k])));
+      }
+      if (s.Fs > 0) {
+        const uint4 raw = reinterpret_cast<const uint4*>(p.shared_o + (int64_t)t * H)[v];
+        const bf16* o = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], bf(o[k]));
+      }
+      uint4 out;
+      bf16* y = reinterpret_cast<bf16*>(&out);
+#pragma unroll
+      for (int k = 0; k < 8; k++) y[k] = to_bf(acc[k]);
+      reinterpret_cast<uint4*>(p.y + (int64_t)t * H)[v] = out;
+    }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  smem_init(sm);
+  Ring ring{0};
+  const Shape& s = p.s;
+  const int nF1 = s.F / 64, nS1 = s.Fs / 64, nH = cdiv(s.H, BN);
+  const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
+  const int n_sh2 = s.Fs ? s.smt * nH : 0, n_g2 = s.max_mt * nH;
+  const int num_tasks = n_route + n_sh1 + 1 + s.nb + n_g1 + n_sh2 + n_g2 + s.nb;
+  int task;
+  while (next_task(sm, p.st, num_tasks, &task)) {
+    if (task < n_route) { route_task(sm, ring, p, task); continue; }
+    task -= n_route;
+    if (task < n_sh1) { shared1_task(sm, ring, p, task / nS1, task % nS1); continue; }
+    task -= n_sh1;
+    if (task < 1) { prefix_task(sm, p); continue; }
+    task -= 1;
+    if (task < s.nb) { dispatch_task(sm, p, task); continue; }
+    task -= s.nb;
+    if (task < n_g1) { gemm1_task(sm, ring, p, task / nF1, task % nF1); continue; }
+    task -= n_g1;
+    if (task < n_sh2) { shared2_task(sm, ring, p, task / nH, task % nH); continue; }
+    task -= n_sh2;
+    if (task < n_g2) { gemm2_task(sm, ring, p, task / nH, task % nH); continue; }
+    task -= n_g2;
+    combine_task(sm, p, task);
+  }
+  finish_step(sm, p.st);
+}
+
+}  // namespace mok
