@@ -22,7 +22,7 @@ CU_SRC   := $(wildcard src/cuda/*.cu)
 ifneq ($(NVCC),)
 CUDA_HOME := $(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))
 CUDA_LIB  := $(firstword $(wildcard $(CUDA_HOME)/lib64 $(CUDA_HOME)/targets/x86_64-linux/lib))
-CFLAGS    += -DMOK_HAVE_CUDA
+CFLAGS    += -DMOK_HAVE_CUDA -I$(CUDA_HOME)/include
 LDLIBS    += -L$(CUDA_LIB) -lcudart_static -ldl -lrt -lstdc++
 NVFLAGS   ?= -O3
 NVFLAGS   += -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC,-fvisibility=hidden \
@@ -33,7 +33,7 @@ LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(if $(NVCC),$(CU_SRC:%.cu=$(BUILD)/%.cu
 TOOL_OBJ := $(TOOL_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 
-.PHONY: all test run test-asan clean info
+.PHONY: all test test-gpu run test-asan clean info
 all: info $(BUILD)/libmok.a $(BUILD)/libmok.so $(BUILD)/mok $(BUILD)/mok_tests
 
 info:
@@ -61,6 +61,17 @@ $(BUILD)/mok_tests: $(TEST_OBJ) $(TOOL_OBJ) $(BUILD)/libmok.a
 
 test: $(BUILD)/mok_tests
 	$(BUILD)/mok_tests
+
+# GPU suite (an H200 or H100): the same runner built with the gpu suite only.
+$(BUILD)/tests/gpu/runner.o: tests/runner.c $(wildcard include/*.h tools/*.h tests/*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DMOK_GPU_TESTS -Isrc -Itools -c $< -o $@
+
+$(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(BUILD)/tests/gpu/test_gpu.o $(TOOL_OBJ) $(BUILD)/libmok.a
+	$(CC) -o $@ $^ $(LDLIBS)
+
+test-gpu: $(BUILD)/mok_gpu_tests
+	$(BUILD)/mok_gpu_tests
 
 run: $(BUILD)/mok
 	$(BUILD)/mok check --shape tiny --ranks 1,2,4

@@ -14,6 +14,8 @@ typedef struct {
 
 /* A suite file defines `const test_case_t suite_<name>[]` ending in {NULL, NULL}. */
 #define TEST_END {NULL, NULL}
+extern const test_case_t suite_validation[], suite_grad[], suite_numerics[], suite_determinism[],
+    suite_edge[], suite_gpu[];
 
 extern uint64_t test_seed; /* printed by the runner; every case derives its inputs from it */
 
@@ -34,6 +36,8 @@ extern uint64_t test_seed; /* printed by the runner; every case derives its inpu
 
 extern const char* test_current; /* "suite.case" of the running case */
 uint64_t test_case_seed(void);   /* test_seed mixed with the running case's name */
+uint64_t test_next(uint64_t* state); /* splitmix64 */
+uint16_t test_bf16(float f);         /* round to nearest even (finite f) */
 
 /* Everything below that allocates is freed (contexts and comms destroyed) by the runner
  * after the case, also when the case fails early. */
@@ -69,5 +73,8 @@ int test_close(const test_outputs_t* a, const test_outputs_t* b, const char* nam
 void test_reference_forward(const mok_problem_t* p, double* y, int32_t* topk_idx,
                             double* topk_weight, int32_t* tokens_per_expert, double* aux_loss,
                             double* z_loss);
+/* Compares an EXACT problem's last forward (W ranks, gathered) with the reference:
+ * routing and counts equal, y, weights and losses to 1e-12 relative. Returns failures. */
+int test_check_reference(const mok_problem_t* p);
 
 #endif

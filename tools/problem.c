@@ -403,3 +403,185 @@ int mok_problem_outputs(const mok_problem_t* p, int with_backward, mok_tensor_vi
   memcpy(v, all, (size_t)m * sizeof *v);
   return m;
 }
+
+/* ---- running on one GPU ---- */
+
+#ifdef MOK_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+typedef struct {
+  void* host;   /* problem tensor (input to upload, or output to fill) */
+  void* dev;
+  size_t bytes;
+  int output;   /* poisoned before the run and copied back after it */
+} dev_buf_t;
+
+#define CU_FAIL(what)                                                                          \
+  do {                                                                                         \
+    if (err) snprintf(err, err_len, "%s: %s", what, cudaGetErrorString(cudaGetLastError()));   \
+    status = MOK_STATUS_CUDA_ERROR;                                                            \
+    goto done;                                                                                 \
+  } while (0)
+
+mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, char* err,
+                                  size_t err_len) {
+  const mok_config_t* c = &p->cfg;
+  const int64_t T = p->T_global, H = c->H, F = c->F, E = c->E, K = c->K, Fs = c->Fs;
+  const size_t a = p->act, r = p->real, w = p->wgrad_elem;
+  const int replay = c->routing == MOK_ROUTING_REPLAY, accum = c->wgrad == MOK_WGRAD_FP32_ACCUM;
+  mok_status_t status = MOK_STATUS_SUCCESS;
+  mok_context_t* ctx = NULL;
+  cudaStream_t stream = NULL;
+  cudaEvent_t ev[3] = {NULL, NULL, NULL};
+  cudaGraph_t graph = NULL;
+  cudaGraphExec_t exec = NULL;
+  enum { X, WR, BIAS, W13, W2, WS13, WS2, DY, IDX, TW, DAUX, DZ, Y, DX, DTW, TPE, AUX, Z, DWR, DW13, DW2,
+         DWS13, DWS2, SAVED, WS, NBUF };
+  dev_buf_t b[NBUF] = {
+      [X] = {p->x, 0, T * H * a, 0}, [WR] = {p->w_router, 0, E * H * a, 0},
+      [BIAS] = {p->bias_select, 0, E * r, 0}, [W13] = {p->w13, 0, E * 2 * F * H * a, 0},
+      [W2] = {p->w2, 0, E * H * F * a, 0}, [WS13] = {p->ws13, 0, 2 * Fs * H * a, 0},
+      [WS2] = {p->ws2, 0, H * Fs * a, 0}, [DY] = {p->dy, 0, T * H * a, 0},
+      [IDX] = {replay ? (void*)p->topk_idx : (void*)p->out_topk_idx, 0, T * K * 4, !replay},
+      [TW] = {replay ? p->topk_weight : p->out_topk_weight, 0, T * K * r, !replay},
+      [DAUX] = {p->d_aux_loss, 0, r, 0}, [DZ] = {p->d_z_loss, 0, r, 0},
+      [Y] = {p->y, 0, T * H * a, 1}, [DX] = {p->dx, 0, T * H * a, 1},
+      [DTW] = {p->d_topk_weight, 0, T * K * r, 1}, [TPE] = {p->tokens_per_expert, 0, E * 4, 1},
+      [AUX] = {p->aux_loss, 0, r, 1}, [Z] = {p->z_loss, 0, r, 1},
+      [DWR] = {p->d_w_router, 0, E * H * w, 1}, [DW13] = {p->d_w13, 0, E * 2 * F * H * w, 1},
+      [DW2] = {p->d_w2, 0, E * H * F * w, 1}, [DWS13] = {p->d_ws13, 0, 2 * Fs * H * w, 1},
+      [DWS2] = {p->d_ws2, 0, H * Fs * w, 1}, [SAVED] = {NULL, 0, 0, 0}, [WS] = {NULL, 0, 0, 0}};
+  if (o->W != 1) {
+    if (err) snprintf(err, err_len, "the CUDA backend runs W = 1 in this version");
+    return MOK_STATUS_UNSUPPORTED_SHAPE;
+  }
+  mok_config_t cfg = *c;
+  cfg.T = T;
+  cfg.W = 1;
+  cfg.rank = 0;
+  cfg.backend = MOK_BACKEND_CUDA;
+  cfg.num_ctas = o->num_ctas;
+  if (o->comm_timeout_s > 0) cfg.comm_timeout_s = o->comm_timeout_s;
+  status = mok_context_create(&cfg, &ctx);
+  if (status) {
+    if (err) snprintf(err, err_len, "create: %s", mok_last_create_error());
+    return status;
+  }
+  mok_workspace_size(ctx, &b[WS].bytes);
+  mok_saved_size(ctx, &b[SAVED].bytes);
+  if (cudaStreamCreate(&stream) != cudaSuccess) CU_FAIL("cudaStreamCreate");
+  for (int i = 0; i < 3; i++)
+    if (cudaEventCreate(&ev[i]) != cudaSuccess) CU_FAIL("cudaEventCreate");
+  for (int i = 0; i < NBUF; i++) {
+    if (cudaMalloc(&b[i].dev, b[i].bytes ? b[i].bytes : 256) != cudaSuccess) CU_FAIL("cudaMalloc");
+    if (b[i].host && !b[i].output && b[i].bytes &&
+        cudaMemcpy(b[i].dev, b[i].host, b[i].bytes, cudaMemcpyHostToDevice) != cudaSuccess)
+      CU_FAIL("cudaMemcpy to the device");
+    if (b[i].output && cudaMemset(b[i].dev, 0xFF, b[i].bytes) != cudaSuccess) CU_FAIL("cudaMemset");
+  }
+  if (accum)
+    for (int i = DWR; i <= DWS2; i++)
+      if (cudaMemset(b[i].dev, 0, b[i].bytes) != cudaSuccess) CU_FAIL("cudaMemset");
+  mok_forward_args_t fa = {0};
+  fa.num_tokens = T;
+  fa.x = b[X].dev;
+  fa.w_router = b[WR].dev;
+  fa.bias_select = c->use_bias_select ? b[BIAS].dev : NULL;
+  fa.w13 = b[W13].dev;
+  fa.w2 = b[W2].dev;
+  fa.ws13 = Fs ? b[WS13].dev : NULL;
+  fa.ws2 = Fs ? b[WS2].dev : NULL;
+  fa.topk_idx = b[IDX].dev;
+  fa.topk_weight = b[TW].dev;
+  fa.y = b[Y].dev;
+  fa.tokens_per_expert = b[TPE].dev;
+  fa.aux_loss = b[AUX].dev;
+  fa.z_loss = b[Z].dev;
+  fa.saved = b[SAVED].dev;
+  fa.saved_bytes = b[SAVED].bytes;
+  fa.workspace = b[WS].dev;
+  fa.workspace_bytes = b[WS].bytes;
+  fa.stream = stream;
+  mok_backward_args_t ba = {0};
+  ba.num_tokens = T;
+  ba.x = fa.x;
+  ba.w_router = fa.w_router;
+  ba.w13 = fa.w13;
+  ba.w2 = fa.w2;
+  ba.ws13 = fa.ws13;
+  ba.ws2 = fa.ws2;
+  ba.dy = b[DY].dev;
+  ba.d_aux_loss = b[DAUX].dev;
+  ba.d_z_loss = b[DZ].dev;
+  ba.saved = fa.saved;
+  ba.saved_bytes = fa.saved_bytes;
+  ba.dx = b[DX].dev;
+  ba.d_topk_weight = replay ? b[DTW].dev : NULL;
+  ba.d_w_router = replay ? NULL : b[DWR].dev;
+  ba.d_w13 = b[DW13].dev;
+  ba.d_w2 = b[DW2].dev;
+  ba.d_ws13 = Fs ? b[DWS13].dev : NULL;
+  ba.d_ws2 = Fs ? b[DWS2].dev : NULL;
+  ba.workspace = fa.workspace;
+  ba.workspace_bytes = fa.workspace_bytes;
+  ba.stream = stream;
+  if (o->graph) {
+    if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess) CU_FAIL("capture");
+    mok_status_t sf = mok_forward(ctx, &fa);
+    mok_status_t sb = o->backward ? mok_backward(ctx, &ba) : MOK_STATUS_SUCCESS;
+    if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) CU_FAIL("cudaStreamEndCapture");
+    if (sf || sb) {
+      status = sf ? sf : sb;
+      if (err) snprintf(err, err_len, "captured step: %s", mok_context_last_error(ctx));
+      goto done;
+    }
+    if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) CU_FAIL("cudaGraphInstantiate");
+  }
+  for (int step = 0; step < o->steps; step++) {
+    cudaEventRecord(ev[0], stream);
+    if (o->graph) {
+      if (cudaGraphLaunch(exec, stream) != cudaSuccess) CU_FAIL("cudaGraphLaunch");
+      cudaEventRecord(ev[1], stream);
+    } else {
+      status = mok_forward(ctx, &fa);
+      if (status) goto fail;
+      cudaEventRecord(ev[1], stream);
+      if (o->backward) {
+        status = mok_backward(ctx, &ba);
+        if (status) goto fail;
+      }
+    }
+    cudaEventRecord(ev[2], stream);
+    status = mok_context_sync(ctx);
+    if (status) goto fail;
+    float ms_f = 0, ms_b = 0;
+    cudaEventElapsedTime(&ms_f, ev[0], ev[1]);
+    cudaEventElapsedTime(&ms_b, ev[1], ev[2]);
+    p->seconds_forward = ms_f * 1e-3;
+    p->seconds_backward = ms_b * 1e-3;
+  }
+  for (int i = 0; i < NBUF; i++)
+    if (b[i].output && b[i].host && b[i].bytes &&
+        cudaMemcpy(b[i].host, b[i].dev, b[i].bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
+      CU_FAIL("cudaMemcpy to the host");
+  goto done;
+fail:
+  if (err) snprintf(err, err_len, "%s", mok_context_last_error(ctx));
+done:
+  if (exec) cudaGraphExecDestroy(exec);
+  if (graph) cudaGraphDestroy(graph);
+  for (int i = 0; i < NBUF; i++) cudaFree(b[i].dev);
+  for (int i = 0; i < 3; i++)
+    if (ev[i]) cudaEventDestroy(ev[i]);
+  if (stream) cudaStreamDestroy(stream);
+  if (ctx) mok_context_destroy(ctx);
+  return status;
+}
+#else
+mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, char* err,
+                                  size_t err_len) {
+  (void)p, (void)o;
+  if (err) snprintf(err, err_len, "this build of mok has no CUDA backend");
+  return MOK_STATUS_BACKEND_UNAVAILABLE;
+}
+#endif

@@ -73,14 +73,23 @@ typedef struct {
   int64_t capacity;   /* config capacity per rank; 0 = default */
   double comm_timeout_s;
   int skip_rank;      /* a rank that never creates its context nor calls (fault test), or -1 */
+  int num_ctas;       /* CUDA: persistent CTAs, 0 = one per SM */
+  int graph;          /* CUDA: capture one forward + backward step in a CUDA graph and replay it */
 } mok_run_opts_t;
-#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1}
+#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0}
 
 /* Runs the problem; returns the first failing rank's status. The message of the first
  * failure is copied to err (size err_len) when err is not NULL. Gradient outputs in
  * FP32_ACCUM mode start from zero at each run and accumulate over its steps. */
 mok_status_t mok_problem_run(mok_problem_t* p, const mok_run_opts_t* opts, char* err,
                              size_t err_len);
+
+/* The same on the CUDA backend (W = 1, one GPU): inputs copied to the device, every
+ * output poisoned (0xFF bytes) before the run, results copied back into p's outputs.
+ * seconds_forward / seconds_backward: CUDA-event times of the last step. Returns
+ * MOK_STATUS_BACKEND_UNAVAILABLE when the library has no CUDA backend. */
+mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* opts, char* err,
+                                  size_t err_len);
 
 /* First differing element of two views, -1 when bitwise equal. */
 int64_t mok_first_difference(const mok_tensor_view_t* a, const mok_tensor_view_t* b);

@@ -1,0 +1,228 @@
+/* test_gpu.c — the CUDA backend against the CPU backend (its oracle), and D1, D2, D4,
+ * replay, CUDA graphs and device-side errors on the GPU. Built into mok_gpu_tests by
+ * `make test-gpu` (same runner, same last line as `make test`).
+ *
+ * Tolerances: bf16 tensors and fp32 results by ||gpu - cpu|| / ||cpu|| <= 1e-2 (the two
+ * backends differ only in the order of fp32 sums inside dot products, softmax and
+ * warp reductions); integers (top-K, tokens_per_expert) exactly. Outputs are poisoned
+ * on the device before every run (tools/problem.c). */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../runner.h"
+
+typedef struct {
+  const char* name;
+  int64_t T, H, F, E, K, Fs;
+  int routing, score, normalize, bias, wgrad;
+  float route_scale, aux, z;
+  int nan_token; /* a token whose x gets a NaN, or -1 */
+} gpu_shape_t;
+
+#define FUSED MOK_ROUTING_FUSED
+#define REPLAY MOK_ROUTING_REPLAY
+#define SOFTMAX MOK_SCORE_SOFTMAX
+#define SIGMOID MOK_SCORE_SIGMOID
+#define BF16 MOK_WGRAD_BF16
+#define ACCUM MOK_WGRAD_FP32_ACCUM
+
+/* 24 shapes: tails of every tile, K = 1 and K = E, E up to 256, shared expert, replay,
+ * sigmoid, accumulation, NaN input (edge cases of DESIGN.md section 6). */
+static const gpu_shape_t shapes[] = {
+    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
+    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
+    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1},
+    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1},
+    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1},
+    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
+    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1},
+    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1},
+    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1},
+    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
+    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1},
+    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
+    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
+    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1},
+    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1},
+    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1},
+    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1},
+    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1},
+    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1},
+    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5},
+    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5},
+    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
+    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
+    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1},
+};
+
+static mok_config_t shape_config(const gpu_shape_t* s) {
+  mok_config_t c = MOK_CONFIG_INIT;
+  c.H = s->H, c.F = s->F, c.E = s->E, c.K = s->K, c.Fs = s->Fs;
+  c.routing = s->routing, c.score = s->score, c.normalize = s->normalize;
+  c.use_bias_select = s->bias, c.wgrad = s->wgrad, c.route_scale = s->route_scale;
+  c.aux_loss_coef = s->aux, c.z_loss_coef = s->z;
+  return c;
+}
+
+static mok_problem_t* shape_problem(const gpu_shape_t* s, uint64_t seed) {
+  mok_config_t c = shape_config(s);
+  mok_problem_t* p = test_problem(&c, s->T, seed);
+  if (p && s->nan_token >= 0) ((uint16_t*)p->x)[s->nan_token * s->H + 3] = 0x7fc0;
+  return p;
+}
+
+static mok_status_t run_cuda(mok_problem_t* p, const mok_run_opts_t* o) {
+  char err[512] = "";
+  mok_status_t s = mok_problem_run_cuda(p, o, err, sizeof err);
+  if (s) printf("    cuda run: %s: %s\n", mok_status_string(s), err);
+  return s;
+}
+
+/* The GPU against the CPU on every shape. */
+static int gpu_vs_cpu(void) {
+  int bad = 0;
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    const gpu_shape_t* s = &shapes[i];
+    mok_problem_t* p = shape_problem(s, test_case_seed() + i);
+    TEST_ASSERT(p, "problem");
+    mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+    if (test_run(p, &o)) return 1;
+    test_outputs_t cpu, gpu;
+    test_snapshot(p, 1, &cpu);
+    if (run_cuda(p, &o)) return 1;
+    test_snapshot(p, 1, &gpu);
+    int b = test_same_bits(&gpu, &cpu, "topk_idx tokens_per_expert", s->name) +
+            test_close(&gpu, &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_w13 d_w2 d_ws13 d_ws2", 1e-2,
+                       s->name);
+    if (b == 0) {
+      double worst = 0;
+      for (int k = 0; k < cpu.n; k++) {
+        double e = mok_relative_error(&gpu.v[k], &cpu.v[k]);
+        if (e > worst) worst = e;
+      }
+      printf("    %-14s T=%-5lld H=%-5lld F=%-4lld E=%-3lld K=%-2lld Fs=%-4lld worst relative error %.2e\n", s->name,
+             (long long)s->T, (long long)s->H, (long long)s->F, (long long)s->E, (long long)s->K, (long long)s->Fs,
+             worst);
+    }
+    bad += b;
+  }
+  return bad != 0;
+}
+
+/* Bytes of every output of two CUDA runs with options a and b. */
+static int same_bits_runs(const gpu_shape_t* s, mok_run_opts_t a, mok_run_opts_t b, const char* what) {
+  mok_problem_t* p = shape_problem(s, test_case_seed());
+  TEST_ASSERT(p, "problem");
+  test_outputs_t ra, rb;
+  if (run_cuda(p, &a)) return 1;
+  test_snapshot(p, 1, &ra);
+  if (run_cuda(p, &b)) return 1;
+  test_snapshot(p, 1, &rb);
+  return test_same_bits(&ra, &rb, NULL, what) != 0;
+}
+
+/* D1: the same step again (a fresh context) and 10 steps on one context. */
+static int d1_repeat(void) {
+  mok_run_opts_t one = MOK_RUN_OPTS_INIT, ten = MOK_RUN_OPTS_INIT;
+  ten.steps = 10;
+  return same_bits_runs(&shapes[9], one, one, "D1 twice") + same_bits_runs(&shapes[12], one, ten, "D1 ten steps") +
+         same_bits_runs(&shapes[6], one, ten, "D1 ten steps sigmoid");
+}
+
+/* D2: the grid at 132, 66 and 17 CTAs gives the same bits. */
+static int d2_grid(void) {
+  int bad = 0;
+  const int grids[] = {66, 17};
+  for (int i = 0; i < 2; i++) {
+    mok_run_opts_t full = MOK_RUN_OPTS_INIT, part = MOK_RUN_OPTS_INIT;
+    full.num_ctas = 132;
+    part.num_ctas = grids[i];
+    bad += same_bits_runs(&shapes[12], full, part, grids[i] == 66 ? "D2 132 vs 66" : "D2 132 vs 17");
+    bad += same_bits_runs(&shapes[9], full, part, "D2 shared expert");
+  }
+  return bad;
+}
+
+/* D4: a token's y alone equals its y inside the batch. */
+static int d4_batch(void) {
+  const gpu_shape_t* s = &shapes[12];
+  mok_problem_t* big = shape_problem(s, test_case_seed());
+  TEST_ASSERT(big, "problem");
+  mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+  o.backward = 0;
+  if (run_cuda(big, &o)) return 1;
+  const int tokens[] = {0, 1, 777, 2047};
+  for (int i = 0; i < 4; i++) {
+    mok_config_t c = shape_config(s);
+    mok_problem_t* one = test_problem(&c, 1, 1);
+    TEST_ASSERT(one, "problem");
+    const size_t row = (size_t)s->H * 2;
+    memcpy(one->x, (char*)big->x + tokens[i] * row, row);
+    memcpy(one->w_router, big->w_router, (size_t)s->E * s->H * 2);
+    memcpy(one->w13, big->w13, (size_t)s->E * 2 * s->F * s->H * 2);
+    memcpy(one->w2, big->w2, (size_t)s->E * s->H * s->F * 2);
+    if (run_cuda(one, &o)) return 1;
+    TEST_ASSERT(memcmp(one->y, (char*)big->y + tokens[i] * row, row) == 0, "D4: token %d alone differs from in the batch",
+                tokens[i]);
+  }
+  return 0;
+}
+
+/* A forward + backward step captured in a CUDA graph and replayed gives the eager bits. */
+static int graph_capture(void) {
+  mok_run_opts_t eager = MOK_RUN_OPTS_INIT, graph = MOK_RUN_OPTS_INIT;
+  graph.graph = 1;
+  graph.steps = 3;
+  return same_bits_runs(&shapes[9], eager, graph, "graph replay") + same_bits_runs(&shapes[16], eager, graph, "graph replay (replay routing)");
+}
+
+/* Device-side errors come back as statuses from mok_context_sync, outputs untouched. */
+static int device_errors(void) {
+  const gpu_shape_t* s = &shapes[16];
+  mok_problem_t* p = shape_problem(s, test_case_seed());
+  TEST_ASSERT(p, "problem");
+  p->topk_idx[10] = (int32_t)s->E; /* out of range */
+  mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+  memset(p->y, 0x5A, (size_t)s->T * s->H * 2);
+  char err[512] = "";
+  mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
+  TEST_ASSERT(st == MOK_STATUS_INDEX_OUT_OF_RANGE, "out-of-range replay index: got %s (%s)", mok_status_string(st), err);
+  p->topk_idx[10] = p->topk_idx[11]; /* duplicate within token 5 (K = 4: slots 8..11) */
+  st = mok_problem_run_cuda(p, &o, err, sizeof err);
+  TEST_ASSERT(st == MOK_STATUS_DUPLICATE_INDEX, "duplicate replay index: got %s (%s)", mok_status_string(st), err);
+  return 0;
+}
+
+/* Small case for compute-sanitizer (memcheck and racecheck run it alone). */
+static int sanitizer_small(void) {
+  const gpu_shape_t* s = &shapes[10];
+  mok_problem_t* p = shape_problem(s, test_case_seed());
+  TEST_ASSERT(p, "problem");
+  mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+  o.num_ctas = 8;
+  return run_cuda(p, &o) != 0;
+}
+
+/* compute-sanitizer over this program's sanitizer_small case: no error reported. */
+static int sanitize(const char* tool) {
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd,
+           "compute-sanitizer --tool %s --error-exitcode 3 /proc/%d/exe -k gpu.sanitizer_small --seed %llu "
+           "> sanitizer_%s.log 2>&1",
+           tool, (int)getpid(), (unsigned long long)test_seed, tool);
+  int rc = system(cmd);
+  TEST_ASSERT(rc == 0, "compute-sanitizer --tool %s exited with %d (see sanitizer_%s.log)", tool, rc, tool);
+  return 0;
+}
+static int memcheck(void) { return sanitize("memcheck"); }
+static int racecheck(void) { return sanitize("racecheck"); }
+
+const test_case_t suite_gpu[] = {
+    {"vs_cpu", gpu_vs_cpu},        {"d1_repeat", d1_repeat},         {"d2_grid", d2_grid},
+    {"d4_batch", d4_batch},        {"graph_capture", graph_capture}, {"device_errors", device_errors},
+    {"sanitizer_small", sanitizer_small}, {"memcheck", memcheck},    {"racecheck", racecheck},
+    TEST_END};
