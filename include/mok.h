@@ -209,7 +209,9 @@ MOK_API mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t*
 
 /* CUDA: forward and backward only enqueue work on args->stream and return; an error
  * the kernel meets (a bounded wait that timed out, replay indices out of range, a saved
- * buffer from elsewhere) is returned here, after waiting for the context's last launch.
+ * buffer from elsewhere) is returned here, after waiting for the context's last launch:
+ * the first such error since the previous mok_context_sync. A step that meets one
+ * stops before it writes its outputs (y, dx: backward may have written weight gradients).
  * CPU: returns MOK_STATUS_SUCCESS at once (its calls are synchronous). */
 MOK_API mok_status_t mok_context_sync(mok_context_t* ctx);
 

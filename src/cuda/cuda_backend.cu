@@ -192,8 +192,9 @@ mok_status_t mok_cuda_sync(mok_context_t* ctx) {
   CUDA_TRY(ctx, cudaStreamSynchronize(g->last_stream));
   uint32_t st = 0;
   CUDA_TRY(ctx, cudaMemcpy(&st, g->status, sizeof st, cudaMemcpyDeviceToHost));
+  CUDA_TRY(ctx, cudaMemset(g->status, 0, sizeof st));
   if (st != MOK_STATUS_SUCCESS)
-    return MOK_ERR(ctx, (mok_status_t)st, "the last step on the device stopped with %s", mok_status_string((mok_status_t)st));
+    return MOK_ERR(ctx, (mok_status_t)st, "a step on the device stopped with %s", mok_status_string((mok_status_t)st));
   return MOK_STATUS_SUCCESS;
 }
 

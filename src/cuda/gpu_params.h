@@ -26,7 +26,7 @@ struct GpuSync {
 
 struct GpuStep {
   GpuSync* sync;
-  uint32_t* status;      // status of the last launch, kept for mok_context_sync_status
+  uint32_t* status;      // first error of the launches since mok_context_sync last read it
   uint32_t num_counters;
   uint64_t timeout_ns;
 };

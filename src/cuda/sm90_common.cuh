@@ -122,7 +122,8 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
   __syncthreads();
   if (!sm.last_cta) return;
   __threadfence();
-  if (threadIdx.x == 0) *st.status = *(volatile uint32_t*)&st.sync->error;
+  // the first error since mok_context_sync last read it stays
+  if (threadIdx.x == 0 && *st.status == 0) *st.status = *(volatile uint32_t*)&st.sync->error;
   uint32_t* words = st.sync->counter;
   for (uint32_t i = threadIdx.x; i < st.num_counters; i += blockDim.x) words[i] = 0;
   __syncthreads();

@@ -215,7 +215,18 @@ static int sanitize(const char* tool) {
            "> sanitizer_%s.log 2>&1",
            tool, (int)getpid(), (unsigned long long)test_seed, tool);
   int rc = system(cmd);
-  TEST_ASSERT(rc == 0, "compute-sanitizer --tool %s exited with %d (see sanitizer_%s.log)", tool, rc, tool);
+  char path[64], line[512], summary[512] = "", last[512] = "";
+  snprintf(path, sizeof path, "sanitizer_%s.log", tool);
+  FILE* f = fopen(path, "r");
+  TEST_ASSERT(f, "no %s", path);
+  while (fgets(line, sizeof line, f)) {
+    if (strstr(line, "ERROR SUMMARY")) snprintf(summary, sizeof summary, "%s", line);
+    if (strstr(line, "passed,")) snprintf(last, sizeof last, "%s", line);
+  }
+  fclose(f);
+  printf("    %s: %s    %s", tool, summary, last);
+  TEST_ASSERT(rc == 0 && strstr(summary, " 0 errors") && strstr(last, "1 passed, 0 failed"),
+              "compute-sanitizer --tool %s: exit %d (see %s)", tool, rc, path);
   return 0;
 }
 static int memcheck(void) { return sanitize("memcheck"); }
