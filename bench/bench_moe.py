@@ -1,0 +1,195 @@
+"""bench_moe.py — one training step (forward + backward) of the MoE layer on one GPU:
+mok against a PyTorch peer written here and the dense bf16 GEMM ceiling, in one run.
+
+    python3 bench/bench_moe.py [--shapes qwen3-30b-a3b,...] [--steps 20] [--json out.json]
+
+The peer is what a careful PyTorch user writes: fp32 router softmax and top-K, tokens
+sorted by expert (stable argsort), torch._grouped_mm for the gate|up and down
+projections, SwiGLU, weighted scatter back with index_add_, under torch.compile.
+Both run the same weights, inputs and routing (bias_select adds the same selection
+bias to both); "skewed" routing makes E/32 experts (at least one) hot: every token
+selects them. Times: CUDA events, median of --steps steps after warm-up. TFLOP/s
+counts 3 x the forward FLOPs (6 T K H F + 2 T H E), DESIGN.md section 7. Peak memory:
+torch.cuda.max_memory_allocated over a step, weights and inputs included.
+Determinism: two steps on the same inputs give bitwise equal y, dx and weight grads.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import mok  # noqa: E402
+
+SHAPES = {  # tokens per GPU, H, F, E, K (DESIGN.md section 7)
+    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),
+    "gpt-oss-120b": (16384, 2880, 2880, 128, 4),
+    "mixtral-8x7b": (8192, 4096, 14336, 8, 2),
+    "deepseek-v3": (8192, 7168, 2048, 256, 8),
+}
+
+
+def flops(T, H, Fd, E, K):
+    return 3 * (6 * T * K * H * Fd + 2 * T * H * E)
+
+
+def time_ms(fn, steps, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def ceiling_tflops(n=8192, steps=10):
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, steps)
+    return 2 * n**3 / ms / 1e9
+
+
+def peer_forward(x, w_router, bias, w13, w2, K):
+    """The PyTorch peer layer: routing in fp32, grouped GEMMs in bf16."""
+    T, H = x.shape
+    E, twoF, _ = w13.shape
+    Fd = twoF // 2
+    scores = torch.softmax(F.linear(x, w_router).float(), dim=-1)
+    _, idx = torch.topk(scores + bias, K, dim=-1)
+    g = scores.gather(1, idx)
+    g = g / g.sum(-1, keepdim=True)
+    flat = idx.flatten()
+    order = torch.argsort(flat, stable=True)
+    token = order // K
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    xs = x[token]
+    a = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+    h = F.silu(a[:, :Fd]) * a[:, Fd:]
+    o = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    o = o * g.flatten()[order].unsqueeze(1).to(o.dtype)
+    return torch.zeros_like(x).index_add_(0, token, o)
+
+
+def grads_of(tensors):
+    return [t.grad.clone() for t in tensors]
+
+
+def same_bits(a, b):
+    return all(torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x, y.view(torch.int16) if y.dtype == torch.bfloat16 else y) for x, y in zip(a, b))
+
+
+def bench_shape(name, skewed, steps, ceiling):
+    T, H, Fd, E, K = SHAPES[name]
+    torch.manual_seed(0)
+    dev = "cuda"
+    layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device=dev)
+    hot = max(1, E // 32)
+    with torch.no_grad():
+        layer.bias_select.zero_()
+        if skewed:
+            layer.bias_select[:hot] = 1.0
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    params = [layer.w_router, layer.w13, layer.w2]
+    result = {"shape": name, "routing": "skewed" if skewed else "uniform", "T": T, "H": H, "F": Fd, "E": E, "K": K}
+    fl = flops(T, H, Fd, E, K)
+
+    def zero():
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    # ---- mok ----
+    def mok_step():
+        zero()
+        y = layer(x)
+        y.backward(dy)
+        return y
+
+    def mok_forward():
+        with torch.no_grad():
+            layer(x)
+
+    torch.cuda.reset_peak_memory_stats()
+    ms = time_ms(mok_step, steps)
+    mem = torch.cuda.max_memory_allocated()
+    ms_fwd = time_ms(mok_forward, steps)
+    y1 = mok_step().detach().clone()
+    r1 = [y1, x.grad.clone()] + grads_of(params)
+    y2 = mok_step().detach().clone()
+    r2 = [y2, x.grad.clone()] + grads_of(params)
+    result["mok"] = {"ms": ms, "forward_ms": ms_fwd, "tflops": fl / ms / 1e9, "forward_tflops": fl / 3 / ms_fwd / 1e9,
+                     "peak_gib": mem / 2**30, "deterministic": same_bits(r1, r2)}
+
+    # ---- PyTorch peer ----
+    bias = layer.bias_select.detach().float()
+    compiled = torch.compile(peer_forward, dynamic=False)
+
+    def peer_step():
+        zero()
+        y = compiled(x, layer.w_router, bias, layer.w13, layer.w2, K)
+        y.backward(dy)
+        return y
+
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        ms_p = time_ms(peer_step, steps)
+        mem_p = torch.cuda.max_memory_allocated()
+        y1 = peer_step().detach().clone()
+        p1 = [y1, x.grad.clone()] + grads_of(params)
+        y2 = peer_step().detach().clone()
+        p2 = [y2, x.grad.clone()] + grads_of(params)
+        ref = [r1[0].float(), r1[1].float()]
+        err = [float((a.float() - b).norm() / b.norm()) for a, b in zip(p1[:2], ref)]
+        result["peer"] = {"ms": ms_p, "tflops": fl / ms_p / 1e9, "peak_gib": mem_p / 2**30,
+                          "deterministic": same_bits(p1, p2), "rel_diff_y_dx_vs_mok": err}
+    except Exception as e:  # report, do not hide
+        result["peer"] = {"error": repr(e)[:300]}
+    result["ceiling_tflops"] = ceiling
+    del layer, x, dy, params
+    torch.cuda.empty_cache()
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--uniform-only", action="store_true")
+    args = ap.parse_args()
+    ceiling = ceiling_tflops()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s")
+    hdr = f"{'shape':15} {'routing':8} | {'mok ms':>8} {'TFLOP/s':>8} {'fwd TF/s':>8} {'ceil%':>6} {'GiB':>6} {'det':>4} | {'peer ms':>8} {'TFLOP/s':>8} {'GiB':>6} {'det':>4} | {'x peer':>6}"
+    print(hdr)
+    print("-" * len(hdr))
+    rows = []
+    for name in args.shapes.split(","):
+        for skewed in ([False] if args.uniform_only else [False, True]):
+            r = bench_shape(name, skewed, args.steps, ceiling)
+            rows.append(r)
+            m, p = r["mok"], r["peer"]
+            if "error" in p:
+                print(f"{name:15} {r['routing']:8} | {m['ms']:8.2f} {m['tflops']:8.0f} {m['forward_tflops']:8.0f} {100*m['tflops']/ceiling:5.0f}% {m['peak_gib']:6.1f} {'yes' if m['deterministic'] else 'no':>4} | peer failed: {p['error']}")
+            else:
+                print(f"{name:15} {r['routing']:8} | {m['ms']:8.2f} {m['tflops']:8.0f} {m['forward_tflops']:8.0f} {100*m['tflops']/ceiling:5.0f}% {m['peak_gib']:6.1f} {'yes' if m['deterministic'] else 'no':>4} | {p['ms']:8.2f} {p['tflops']:8.0f} {p['peak_gib']:6.1f} {'yes' if p['deterministic'] else 'no':>4} | {p['ms']/m['ms']:6.2f}")
+            sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "commit": commit, "ceiling_tflops": ceiling, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
