@@ -142,67 +142,101 @@ struct Ring {
   uint32_t it;
 };
 
-// acc (per consumer thread: 64 floats) = A[128 x K] B[K x 128] over num_kb K blocks of 64.
-// TA / TB = 1 when that operand is MN-major. k_valid_last < 64 zeroes the k rows past it
-// in the last block (MN-major operands whose k are rows of several experts).
-// The epilogue runs in the consumer threads: epi(acc, wg, warp, lane), rows
-// wg*64 + warp*16 + lane/4 (+8), columns 8*i + 2*(lane%4) (+1) for acc[4i..4i+3].
-template <int TA, int TB, class Epi>
-__device__ __forceinline__ void gemm_tile(Smem& sm, Ring& ring, const Operand& A, const Operand& B,
-                                          int num_kb, int k_valid_last, Epi epi) {
+// A run of output tiles through one continuous pipeline: for tile i, setup(i, A, B,
+// num_kb, k_valid_last) names its operands, then acc (per consumer thread: 64 floats) =
+// A[128 x K] B[K x 128] over num_kb K blocks of 64, then epi(i, acc, wg, warp, lane).
+// The producer runs ahead into the next tile while the consumers finish this one.
+// TA / TB = 1 when that operand is MN-major. k_valid_last < 64 zeroes the k rows past
+// it in the last block (MN-major operands whose k are rows of several experts).
+// Epilogue rows: wg*64 + warp*16 + lane/4 (+8); columns 8*i + 2*(lane%4) (+1) for
+// acc[4i..4i+3].
+template <int TA, int TB, class Setup, class Epi>
+__device__ __forceinline__ void gemm_tiles(Smem& sm, Ring& ring, int num_tiles, Setup setup, Epi epi) {
   const int tid = threadIdx.x;
+  uint32_t it = ring.it;
   if (tid == 0) {
-    for (int kb = 0; kb < num_kb; kb++) {
-      const uint32_t it = ring.it + kb, s = it % kStages, ph = (it / kStages) & 1;
-      while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
-      }
-      mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
-      uint8_t* dst = sm.stage[s];
-      const int k = kb * BK;
+    for (int tile = 0; tile < num_tiles; tile++) {
+      Operand A, B;
+      int num_kb, k_valid_last;
+      setup(tile, A, B, num_kb, k_valid_last);
+      for (int kb = 0; kb < num_kb; kb++, it++) {
+        const uint32_t s = it % kStages, ph = (it / kStages) & 1;
+        while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
+        }
+        mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
+        uint8_t* dst = sm.stage[s];
+        const int k = kb * BK;
 #pragma unroll
-      for (int b = 0; b < 2; b++) {
-        if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.pos[b], A.k0 + k);
-        else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.k0 + k, A.pos[b]);
-        if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + k);
-        else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.k0 + k, B.pos[b]);
+        for (int b = 0; b < 2; b++) {
+          if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.pos[b], A.k0 + k);
+          else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.k0 + k, A.pos[b]);
+          if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + k);
+          else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.k0 + k, B.pos[b]);
+        }
       }
     }
   } else if (tid >= 128) {
     const int wg = tid / 128 - 1, ct = tid - 128;
-    float acc[64];
+    for (int tile = 0; tile < num_tiles; tile++) {
+      Operand A, B;
+      int num_kb, k_valid_last;
+      setup(tile, A, B, num_kb, k_valid_last);
+      float acc[64];
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.f;
-    for (int kb = 0; kb < num_kb; kb++) {
-      const uint32_t it = ring.it + kb, s = it % kStages, ph = (it / kStages) & 1;
-      while (!mbar_try_wait(&sm.full[s], ph)) {
-      }
-      uint8_t* stage = sm.stage[s];
-      if (kb == num_kb - 1 && k_valid_last < BK) {
-        // zero k rows [k_valid_last, 64) of all four boxes (MN-major: a k row = 128 B)
-        const int rows = BK - k_valid_last, chunks = 4 * rows * 8;
-        for (int i = ct; i < chunks; i += 256) {
-          const int box = i / (rows * 8), r = k_valid_last + (i / 8) % rows, c = i % 8;
-          *reinterpret_cast<uint4*>(stage + box * kBoxBytes + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < 64; i++) acc[i] = 0.f;
+      for (int kb = 0; kb < num_kb; kb++, it++) {
+        const uint32_t s = it % kStages, ph = (it / kStages) & 1;
+        while (!mbar_try_wait(&sm.full[s], ph)) {
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("bar.sync 1, 256;" ::: "memory");
-      }
-      wgmma_fence();
+        uint8_t* stage = sm.stage[s];
+        if (kb == num_kb - 1 && k_valid_last < BK) {
+          // zero k rows [k_valid_last, 64) of all four boxes (MN-major: a k row = 128 B)
+          const int rows = BK - k_valid_last, chunks = 4 * rows * 8;
+          for (int i = ct; i < chunks; i += 256) {
+            const int box = i / (rows * 8), r = k_valid_last + (i / 8) % rows, c = i % 8;
+            *reinterpret_cast<uint4*>(stage + box * kBoxBytes + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
+          }
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          asm volatile("bar.sync 1, 256;" ::: "memory");
+        }
+        wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < BK / 16; ks++) {
-        const uint8_t* a = stage + wg * kBoxBytes;
-        const uint8_t* b = stage + 2 * kBoxBytes;
-        const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
-        const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
-        wgmma_m64n128k16<TA, TB>(acc, da, db, 1);
+        for (int ks = 0; ks < BK / 16; ks++) {
+          const uint8_t* a = stage + wg * kBoxBytes;
+          const uint8_t* b = stage + 2 * kBoxBytes;
+          const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
+          const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
+          wgmma_m64n128k16<TA, TB>(acc, da, db, 1);
+        }
+        wgmma_commit();
+        // keep this block's wgmmas in flight; the previous block's are done: free its stage
+        wgmma_wait<1>();
+        if (kb > 0 && ct % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
       }
-      wgmma_commit();
       wgmma_wait<0>();
-      if (ct % 128 == 0) mbar_arrive(&sm.empty[s]);
+      if (num_kb > 0 && ct % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
+      epi(tile, acc, wg, (ct % 128) / 32, ct % 32);
     }
-    epi(acc, wg, (ct % 128) / 32, ct % 32);
+  } else {
+    for (int tile = 0; tile < num_tiles; tile++) {
+      Operand A, B;
+      int num_kb, k_valid_last;
+      setup(tile, A, B, num_kb, k_valid_last);
+      it += num_kb;
+    }
   }
-  ring.it += num_kb;
+  // every thread counted the same K blocks; thread 0's count is the CTA's
+  ring.it = it;
+}
+
+// One tile: gemm_tiles with a single tile.
+template <int TA, int TB, class Epi>
+__device__ __forceinline__ void gemm_tile(Smem& sm, Ring& ring, const Operand& A, const Operand& B, int num_kb,
+                                          int k_valid_last, Epi epi) {
+  gemm_tiles<TA, TB>(
+      sm, ring, 1,
+      [&](int, Operand& a, Operand& b, int& nk, int& kv) { a = A, b = B, nk = num_kb, kv = k_valid_last; },
+      [&](int, float(&acc)[64], int wg, int w, int l) { epi(acc, wg, w, l); });
 }
 
 // Output coordinates of accumulator pair i (acc[4i + 2h], acc[4i + 2h + 1]).

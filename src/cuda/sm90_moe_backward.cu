@@ -276,62 +276,84 @@ __device__ void dx_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt
   signal_counter(&p.st.sync->counter[B_DX]);
 }
 
-// dW[e] tile = sum over the expert's rows (in order, 64 per K block) of A^T B.
-__device__ void wgrad_task(Smem& sm, Ring& ring, const BwdParams& p, int which, int e, int mt, int nt) {
+// dW[e] rows [mt*128, +128): every 128-wide column tile in one pipeline; each tile sums
+// over the expert's rows in order, 64 per K block.
+__device__ void wgrad_task(Smem& sm, Ring& ring, const BwdParams& p, int which, int e, int mt) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
   const uint32_t target = which == 2 ? (uint32_t)s.nb : (uint32_t)(s.max_mt * cdivb(s.F, BN));
   if (!wait_counter(sm, dep, target, p.st)) return;
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;
+  const size_t esize = p.wgrad_fp32 ? 4 : 2;
   if (which == 2) {  // dw2[e] [H, F] = dy_rows^T h_rows
-    Operand A{&p.m_dyrows, {mt * BM, mt * BM + 64}, off};
-    Operand B{&p.m_hrows, {nt * BN, nt * BN + 64}, off};
-    gemm_tile<1, 1>(sm, ring, A, B, nk, valid_last, [&](float(&acc)[64], int wg, int w, int l) {
-      store_wgrad(p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * (p.wgrad_fp32 ? 4 : 2));
-    });
+    gemm_tiles<1, 1>(
+        sm, ring, cdivb(s.F, BN),
+        [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
+          A = Operand{&p.m_dyrows, {mt * BM, mt * BM + 64}, off};
+          B = Operand{&p.m_hrows, {nt * BN, nt * BN + 64}, off};
+          num_kb = nk, kv = valid_last;
+        },
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+          store_wgrad(p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize);
+        });
   } else {  // dw13[e] [2F, H] = d_a^T x_rows
-    Operand A{&p.m_da, {mt * BM, mt * BM + 64}, off};
-    Operand B{&p.m_xrows, {nt * BN, nt * BN + 64}, off};
-    gemm_tile<1, 1>(sm, ring, A, B, nk, valid_last, [&](float(&acc)[64], int wg, int w, int l) {
-      store_wgrad(p, acc, wg, w, l, mt * BM, 2 * s.F, nt * BN, s.H, (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * (p.wgrad_fp32 ? 4 : 2));
-    });
+    gemm_tiles<1, 1>(
+        sm, ring, cdivb(s.H, BN),
+        [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
+          A = Operand{&p.m_da, {mt * BM, mt * BM + 64}, off};
+          B = Operand{&p.m_xrows, {nt * BN, nt * BN + 64}, off};
+          num_kb = nk, kv = valid_last;
+        },
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+          store_wgrad(p, acc, wg, w, l, mt * BM, 2 * s.F, nt * BN, s.H,
+                      (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize);
+        });
   }
 }
 
-// Replicated gradients of chunk c: one 128 x 128 tile of [dW_router | dws13 | dws2].
-__device__ void rw_task(Smem& sm, Ring& ring, const BwdParams& p, int c, int tile) {
+// Replicated gradients of chunk c: every 128 x 128 tile of [dW_router | dws13 | dws2]
+// in one pipeline, each the sum over the chunk's 64 tokens (one K block).
+__device__ void rw_task(Smem& sm, Ring& ring, const BwdParams& p, int c) {
   const Shape& s = p.s;
-  const int nH = cdivb(s.H, BN), tr = s.fused ? cdivb(s.E, BM) * nH : 0;
-  const int t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
+  const int nH = cdivb(s.H, BN), nFs = cdivb(s.Fs, BN);
+  const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
+  const int t2 = s.Fs ? nH * nFs : 0;
+  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st)) return;
+  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * nFs), p.st)) return;
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
   float* part = p.partials + (int64_t)c * p.partial_len;
-  if (tile < tr) {
-    if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st)) return;
-    const int mt = tile / nH, nt = tile % nH;
-    Operand A{&p.m_dlog, {mt * BM, mt * BM + 64}, k0};
-    Operand B{&p.m_x, {nt * BN, nt * BN + 64}, k0};
-    gemm_tile<1, 1>(sm, ring, A, B, 1, BK, [&](float(&acc)[64], int wg, int w, int l) {
-      store_tile_f32(acc, wg, w, l, mt * BM, s.E, nt * BN, s.H, part, s.H);
-    });
-  } else if (tile < tr + t13) {
-    tile -= tr;
-    if (!wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * cdivb(s.Fs, BN)), p.st)) return;
-    const int mt = tile / nH, nt = tile % nH;
-    Operand A{&p.m_das, {mt * BM, mt * BM + 64}, k0};
-    Operand B{&p.m_x, {nt * BN, nt * BN + 64}, k0};
-    gemm_tile<1, 1>(sm, ring, A, B, 1, BK, [&](float(&acc)[64], int wg, int w, int l) {
-      store_tile_f32(acc, wg, w, l, mt * BM, 2 * s.Fs, nt * BN, s.H, part + (int64_t)s.E * s.H, s.H);
-    });
-  } else {
-    tile -= tr + t13;
-    const int nF = cdivb(s.Fs, BN), mt = tile / nF, nt = tile % nF;
-    Operand A{&p.m_dy, {mt * BM, mt * BM + 64}, k0};
-    Operand B{&p.m_sh, {nt * BN, nt * BN + 64}, k0};
-    gemm_tile<1, 1>(sm, ring, A, B, 1, BK, [&](float(&acc)[64], int wg, int w, int l) {
-      store_tile_f32(acc, wg, w, l, mt * BM, s.H, nt * BN, s.Fs, part + (int64_t)s.E * s.H + 2LL * s.Fs * s.H, s.Fs);
-    });
-  }
+  gemm_tiles<1, 1>(
+      sm, ring, tr + t13 + t2,
+      [&](int tile, Operand& A, Operand& B, int& num_kb, int& kv) {
+        num_kb = 1, kv = BK;  // tokens past T are out of bounds: zeros
+        if (tile < tr) {
+          const int mt = tile / nH, nt = tile % nH;
+          A = Operand{&p.m_dlog, {mt * BM, mt * BM + 64}, k0};
+          B = Operand{&p.m_x, {nt * BN, nt * BN + 64}, k0};
+        } else if (tile < tr + t13) {
+          const int mt = (tile - tr) / nH, nt = (tile - tr) % nH;
+          A = Operand{&p.m_das, {mt * BM, mt * BM + 64}, k0};
+          B = Operand{&p.m_x, {nt * BN, nt * BN + 64}, k0};
+        } else {
+          const int mt = (tile - tr - t13) / nFs, nt = (tile - tr - t13) % nFs;
+          A = Operand{&p.m_dy, {mt * BM, mt * BM + 64}, k0};
+          B = Operand{&p.m_sh, {nt * BN, nt * BN + 64}, k0};
+        }
+      },
+      [&](int tile, float(&acc)[64], int wg, int w, int l) {
+        if (tile < tr) {
+          const int mt = tile / nH, nt = tile % nH;
+          store_tile_f32(acc, wg, w, l, mt * BM, s.E, nt * BN, s.H, part, s.H);
+        } else if (tile < tr + t13) {
+          const int mt = (tile - tr) / nH, nt = (tile - tr) % nH;
+          store_tile_f32(acc, wg, w, l, mt * BM, 2 * s.Fs, nt * BN, s.H, part + (int64_t)s.E * s.H, s.H);
+        } else {
+          const int mt = (tile - tr - t13) / nFs, nt = (tile - tr - t13) % nFs;
+          store_tile_f32(acc, wg, w, l, mt * BM, s.H, nt * BN, s.Fs, part + (int64_t)s.E * s.H + 2LL * s.Fs * s.H,
+                         s.Fs);
+        }
+      });
   signal_counter(&p.st.sync->counter[B_RW]);
 }
 
@@ -408,9 +430,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   const int nH = cdivb(s.H, BN), nF = cdivb(s.F, BN), nFs = cdivb(s.Fs, BN);
   const int n_dhs = s.Fs ? s.smt * nFs : 0, n_dh = s.max_mt * nF, n_dxr = s.fused ? s.nb * nH : 0;
   const int n_dxs = s.Fs ? s.smt * nH : 0, n_dx = s.max_mt * nH;
-  const int w2_tiles = cdivb(s.H, BM) * nF, w13_tiles = cdivb(2 * s.F, BM) * nH;
+  const int w2_tiles = cdivb(s.H, BM), w13_tiles = cdivb(2 * s.F, BM);  // row tiles per expert
   const int n_wg2 = s.E * w2_tiles, n_wg13 = s.E * w13_tiles;
-  const int rwt = rw_tiles(s), n_rw = s.chunks * rwt;
+  const int rwt = rw_tiles(s), n_rw = rwt ? s.chunks : 0;
   const int n_tree = rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0;
   const int num_tasks = s.nb + n_dhs + n_dh + n_dxr + n_dxs + n_dx + n_wg2 + n_wg13 + n_rw + n_tree + s.nb;
   int task;
@@ -427,11 +449,11 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     task -= n_dxs;
     if (task < n_dx) { dx_task(sm, ring, p, task / nH, task % nH); continue; }
     task -= n_dx;
-    if (task < n_wg2) { wgrad_task(sm, ring, p, 2, task / w2_tiles, (task % w2_tiles) / nF, task % nF); continue; }
+    if (task < n_wg2) { wgrad_task(sm, ring, p, 2, task / w2_tiles, task % w2_tiles); continue; }
     task -= n_wg2;
-    if (task < n_wg13) { wgrad_task(sm, ring, p, 13, task / w13_tiles, (task % w13_tiles) / nH, task % nH); continue; }
+    if (task < n_wg13) { wgrad_task(sm, ring, p, 13, task / w13_tiles, task % w13_tiles); continue; }
     task -= n_wg13;
-    if (task < n_rw) { rw_task(sm, ring, p, task / rwt, task % rwt); continue; }
+    if (task < n_rw) { rw_task(sm, ring, p, task); continue; }
     task -= n_rw;
     if (task < n_tree) { tree_task(sm, p, task, (uint32_t)n_rw); continue; }
     task -= n_tree;

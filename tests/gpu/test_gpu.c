@@ -220,12 +220,13 @@ static int sanitize(const char* tool) {
   FILE* f = fopen(path, "r");
   TEST_ASSERT(f, "no %s", path);
   while (fgets(line, sizeof line, f)) {
-    if (strstr(line, "ERROR SUMMARY")) snprintf(summary, sizeof summary, "%s", line);
+    if (strstr(line, "ERROR SUMMARY") || strstr(line, "RACECHECK SUMMARY")) snprintf(summary, sizeof summary, "%s", line);
     if (strstr(line, "passed,")) snprintf(last, sizeof last, "%s", line);
   }
   fclose(f);
   printf("    %s: %s    %s", tool, summary, last);
-  TEST_ASSERT(rc == 0 && strstr(summary, " 0 errors") && strstr(last, "1 passed, 0 failed"),
+  TEST_ASSERT(rc == 0 && (strstr(summary, ": 0 errors") || strstr(summary, "(0 errors")) &&
+                  strstr(last, "1 passed, 0 failed"),
               "compute-sanitizer --tool %s: exit %d (see %s)", tool, rc, path);
   return 0;
 }
