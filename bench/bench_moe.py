@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 
+if "--profile" in sys.argv:
+    os.environ["MOK_PROFILE"] = "1"  # read by libmok when a context is created
 import torch
 import torch.nn.functional as F
 
@@ -87,6 +89,26 @@ def grads_of(tensors):
 
 def same_bits(a, b):
     return all(torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x, y.view(torch.int16) if y.dtype == torch.bfloat16 else y) for x, y in zip(a, b))
+
+
+def profile_shape(name, skewed):
+    """MOK_PROFILE=1: the library prints CTA time per task kind at each mok.synchronize()."""
+    T, H, Fd, E, K = SHAPES[name]
+    layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda")
+    with torch.no_grad():
+        layer.bias_select.zero_()
+        if skewed:
+            layer.bias_select[: max(1, E // 32)] = 1.0
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        layer(x).backward(dy)
+    mok.synchronize()
+    print(f"{name} {'skewed' if skewed else 'uniform'}: one step", file=sys.stderr, flush=True)
+    layer(x).backward(dy)
+    mok.synchronize()
+    del layer, x, dy
+    torch.cuda.empty_cache()
 
 
 def bench_shape(name, skewed, steps, ceiling):
@@ -168,7 +190,13 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", default="")
     ap.add_argument("--uniform-only", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="mok only: CTA time per task kind (MOK_PROFILE=1)")
     args = ap.parse_args()
+    if args.profile:
+        for name in args.shapes.split(","):
+            for skewed in ([False] if args.uniform_only else [False, True]):
+                profile_shape(name, skewed)
+        return
     ceiling = ceiling_tflops()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s")

@@ -6,6 +6,8 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 
 #include "cuda_backend.h"
 #include "gpu_params.h"
@@ -25,6 +27,8 @@ struct GpuContext {
   uint32_t* status;       // device: status of the last launch
   uint32_t sync_words;    // counters available
   cudaStream_t last_stream;
+  unsigned long long* prof;  // MOK_PROFILE=1: per task kind cycles and counts (gpu_params.h)
+  int clock_khz;
   PFN_cuTensorMapEncodeTiled_v12000 encode;
 };
 
@@ -169,6 +173,11 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   g.sync_words = (uint32_t)(8 + s.max_mt + s.smt);
   CUDA_TRY(ctx, cudaMalloc(&g.sync, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   CUDA_TRY(ctx, cudaMemset(g.sync, 0, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
+  if (getenv("MOK_PROFILE") && atoi(getenv("MOK_PROFILE")) > 0) {
+    CUDA_TRY(ctx, cudaMalloc(&g.prof, sizeof(unsigned long long) * 2 * kProfSlots));
+    CUDA_TRY(ctx, cudaMemset(g.prof, 0, sizeof(unsigned long long) * 2 * kProfSlots));
+    CUDA_TRY(ctx, cudaDeviceGetAttribute(&g.clock_khz, cudaDevAttrClockRate, g.device));
+  }
   CUDA_TRY(ctx, cudaMalloc(&g.status, sizeof(uint32_t)));
   CUDA_TRY(ctx, cudaMemset(g.status, 0, sizeof(uint32_t)));
   const int smem = (int)sizeof(Smem) + 1024;
@@ -183,8 +192,26 @@ void mok_cuda_destroy(mok_context_t* ctx) {
   if (!g) return;
   cudaFree(g->sync);
   cudaFree(g->status);
+  cudaFree(g->prof);
   delete g;
   ctx->gpu = nullptr;
+}
+
+// MOK_PROFILE=1: CTA time per task kind since the last sync, summed over CTAs (ms at the
+// SM clock), to stderr; a measurement aid for choosing what to speed up next.
+static mok_status_t print_profile(mok_context_t* ctx) {
+  static const char* names[kProfSlots] = {"route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2",
+                                          "combine", "dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13",
+                                          "rw", "tree", "dxsum", "wait(fwd)", "wait(bwd)"};
+  GpuContext* g = gpu(ctx);
+  unsigned long long h[2 * kProfSlots];
+  CUDA_TRY(ctx, cudaMemcpy(h, g->prof, sizeof h, cudaMemcpyDeviceToHost));
+  CUDA_TRY(ctx, cudaMemset(g->prof, 0, sizeof h));
+  fprintf(stderr, "mok profile (CTA-ms summed over CTAs; / %d SMs for wall share):", g->num_sms);
+  for (int i = 0; i < kProfSlots; i++)
+    if (h[2 * i]) fprintf(stderr, " %s %.2f (%llu)", names[i], (double)h[2 * i] / g->clock_khz, h[2 * i + 1]);
+  fprintf(stderr, "\n");
+  return MOK_STATUS_SUCCESS;
 }
 
 mok_status_t mok_cuda_sync(mok_context_t* ctx) {
@@ -193,6 +220,7 @@ mok_status_t mok_cuda_sync(mok_context_t* ctx) {
   uint32_t st = 0;
   CUDA_TRY(ctx, cudaMemcpy(&st, g->status, sizeof st, cudaMemcpyDeviceToHost));
   CUDA_TRY(ctx, cudaMemset(g->status, 0, sizeof st));
+  if (g->prof) print_profile(ctx);
   if (st != MOK_STATUS_SUCCESS)
     return MOK_ERR(ctx, (mok_status_t)st, "a step on the device stopped with %s", mok_status_string((mok_status_t)st));
   return MOK_STATUS_SUCCESS;
@@ -250,6 +278,7 @@ static GpuStep make_step(const mok_context_t* ctx) {
   st.status = g->status;
   st.num_counters = g->sync_words;
   st.timeout_ns = (uint64_t)(ctx->cfg.comm_timeout_s * 1e9);
+  st.prof = gpu(ctx)->prof;
   return st;
 }
 

@@ -29,7 +29,11 @@ struct GpuStep {
   uint32_t* status;      // first error of the launches since mok_context_sync last read it
   uint32_t num_counters;
   uint64_t timeout_ns;
+  unsigned long long* prof;  // MOK_PROFILE=1: [kProfSlots][2] cycles and count per task kind, or null
 };
+
+// Profile slots: forward task kinds 0..7, backward 8..18, waits 19 (forward) and 20.
+constexpr int kProfSlots = 21;
 
 // The saved buffer (forward -> backward), device pointers.
 struct SavedView {

@@ -63,9 +63,10 @@ __device__ __forceinline__ void smem_init(Smem& sm) {
 // raised elsewhere). The acquire plus the CTA barrier order the producers' writes
 // before this CTA's reads, and fence.proxy.async before its TMA reads.
 static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* counter, uint32_t target,
-                                          const GpuStep& st) {
+                                          const GpuStep& st, int prof_slot) {
   if (threadIdx.x == 0) {
     const uint64_t t0 = globaltimer_ns();
+    const long long c0 = clock64();
     while (ld_acquire(counter) < target) {
       if (*(volatile uint32_t*)&st.sync->error != 0) {
         sm.abort = 1;
@@ -79,9 +80,18 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
       __nanosleep(128);
     }
     fence_proxy_async();
+    if (st.prof) atomicAdd(&st.prof[2 * prof_slot], (unsigned long long)(clock64() - c0));
   }
   __syncthreads();
   return sm.abort == 0;
+}
+
+// MOK_PROFILE: adds a task's cycles (thread 0's view) to its kind's slot.
+__device__ __forceinline__ void profile_task(const GpuStep& st, int slot, long long c0) {
+  if (st.prof && threadIdx.x == 0) {
+    atomicAdd(&st.prof[2 * slot], (unsigned long long)(clock64() - c0));
+    atomicAdd(&st.prof[2 * slot + 1], 1ull);
+  }
 }
 
 // Marks one unit of a counter done, after every thread's writes of this task.

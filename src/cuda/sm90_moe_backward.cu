@@ -225,7 +225,7 @@ __device__ void dhs_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int n
 
 __device__ void dh_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
   int e, row0, row_end;
   if (expert_tile(p, mt, &e, &row0, &row_end)) {
     Operand A{&p.m_dyrows, {row0, row0 + 64}, 0};
@@ -240,7 +240,7 @@ __device__ void dh_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt
 
 __device__ void dxr_task(Smem& sm, Ring& ring, const BwdParams& p, int b, int nt) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
   const int t0 = b * BM;
   Operand A{&p.m_dlog, {t0, t0 + 64}, 0};
   Operand B{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
@@ -252,7 +252,7 @@ __device__ void dxr_task(Smem& sm, Ring& ring, const BwdParams& p, int b, int nt
 
 __device__ void dxs_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], cdivb(s.Fs, BN), p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], cdivb(s.Fs, BN), p.st, 20)) return;
   const int t0 = mt * BM;
   Operand A{&p.m_das, {t0, t0 + 64}, 0};
   Operand B{&p.m_ws13, {nt * BN, nt * BN + 64}, 0};
@@ -264,7 +264,7 @@ __device__ void dxs_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int n
 
 __device__ void dx_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], cdivb(s.F, BN), p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], cdivb(s.F, BN), p.st, 20)) return;
   int e, row0, row_end;
   if (expert_tile(p, mt, &e, &row0, &row_end)) {
     Operand A{&p.m_da, {row0, row0 + 64}, 0};
@@ -282,7 +282,7 @@ __device__ void wgrad_task(Smem& sm, Ring& ring, const BwdParams& p, int which, 
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
   const uint32_t target = which == 2 ? (uint32_t)s.nb : (uint32_t)(s.max_mt * cdivb(s.F, BN));
-  if (!wait_counter(sm, dep, target, p.st)) return;
+  if (!wait_counter(sm, dep, target, p.st, 20)) return;
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
@@ -319,8 +319,8 @@ __device__ void rw_task(Smem& sm, Ring& ring, const BwdParams& p, int c) {
   const int nH = cdivb(s.H, BN), nFs = cdivb(s.Fs, BN);
   const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
   const int t2 = s.Fs ? nH * nFs : 0;
-  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st)) return;
-  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * nFs), p.st)) return;
+  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
+  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * nFs), p.st, 20)) return;
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
   float* part = p.partials + (int64_t)c * p.partial_len;
   gemm_tiles<1, 1>(
@@ -365,7 +365,7 @@ __device__ int rw_tiles(const Shape& s) {
 // The fixed pairwise tree over the chunks for a slice of elements, then written out.
 __device__ void tree_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_total) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20)) return;
   const int64_t len = p.partial_len, er = s.fused ? (int64_t)s.E * s.H : 0;
   const int64_t e1 = (int64_t)s.E * s.H, e2 = e1 + 2LL * s.Fs * s.H;
   for (int64_t x = (int64_t)slice * kTreeSlice + threadIdx.x; x < min(len, (int64_t)(slice + 1) * kTreeSlice);
@@ -390,9 +390,9 @@ __device__ void tree_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_t
 __device__ void dxsum_task(Smem& sm, const BwdParams& p, int b) {
   const Shape& s = p.s;
   const int nH = cdivb(s.H, BN);
-  if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * nH), p.st)) return;
-  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DXR], (uint32_t)(s.nb * nH), p.st)) return;
-  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DXS], (uint32_t)(s.smt * nH), p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * nH), p.st, 20)) return;
+  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DXR], (uint32_t)(s.nb * nH), p.st, 20)) return;
+  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DXS], (uint32_t)(s.smt * nH), p.st, 20)) return;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = t0 + warp; t < t1; t += kThreads / 32)
@@ -437,27 +437,32 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   const int num_tasks = s.nb + n_dhs + n_dh + n_dxr + n_dxs + n_dx + n_wg2 + n_wg13 + n_rw + n_tree + s.nb;
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
-    if (task < s.nb) { dg_task(sm, p, task); continue; }
-    task -= s.nb;
-    if (task < n_dhs) { dhs_task(sm, ring, p, task / nFs, task % nFs); continue; }
-    task -= n_dhs;
-    if (task < n_dh) { dh_task(sm, ring, p, task / nF, task % nF); continue; }
-    task -= n_dh;
-    if (task < n_dxr) { dxr_task(sm, ring, p, task / nH, task % nH); continue; }
-    task -= n_dxr;
-    if (task < n_dxs) { dxs_task(sm, ring, p, task / nH, task % nH); continue; }
-    task -= n_dxs;
-    if (task < n_dx) { dx_task(sm, ring, p, task / nH, task % nH); continue; }
-    task -= n_dx;
-    if (task < n_wg2) { wgrad_task(sm, ring, p, 2, task / w2_tiles, task % w2_tiles); continue; }
-    task -= n_wg2;
-    if (task < n_wg13) { wgrad_task(sm, ring, p, 13, task / w13_tiles, task % w13_tiles); continue; }
-    task -= n_wg13;
-    if (task < n_rw) { rw_task(sm, ring, p, task); continue; }
-    task -= n_rw;
-    if (task < n_tree) { tree_task(sm, p, task, (uint32_t)n_rw); continue; }
-    task -= n_tree;
-    dxsum_task(sm, p, task);
+    const long long c0 = clock64();
+    int kind = 8;
+    if (task < s.nb) {
+      dg_task(sm, p, task);
+    } else if ((task -= s.nb) < n_dhs) {
+      kind = 9, dhs_task(sm, ring, p, task / nFs, task % nFs);
+    } else if ((task -= n_dhs) < n_dh) {
+      kind = 10, dh_task(sm, ring, p, task / nF, task % nF);
+    } else if ((task -= n_dh) < n_dxr) {
+      kind = 11, dxr_task(sm, ring, p, task / nH, task % nH);
+    } else if ((task -= n_dxr) < n_dxs) {
+      kind = 12, dxs_task(sm, ring, p, task / nH, task % nH);
+    } else if ((task -= n_dxs) < n_dx) {
+      kind = 13, dx_task(sm, ring, p, task / nH, task % nH);
+    } else if ((task -= n_dx) < n_wg2) {
+      kind = 14, wgrad_task(sm, ring, p, 2, task / w2_tiles, task % w2_tiles);
+    } else if ((task -= n_wg2) < n_wg13) {
+      kind = 15, wgrad_task(sm, ring, p, 13, task / w13_tiles, task % w13_tiles);
+    } else if ((task -= n_wg13) < n_rw) {
+      kind = 16, rw_task(sm, ring, p, task);
+    } else if ((task -= n_rw) < n_tree) {
+      kind = 17, tree_task(sm, p, task, (uint32_t)n_rw);
+    } else {
+      kind = 18, dxsum_task(sm, p, task - n_tree);
+    }
+    profile_task(p.st, kind, c0);
   }
   finish_step(sm, p.st);
 }

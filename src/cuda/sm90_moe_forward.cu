@@ -152,7 +152,7 @@ __device__ void route_task(Smem& sm, Ring& ring, const FwdParams& p, int b) {
 __device__ void prefix_task(Smem& sm, const FwdParams& p) {
   const Shape& s = p.s;
   const int E = s.E;
-  if (!wait_counter(sm, &p.st.sync->counter[C_ROUTE], s.nb, p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_ROUTE], s.nb, p.st, 19)) return;
   for (int e = threadIdx.x; e < E; e += kThreads) {
     int tot = 0;
     for (int b = 0; b < s.nb; b++) {
@@ -216,7 +216,7 @@ __device__ void prefix_task(Smem& sm, const FwdParams& p) {
 // ---- DISPATCH ----
 __device__ void dispatch_task(Smem& sm, const FwdParams& p, int b) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
@@ -253,7 +253,7 @@ __device__ __forceinline__ void swiglu_epilogue(float (&acc)[64], int wg, int w,
 // ---- expert and shared GEMMs ----
 __device__ void gemm1_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.nb, p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.nb, p.st, 19)) return;
   if (mt < *p.num_tiles) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
     const int F = s.F, wrow = e * 2 * F + nt * 64;
@@ -279,7 +279,7 @@ __device__ void shared1_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, i
 
 __device__ void gemm2_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], s.F / 64, p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], s.F / 64, p.st, 19)) return;
   if (mt < *p.num_tiles) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
     const int wrow = e * s.H + nt * BN;
@@ -294,7 +294,7 @@ __device__ void gemm2_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int
 
 __device__ void shared2_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], s.Fs / 64, p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], s.Fs / 64, p.st, 19)) return;
   const int t0 = mt * BM;
   Operand A{&p.m_sh, {t0, t0 + 64}, 0};
   Operand B{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
@@ -308,8 +308,8 @@ __device__ void shared2_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, i
 __device__ void combine_task(Smem& sm, const FwdParams& p, int b) {
   const Shape& s = p.s;
   const int nH = cdiv(s.H, BN);
-  if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH), p.st)) return;
-  if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nH), p.st)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH), p.st, 19)) return;
+  if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nH), p.st, 19)) return;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = t0 + warp; t < t1; t += kThreads / 32)
@@ -350,21 +350,26 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   const int num_tasks = n_route + n_sh1 + 1 + s.nb + n_g1 + n_sh2 + n_g2 + s.nb;
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
-    if (task < n_route) { route_task(sm, ring, p, task); continue; }
-    task -= n_route;
-    if (task < n_sh1) { shared1_task(sm, ring, p, task / nS1, task % nS1); continue; }
-    task -= n_sh1;
-    if (task < 1) { prefix_task(sm, p); continue; }
-    task -= 1;
-    if (task < s.nb) { dispatch_task(sm, p, task); continue; }
-    task -= s.nb;
-    if (task < n_g1) { gemm1_task(sm, ring, p, task / nF1, task % nF1); continue; }
-    task -= n_g1;
-    if (task < n_sh2) { shared2_task(sm, ring, p, task / nH, task % nH); continue; }
-    task -= n_sh2;
-    if (task < n_g2) { gemm2_task(sm, ring, p, task / nH, task % nH); continue; }
-    task -= n_g2;
-    combine_task(sm, p, task);
+    const long long c0 = clock64();
+    int kind = 0;
+    if (task < n_route) {
+      route_task(sm, ring, p, task);
+    } else if ((task -= n_route) < n_sh1) {
+      kind = 1, shared1_task(sm, ring, p, task / nS1, task % nS1);
+    } else if ((task -= n_sh1) < 1) {
+      kind = 2, prefix_task(sm, p);
+    } else if ((task -= 1) < s.nb) {
+      kind = 3, dispatch_task(sm, p, task);
+    } else if ((task -= s.nb) < n_g1) {
+      kind = 4, gemm1_task(sm, ring, p, task / nF1, task % nF1);
+    } else if ((task -= n_g1) < n_sh2) {
+      kind = 5, shared2_task(sm, ring, p, task / nH, task % nH);
+    } else if ((task -= n_sh2) < n_g2) {
+      kind = 6, gemm2_task(sm, ring, p, task / nH, task % nH);
+    } else {
+      kind = 7, combine_task(sm, p, task - n_g2);
+    }
+    profile_task(p.st, kind, c0);
   }
   finish_step(sm, p.st);
 }
