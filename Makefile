@@ -77,10 +77,20 @@ run: $(BUILD)/mok
 	$(BUILD)/mok check --shape tiny --ranks 1,2,4
 	$(BUILD)/mok bench --shape tiny
 
+# the flags go through the environment so that the Makefile's own CFLAGS += still apply
 test-asan:
-	$(MAKE) BUILD=build-asan CFLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer" \
-	        LDLIBS="-lm -lpthread -fopenmp -fsanitize=address,undefined" build-asan/mok_tests
+	CFLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer" LDLIBS="-fsanitize=address,undefined" \
+	  $(MAKE) BUILD=build-asan build-asan/mok_tests
 	ASAN_OPTIONS=detect_leaks=1 build-asan/mok_tests
 
 clean:
 	rm -rf build build-asan
+
+# PyTorch binding (python/): `make python` builds the library it loads
+# (build/libmok.so); `make test-python` runs its tests (needs torch and pytest).
+.PHONY: python test-python
+PYTHON ?= python3
+python: $(BUILD)/libmok.so
+
+test-python: python
+	MOK_LIBRARY=$(abspath $(BUILD))/libmok.so $(PYTHON) -m pytest -q python/tests

@@ -69,12 +69,17 @@ int test_close(const test_outputs_t* a, const test_outputs_t* b, const char* nam
 
 /* reference.c: the layer's forward written again, plainly, in double from the design
  * brief (section 1), for an EXACT-numerics problem. Outputs: y [T, H], topk_idx [T, K],
- * topk_weight [T, K], tokens_per_expert [E], aux and z losses. */
+ * topk_weight [T, K], tokens_per_expert [E], aux and z losses, and (when not NULL, fused
+ * routing) the scores [T, E]. */
 void test_reference_forward(const mok_problem_t* p, double* y, int32_t* topk_idx,
                             double* topk_weight, int32_t* tokens_per_expert, double* aux_loss,
-                            double* z_loss);
+                            double* z_loss, double* scores);
 /* Compares an EXACT problem's last forward (W ranks, gathered) with the reference:
  * routing and counts equal, y, weights and losses to 1e-12 relative. Returns failures. */
 int test_check_reference(const mok_problem_t* p);
+/* Fused routing of a BF16 run (pb) and an EXACT run (pe) of one problem: in every slot
+ * the two experts are the same or a near-tie, their selection keys (score + bias, from
+ * the reference) within 1e-6, which fp32 and double scores may order differently. */
+int test_same_routing_up_to_ties(const mok_problem_t* pb, const mok_problem_t* pe);
 
 #endif

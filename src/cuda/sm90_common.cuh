@@ -24,12 +24,15 @@ constexpr int BM = 128, BN = 128, BK = 64;
 constexpr int kStages = 4;
 constexpr int kBoxBytes = 64 * 64 * 2;
 constexpr int kStageBytes = 4 * kBoxBytes;  // A box 0, A box 1, B box 0, B box 1
+constexpr int kEpiStride = BN * 4 + 16;     // bytes per row of the epilogue tile (fp32, padded)
 
 struct alignas(1024) Smem {
   uint8_t stage[kStages][kStageBytes];
   uint64_t full[kStages];
   uint64_t empty[kStages];
   float warp_scratch[kThreads / 32][256];  // per warp: one token's expert scores
+  alignas(16) uint8_t epi[BM * kEpiStride];  // an output tile on its way to global memory
+  uint32_t ring_it;  // K blocks this CTA has put through the stage ring so far
   int task;
   int abort;
   int last_cta;
@@ -51,6 +54,7 @@ __device__ __forceinline__ void smem_init(Smem& sm) {
       mbar_init(&sm.empty[s], 2);  // one arrival per consumer warpgroup
     }
     sm.abort = 0;
+    sm.ring_it = 0;
     fence_mbar_init();
   }
   __syncthreads();
@@ -147,11 +151,6 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 
 // ---- the tile GEMM ----
 
-// Ring position: K blocks this CTA has put through the ring, the same in every thread.
-struct Ring {
-  uint32_t it;
-};
-
 // A run of output tiles through one continuous pipeline: for tile i, setup(i, A, B,
 // num_kb, k_valid_last) names its operands, then acc (per consumer thread: 64 floats) =
 // A[128 x K] B[K x 128] over num_kb K blocks of 64, then epi(i, acc, wg, warp, lane).
@@ -161,9 +160,9 @@ struct Ring {
 // Epilogue rows: wg*64 + warp*16 + lane/4 (+8); columns 8*i + 2*(lane%4) (+1) for
 // acc[4i..4i+3].
 template <int TA, int TB, class Setup, class Epi>
-__device__ __forceinline__ void gemm_tiles(Smem& sm, Ring& ring, int num_tiles, Setup setup, Epi epi) {
+__device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   const int tid = threadIdx.x;
-  uint32_t it = ring.it;
+  uint32_t it = sm.ring_it;
   if (tid == 0) {
     for (int tile = 0; tile < num_tiles; tile++) {
       Operand A, B;
@@ -236,15 +235,17 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, Ring& ring, int num_tiles, 
     }
   }
   // every thread counted the same K blocks; thread 0's count is the CTA's
-  ring.it = it;
+  __syncthreads();
+  if (tid == 0) sm.ring_it = it;
+  __syncthreads();
 }
 
 // One tile: gemm_tiles with a single tile.
 template <int TA, int TB, class Epi>
-__device__ __forceinline__ void gemm_tile(Smem& sm, Ring& ring, const Operand& A, const Operand& B, int num_kb,
+__device__ __forceinline__ void gemm_tile(Smem& sm, const Operand& A, const Operand& B, int num_kb,
                                           int k_valid_last, Epi epi) {
   gemm_tiles<TA, TB>(
-      sm, ring, 1,
+      sm, 1,
       [&](int, Operand& a, Operand& b, int& nk, int& kv) { a = A, b = B, nk = num_kb, kv = k_valid_last; },
       [&](int, float(&acc)[64], int wg, int w, int l) { epi(acc, wg, w, l); });
 }
@@ -257,18 +258,41 @@ __device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v
 __device__ __forceinline__ __nv_bfloat16 to_bf(float v) { return __float2bfloat16_rn(v); }
 __device__ __forceinline__ float silu(float g) { return __fdiv_rn(g, __fadd_rn(1.f, __expf(-g))); }
 
-// bf16 store of a 128 x 128 tile into out [rows, ld] for rows < row_end, cols < ncols.
-__device__ __forceinline__ void store_tile_bf16(float (&acc)[64], int wg, int w, int l, int row0, int row_end, int c0,
-                                                int ncols, bf16* out, int64_t ld) {
+// Epilogue of a 128 x 128 tile through shared memory: the consumer threads put the
+// accumulators in sm.epi, then write rows [row0, row_end) x columns [c0, ncols) of out
+// (ld elements per row) in 16-byte pieces: bf16 written, fp32 written, or fp32 added
+// (one add per element: out = out + acc). ncols and c0 multiples of 8.
+enum { kStoreBf16, kStoreF32, kAddF32 };
+template <int kMode>
+__device__ __forceinline__ void store_tile(Smem& sm, float (&acc)[64], int wg, int w, int l, int row0, int row_end,
+                                           int c0, int ncols, void* out, int64_t ld) {
+  constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kPer16 = 16 / kElem, kChunks = BN / kPer16;
+  const int ct = threadIdx.x - 128;
+  asm volatile("bar.sync 1, 256;" ::: "memory");  // the previous tile has left sm.epi
 #pragma unroll
   for (int i = 0; i < 16; i++)
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-      const int r = row0 + acc_row(wg, w, l, h), c = c0 + acc_col(l, i);
-      if (r < row_end && c < ncols)
-        *reinterpret_cast<__nv_bfloat162*>(out + (int64_t)r * ld + c) =
-            __halves2bfloat162(to_bf(acc[4 * i + 2 * h]), to_bf(acc[4 * i + 2 * h + 1]));
+      uint8_t* dst = sm.epi + acc_row(wg, w, l, h) * kEpiStride + acc_col(l, i) * kElem;
+      if (kMode == kStoreBf16)
+        *reinterpret_cast<__nv_bfloat162*>(dst) = __halves2bfloat162(to_bf(acc[4 * i + 2 * h]), to_bf(acc[4 * i + 2 * h + 1]));
+      else
+        *reinterpret_cast<float2*>(dst) = make_float2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]);
     }
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  for (int q = ct; q < BM * kChunks; q += 256) {
+    const int r = q / kChunks, c = (q % kChunks) * kPer16;
+    if (row0 + r >= row_end || c0 + c >= ncols) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(sm.epi + r * kEpiStride + c * kElem);
+    uint4* g = reinterpret_cast<uint4*>(static_cast<uint8_t*>(out) + ((int64_t)(row0 + r) * ld + c0 + c) * kElem);
+    if (kMode == kAddF32) {
+      const float4 o = *reinterpret_cast<const float4*>(g);
+      const float4 a = *reinterpret_cast<const float4*>(&v);
+      *reinterpret_cast<float4*>(g) = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+    } else {
+      *g = v;
+    }
+  }
 }
 
 }  // namespace mok

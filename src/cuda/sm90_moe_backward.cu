@@ -31,7 +31,7 @@ __device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
 }
 
 // ---- DG: d_g, dy_j, router backward ----
-__device__ void dg_task(Smem& sm, const BwdParams& p, int b) {
+__device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int b) {
   const Shape& s = p.s;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H, E = s.E;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -161,37 +161,11 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(float (&acc)[64], int wg, in
     }
 }
 
-__device__ __forceinline__ void store_tile_f32(float (&acc)[64], int wg, int w, int l, int row0, int row_end, int c0,
-                                               int ncols, float* out, int64_t ld) {
-#pragma unroll
-  for (int i = 0; i < 16; i++)
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const int r = row0 + acc_row(wg, w, l, h), c = c0 + acc_col(l, i);
-      if (r < row_end && c < ncols) out[(int64_t)r * ld + c] = acc[4 * i + 2 * h];
-      if (r < row_end && c + 1 < ncols) out[(int64_t)r * ld + c + 1] = acc[4 * i + 2 * h + 1];
-    }
-}
-
 // Weight-gradient tile out: bf16 written, or added into fp32 buffers.
-__device__ __forceinline__ void store_wgrad(const BwdParams& p, float (&acc)[64], int wg, int w, int l, int r0, int rows,
-                                            int c0, int cols, void* out) {
-#pragma unroll
-  for (int i = 0; i < 16; i++)
-#pragma unroll
-    for (int h = 0; h < 2; h++)
-#pragma unroll
-      for (int x = 0; x < 2; x++) {
-        const int r = r0 + acc_row(wg, w, l, h), c = c0 + acc_col(l, i) + x;
-        if (r >= rows || c >= cols) continue;
-        const int64_t k = (int64_t)r * cols + c;
-        if (p.wgrad_fp32) {
-          float* o = reinterpret_cast<float*>(out) + k;
-          *o = __fadd_rn(*o, acc[4 * i + 2 * h + x]);
-        } else {
-          reinterpret_cast<bf16*>(out)[k] = to_bf(acc[4 * i + 2 * h + x]);
-        }
-      }
+__device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float (&acc)[64], int wg, int w, int l, int r0,
+                                            int rows, int c0, int cols, void* out) {
+  if (p.wgrad_fp32) store_tile<kAddF32>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
+  else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
 }
 
 // Expert m-tile of the expert rows: (expert, first row, end row) from the saved offsets.
@@ -211,26 +185,26 @@ __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, 
   return false;
 }
 
-__device__ void dhs_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
+__device__ __noinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
   const int t0 = mt * BM;
   Operand A{&p.m_dy, {t0, t0 + 64}, 0};
   Operand B{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
-  gemm_tile<0, 1>(sm, ring, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+  gemm_tile<0, 1>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
     swiglu_bwd_epilogue(acc, wg, w, l, t0, s.T, nt * BN, s.Fs, p.sv.sa, p.d_a_s);
   });
   signal_counter(&p.st.sync->counter[B_FIXED + s.max_mt + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DHS_ALL], 1);
 }
 
-__device__ void dh_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
+__device__ __noinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
   int e, row0, row_end;
   if (expert_tile(p, mt, &e, &row0, &row_end)) {
     Operand A{&p.m_dyrows, {row0, row0 + 64}, 0};
     Operand B{&p.m_w2, {nt * BN, nt * BN + 64}, e * s.H};
-    gemm_tile<0, 1>(sm, ring, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+    gemm_tile<0, 1>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
       swiglu_bwd_epilogue(acc, wg, w, l, row0, row_end, nt * BN, s.F, p.sv.a_rows, p.d_a);
     });
   }
@@ -238,39 +212,39 @@ __device__ void dh_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
 }
 
-__device__ void dxr_task(Smem& sm, Ring& ring, const BwdParams& p, int b, int nt) {
+__device__ __noinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int nt) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
   const int t0 = b * BM;
   Operand A{&p.m_dlog, {t0, t0 + 64}, 0};
   Operand B{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
-  gemm_tile<0, 1>(sm, ring, A, B, cdivb(s.E, BK), BK, [&](float(&acc)[64], int wg, int w, int l) {
-    store_tile_f32(acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_router, s.H);
+  gemm_tile<0, 1>(sm, A, B, cdivb(s.E, BK), BK, [&](float(&acc)[64], int wg, int w, int l) {
+    store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_router, s.H);
   });
   signal_counter(&p.st.sync->counter[B_DXR]);
 }
 
-__device__ void dxs_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
+__device__ __noinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], cdivb(s.Fs, BN), p.st, 20)) return;
   const int t0 = mt * BM;
   Operand A{&p.m_das, {t0, t0 + 64}, 0};
   Operand B{&p.m_ws13, {nt * BN, nt * BN + 64}, 0};
-  gemm_tile<0, 1>(sm, ring, A, B, 2 * s.Fs / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-    store_tile_f32(acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_shared, s.H);
+  gemm_tile<0, 1>(sm, A, B, 2 * s.Fs / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+    store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_shared, s.H);
   });
   signal_counter(&p.st.sync->counter[B_DXS]);
 }
 
-__device__ void dx_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt) {
+__device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], cdivb(s.F, BN), p.st, 20)) return;
   int e, row0, row_end;
   if (expert_tile(p, mt, &e, &row0, &row_end)) {
     Operand A{&p.m_da, {row0, row0 + 64}, 0};
     Operand B{&p.m_w13, {nt * BN, nt * BN + 64}, e * 2 * s.F};
-    gemm_tile<0, 1>(sm, ring, A, B, 2 * s.F / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-      store_tile_bf16(acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H);
+    gemm_tile<0, 1>(sm, A, B, 2 * s.F / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+      store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H);
     });
   }
   signal_counter(&p.st.sync->counter[B_DX]);
@@ -278,7 +252,7 @@ __device__ void dx_task(Smem& sm, Ring& ring, const BwdParams& p, int mt, int nt
 
 // dW[e] rows [mt*128, +128): every 128-wide column tile in one pipeline; each tile sums
 // over the expert's rows in order, 64 per K block.
-__device__ void wgrad_task(Smem& sm, Ring& ring, const BwdParams& p, int which, int e, int mt) {
+__device__ __noinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
   const uint32_t target = which == 2 ? (uint32_t)s.nb : (uint32_t)(s.max_mt * cdivb(s.F, BN));
@@ -288,25 +262,25 @@ __device__ void wgrad_task(Smem& sm, Ring& ring, const BwdParams& p, int which, 
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
   if (which == 2) {  // dw2[e] [H, F] = dy_rows^T h_rows
     gemm_tiles<1, 1>(
-        sm, ring, cdivb(s.F, BN),
+        sm, cdivb(s.F, BN),
         [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
           A = Operand{&p.m_dyrows, {mt * BM, mt * BM + 64}, off};
           B = Operand{&p.m_hrows, {nt * BN, nt * BN + 64}, off};
           num_kb = nk, kv = valid_last;
         },
         [&](int nt, float(&acc)[64], int wg, int w, int l) {
-          store_wgrad(p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize);
+          store_wgrad(sm, p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize);
         });
   } else {  // dw13[e] [2F, H] = d_a^T x_rows
     gemm_tiles<1, 1>(
-        sm, ring, cdivb(s.H, BN),
+        sm, cdivb(s.H, BN),
         [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
           A = Operand{&p.m_da, {mt * BM, mt * BM + 64}, off};
           B = Operand{&p.m_xrows, {nt * BN, nt * BN + 64}, off};
           num_kb = nk, kv = valid_last;
         },
         [&](int nt, float(&acc)[64], int wg, int w, int l) {
-          store_wgrad(p, acc, wg, w, l, mt * BM, 2 * s.F, nt * BN, s.H,
+          store_wgrad(sm, p, acc, wg, w, l, mt * BM, 2 * s.F, nt * BN, s.H,
                       (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize);
         });
   }
@@ -314,7 +288,7 @@ __device__ void wgrad_task(Smem& sm, Ring& ring, const BwdParams& p, int which, 
 
 // Replicated gradients of chunk c: every 128 x 128 tile of [dW_router | dws13 | dws2]
 // in one pipeline, each the sum over the chunk's 64 tokens (one K block).
-__device__ void rw_task(Smem& sm, Ring& ring, const BwdParams& p, int c) {
+__device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
   const Shape& s = p.s;
   const int nH = cdivb(s.H, BN), nFs = cdivb(s.Fs, BN);
   const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
@@ -324,7 +298,7 @@ __device__ void rw_task(Smem& sm, Ring& ring, const BwdParams& p, int c) {
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
   float* part = p.partials + (int64_t)c * p.partial_len;
   gemm_tiles<1, 1>(
-      sm, ring, tr + t13 + t2,
+      sm, tr + t13 + t2,
       [&](int tile, Operand& A, Operand& B, int& num_kb, int& kv) {
         num_kb = 1, kv = BK;  // tokens past T are out of bounds: zeros
         if (tile < tr) {
@@ -344,13 +318,13 @@ __device__ void rw_task(Smem& sm, Ring& ring, const BwdParams& p, int c) {
       [&](int tile, float(&acc)[64], int wg, int w, int l) {
         if (tile < tr) {
           const int mt = tile / nH, nt = tile % nH;
-          store_tile_f32(acc, wg, w, l, mt * BM, s.E, nt * BN, s.H, part, s.H);
+          store_tile<kStoreF32>(sm, acc, wg, w, l, mt * BM, s.E, nt * BN, s.H, part, s.H);
         } else if (tile < tr + t13) {
           const int mt = (tile - tr) / nH, nt = (tile - tr) % nH;
-          store_tile_f32(acc, wg, w, l, mt * BM, 2 * s.Fs, nt * BN, s.H, part + (int64_t)s.E * s.H, s.H);
+          store_tile<kStoreF32>(sm, acc, wg, w, l, mt * BM, 2 * s.Fs, nt * BN, s.H, part + (int64_t)s.E * s.H, s.H);
         } else {
           const int mt = (tile - tr - t13) / nFs, nt = (tile - tr - t13) % nFs;
-          store_tile_f32(acc, wg, w, l, mt * BM, s.H, nt * BN, s.Fs, part + (int64_t)s.E * s.H + 2LL * s.Fs * s.H,
+          store_tile<kStoreF32>(sm, acc, wg, w, l, mt * BM, s.H, nt * BN, s.Fs, part + (int64_t)s.E * s.H + 2LL * s.Fs * s.H,
                          s.Fs);
         }
       });
@@ -363,7 +337,7 @@ __device__ int rw_tiles(const Shape& s) {
 }
 
 // The fixed pairwise tree over the chunks for a slice of elements, then written out.
-__device__ void tree_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_total) {
+__device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_total) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20)) return;
   const int64_t len = p.partial_len, er = s.fused ? (int64_t)s.E * s.H : 0;
@@ -387,7 +361,7 @@ __device__ void tree_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_t
   __syncthreads();
 }
 
-__device__ void dxsum_task(Smem& sm, const BwdParams& p, int b) {
+__device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int b) {
   const Shape& s = p.s;
   const int nH = cdivb(s.H, BN);
   if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * nH), p.st, 20)) return;
@@ -426,7 +400,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
                            p.sv.header[2] != (uint64_t)s.T))
     raise_error(p.st, MOK_STATUS_INVALID_SAVED);
-  Ring ring{0};
   const int nH = cdivb(s.H, BN), nF = cdivb(s.F, BN), nFs = cdivb(s.Fs, BN);
   const int n_dhs = s.Fs ? s.smt * nFs : 0, n_dh = s.max_mt * nF, n_dxr = s.fused ? s.nb * nH : 0;
   const int n_dxs = s.Fs ? s.smt * nH : 0, n_dx = s.max_mt * nH;
@@ -442,21 +415,21 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     if (task < s.nb) {
       dg_task(sm, p, task);
     } else if ((task -= s.nb) < n_dhs) {
-      kind = 9, dhs_task(sm, ring, p, task / nFs, task % nFs);
+      kind = 9, dhs_task(sm, p, task / nFs, task % nFs);
     } else if ((task -= n_dhs) < n_dh) {
-      kind = 10, dh_task(sm, ring, p, task / nF, task % nF);
+      kind = 10, dh_task(sm, p, task / nF, task % nF);
     } else if ((task -= n_dh) < n_dxr) {
-      kind = 11, dxr_task(sm, ring, p, task / nH, task % nH);
+      kind = 11, dxr_task(sm, p, task / nH, task % nH);
     } else if ((task -= n_dxr) < n_dxs) {
-      kind = 12, dxs_task(sm, ring, p, task / nH, task % nH);
+      kind = 12, dxs_task(sm, p, task / nH, task % nH);
     } else if ((task -= n_dxs) < n_dx) {
-      kind = 13, dx_task(sm, ring, p, task / nH, task % nH);
+      kind = 13, dx_task(sm, p, task / nH, task % nH);
     } else if ((task -= n_dx) < n_wg2) {
-      kind = 14, wgrad_task(sm, ring, p, 2, task / w2_tiles, task % w2_tiles);
+      kind = 14, wgrad_task(sm, p, 2, task / w2_tiles, task % w2_tiles);
     } else if ((task -= n_wg2) < n_wg13) {
-      kind = 15, wgrad_task(sm, ring, p, 13, task / w13_tiles, task % w13_tiles);
+      kind = 15, wgrad_task(sm, p, 13, task / w13_tiles, task % w13_tiles);
     } else if ((task -= n_wg13) < n_rw) {
-      kind = 16, rw_task(sm, ring, p, task);
+      kind = 16, rw_task(sm, p, task);
     } else if ((task -= n_rw) < n_tree) {
       kind = 17, tree_task(sm, p, task, (uint32_t)n_rw);
     } else {

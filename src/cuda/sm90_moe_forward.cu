@@ -33,7 +33,7 @@ __device__ __forceinline__ bool ahead(float a, int ia, float b, int ib) {
 }
 
 // ---- ROUTE ----
-__device__ void route_task(Smem& sm, Ring& ring, const FwdParams& p, int b) {
+__device__ __noinline__ void route_task(Smem& sm, const FwdParams& p, int b) {
   const Shape& s = p.s;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), E = s.E, K = s.K;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -41,7 +41,7 @@ __device__ void route_task(Smem& sm, Ring& ring, const FwdParams& p, int b) {
     for (int nt = 0; nt < cdiv(E, BN); nt++) {
       Operand A{&p.m_x, {t0, t0 + 64}, 0};
       Operand B{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
-      gemm_tile<0, 0>(sm, ring, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+      gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
 #pragma unroll
         for (int i = 0; i < 16; i++)
 #pragma unroll
@@ -149,7 +149,7 @@ __device__ void route_task(Smem& sm, Ring& ring, const FwdParams& p, int b) {
 }
 
 // ---- PREFIX ----
-__device__ void prefix_task(Smem& sm, const FwdParams& p) {
+__device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   const Shape& s = p.s;
   const int E = s.E;
   if (!wait_counter(sm, &p.st.sync->counter[C_ROUTE], s.nb, p.st, 19)) return;
@@ -214,7 +214,7 @@ __device__ void prefix_task(Smem& sm, const FwdParams& p) {
 }
 
 // ---- DISPATCH ----
-__device__ void dispatch_task(Smem& sm, const FwdParams& p, int b) {
+__device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int b) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
@@ -251,7 +251,7 @@ __device__ __forceinline__ void swiglu_epilogue(float (&acc)[64], int wg, int w,
 }
 
 // ---- expert and shared GEMMs ----
-__device__ void gemm1_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
+__device__ __noinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.nb, p.st, 19)) return;
   if (mt < *p.num_tiles) {
@@ -259,25 +259,25 @@ __device__ void gemm1_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int
     const int F = s.F, wrow = e * 2 * F + nt * 64;
     Operand A{&p.m_xrows, {row0, row0 + 64}, 0};
     Operand B{&p.m_w13, {wrow, wrow + F}, 0};
-    gemm_tile<0, 0>(sm, ring, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+    gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
       swiglu_epilogue(acc, wg, w, l, row0, row_end, nt * 64, F, p.sv.a_rows, p.sv.h_rows);
     });
   }
   signal_counter(&p.st.sync->counter[C_FIXED + mt]);
 }
 
-__device__ void shared1_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
+__device__ __noinline__ void shared1_task(Smem& sm, const FwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
   const int t0 = mt * BM, Fs = s.Fs;
   Operand A{&p.m_x, {t0, t0 + 64}, 0};
   Operand B{&p.m_ws13, {nt * 64, Fs + nt * 64}, 0};
-  gemm_tile<0, 0>(sm, ring, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+  gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
     swiglu_epilogue(acc, wg, w, l, t0, s.T, nt * 64, Fs, p.sv.sa, p.sv.sh);
   });
   signal_counter(&p.st.sync->counter[C_FIXED + s.max_mt + mt]);
 }
 
-__device__ void gemm2_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
+__device__ __noinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], s.F / 64, p.st, 19)) return;
   if (mt < *p.num_tiles) {
@@ -285,27 +285,27 @@ __device__ void gemm2_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int
     const int wrow = e * s.H + nt * BN;
     Operand A{&p.m_hrows, {row0, row0 + 64}, 0};
     Operand B{&p.m_w2, {wrow, wrow + 64}, 0};
-    gemm_tile<0, 0>(sm, ring, A, B, s.F / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-      store_tile_bf16(acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H);
+    gemm_tile<0, 0>(sm, A, B, s.F / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+      store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H);
     });
   }
   signal_counter(&p.st.sync->counter[C_G2]);
 }
 
-__device__ void shared2_task(Smem& sm, Ring& ring, const FwdParams& p, int mt, int nt) {
+__device__ __noinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int nt) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], s.Fs / 64, p.st, 19)) return;
   const int t0 = mt * BM;
   Operand A{&p.m_sh, {t0, t0 + 64}, 0};
   Operand B{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
-  gemm_tile<0, 0>(sm, ring, A, B, s.Fs / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-    store_tile_bf16(acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H);
+  gemm_tile<0, 0>(sm, A, B, s.Fs / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
+    store_tile<kStoreBf16>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H);
   });
   signal_counter(&p.st.sync->counter[C_S2]);
 }
 
 // ---- COMBINE ----
-__device__ void combine_task(Smem& sm, const FwdParams& p, int b) {
+__device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int b) {
   const Shape& s = p.s;
   const int nH = cdiv(s.H, BN);
   if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH), p.st, 19)) return;
@@ -342,7 +342,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   extern __shared__ uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   smem_init(sm);
-  Ring ring{0};
   const Shape& s = p.s;
   const int nF1 = s.F / 64, nS1 = s.Fs / 64, nH = cdiv(s.H, BN);
   const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
@@ -353,19 +352,19 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
     const long long c0 = clock64();
     int kind = 0;
     if (task < n_route) {
-      route_task(sm, ring, p, task);
+      route_task(sm, p, task);
     } else if ((task -= n_route) < n_sh1) {
-      kind = 1, shared1_task(sm, ring, p, task / nS1, task % nS1);
+      kind = 1, shared1_task(sm, p, task / nS1, task % nS1);
     } else if ((task -= n_sh1) < 1) {
       kind = 2, prefix_task(sm, p);
     } else if ((task -= 1) < s.nb) {
       kind = 3, dispatch_task(sm, p, task);
     } else if ((task -= s.nb) < n_g1) {
-      kind = 4, gemm1_task(sm, ring, p, task / nF1, task % nF1);
+      kind = 4, gemm1_task(sm, p, task / nF1, task % nF1);
     } else if ((task -= n_g1) < n_sh2) {
-      kind = 5, shared2_task(sm, ring, p, task / nH, task % nH);
+      kind = 5, shared2_task(sm, p, task / nH, task % nH);
     } else if ((task -= n_sh2) < n_g2) {
-      kind = 6, gemm2_task(sm, ring, p, task / nH, task % nH);
+      kind = 6, gemm2_task(sm, p, task / nH, task % nH);
     } else {
       kind = 7, combine_task(sm, p, task - n_g2);
     }

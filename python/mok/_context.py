@@ -1,0 +1,260 @@
+"""Layer configurations and the cache of libmok contexts.
+
+A mok context is made for one configuration and a maximum token count (the config's
+T); a call may pass fewer tokens. Contexts are cached per (configuration, T_max,
+backend) and live until clear_cache(): the saved buffer that a forward writes is tied
+to the context that wrote it, so the backward must find that same context.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import threading
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from . import _lib
+
+SCORES = {"softmax": _lib.MOK_SCORE_SOFTMAX, "sigmoid": _lib.MOK_SCORE_SIGMOID}
+ROUTINGS = {"fused": _lib.MOK_ROUTING_FUSED, "replay": _lib.MOK_ROUTING_REPLAY}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The layer, as mok.MoE takes it (see mok.MoE for the meaning of each field)."""
+
+    hidden: int
+    ffn: int
+    num_experts: int
+    top_k: int
+    score: str = "softmax"
+    normalize: bool = True
+    route_scale: float = 1.0
+    bias_select: bool = False
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    shared_ffn: int = 0
+    routing: str = "fused"
+    wgrad_fp32_accum: bool = False
+    max_tokens: Optional[int] = None
+    exact: bool = False
+    num_threads: int = 0
+    capacity: int = 0  # rows this rank can receive; 0 = the library's safe default
+
+    def __post_init__(self):
+        def positive_int(name, v, allow_zero=False):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"mok: {name} must be an int, got {type(v).__name__}")
+            if v < 0 or (v == 0 and not allow_zero):
+                raise ValueError(f"mok: {name} = {v} must be {'>= 0' if allow_zero else '>= 1'}")
+
+        positive_int("hidden", self.hidden)
+        positive_int("ffn", self.ffn)
+        positive_int("num_experts", self.num_experts)
+        positive_int("top_k", self.top_k)
+        positive_int("shared_ffn", self.shared_ffn, allow_zero=True)
+        positive_int("num_threads", self.num_threads, allow_zero=True)
+        positive_int("capacity", self.capacity, allow_zero=True)
+        if self.max_tokens is not None:
+            positive_int("max_tokens", self.max_tokens, allow_zero=True)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"mok: top_k = {self.top_k} must be <= num_experts = {self.num_experts}")
+        if self.score not in SCORES:
+            raise ValueError(f"mok: score = {self.score!r} must be one of {sorted(SCORES)}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"mok: routing = {self.routing!r} must be one of {sorted(ROUTINGS)}")
+        for name in ("route_scale", "aux_loss_coef", "z_loss_coef"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"mok: {name} must be a float, got {type(v).__name__}")
+            if v != v or v in (float("inf"), float("-inf")):
+                raise ValueError(f"mok: {name} = {v} must be finite")
+            object.__setattr__(self, name, float(v))
+        for name in ("normalize", "bias_select", "wgrad_fp32_accum", "exact"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.routing == "replay" and (self.aux_loss_coef or self.z_loss_coef or self.bias_select):
+            raise ValueError("mok: aux_loss_coef, z_loss_coef and bias_select apply to routing='fused' only")
+        # the canonical string, computed once (traced code reads it as a constant)
+        object.__setattr__(
+            self, "_key", json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        )
+
+    # -- derived --
+    @property
+    def fused(self) -> bool:
+        return self.routing == "fused"
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """bf16 tensors of the contract (x, y, weights); float64 in exact numerics."""
+        return torch.float64 if self.exact else torch.bfloat16
+
+    @property
+    def real_dtype(self) -> torch.dtype:
+        """fp32 tensors of the contract (bias_select, topk_weight, losses, main_grad)."""
+        return torch.float64 if self.exact else torch.float32
+
+    def key(self) -> str:
+        """A canonical string for this config (what the custom ops carry)."""
+        return self._key
+
+    @staticmethod
+    def from_key(key: str) -> "Config":
+        return _config_from_key(key)
+
+    def context_tokens(self, T: int) -> int:
+        """T of the context that runs a call of T tokens: max_tokens, or else T rounded
+        up to a power of two (at least 16), so that a few contexts serve varying T."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        n = 16
+        while n < T:
+            n *= 2
+        return n
+
+    def c_config(self, T_max: int, backend: int) -> _lib.MokConfig:
+        c = _lib.MokConfig.init()
+        c.T, c.H, c.F, c.E, c.K = T_max, self.hidden, self.ffn, self.num_experts, self.top_k
+        c.W, c.rank = 1, 0
+        c.routing = ROUTINGS[self.routing]
+        c.score = SCORES[self.score]
+        c.normalize = int(self.normalize)
+        c.route_scale = self.route_scale
+        c.use_bias_select = int(self.bias_select)
+        c.aux_loss_coef = self.aux_loss_coef
+        c.z_loss_coef = self.z_loss_coef
+        c.Fs = self.shared_ffn
+        c.wgrad = _lib.MOK_WGRAD_FP32_ACCUM if self.wgrad_fp32_accum else _lib.MOK_WGRAD_BF16
+        c.numerics = _lib.MOK_NUMERICS_EXACT if self.exact else _lib.MOK_NUMERICS_BF16
+        c.backend = backend
+        c.capacity = self.capacity
+        c.num_threads = self.num_threads
+        return c
+
+
+@lru_cache(maxsize=None)
+def _config_from_key(key: str) -> Config:
+    return Config(**json.loads(key))
+
+
+def backend_of(device: torch.device) -> int:
+    if device.type == "cpu":
+        return _lib.MOK_BACKEND_CPU
+    if device.type == "cuda":
+        return _lib.MOK_BACKEND_CUDA
+    raise ValueError(
+        f"mok: tensors on device {device} are not supported: mok runs on 'cpu' (CPU backend) "
+        "or 'cuda' (CUDA backend)"
+    )
+
+
+def device_guard(device: torch.device):
+    """The current-device scope for libmok calls on `device` (a CUDA context belongs to
+    the GPU current at its creation, and its calls run there)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _aligned_view(buf: torch.Tensor, nbytes: int, align: int) -> int:
+    """Address inside uint8 tensor buf where nbytes aligned to `align` start."""
+    p = buf.data_ptr()
+    off = (-p) % align
+    assert off + nbytes <= buf.numel()
+    return p + off
+
+
+class Context:
+    """One libmok context: its sizes, a workspace, and a lock (a context runs one call
+    at a time)."""
+
+    def __init__(self, config: Config, T_max: int, device: torch.device):
+        L = _lib.lib()
+        self.config = config
+        self.T_max = T_max
+        self.device = device
+        self.backend = backend_of(device)
+        self.lock = threading.Lock()
+        cfg = config.c_config(T_max, self.backend)
+        h = ctypes.c_void_p()
+        with device_guard(device):
+            _lib.check(L.mok_context_create(ctypes.byref(cfg), ctypes.byref(h)), "mok_context_create")
+        self.handle = h
+        ws, sv = ctypes.c_size_t(), ctypes.c_size_t()
+        _lib.check(L.mok_workspace_size(h, ctypes.byref(ws)), "mok_workspace_size", h)
+        _lib.check(L.mok_saved_size(h, ctypes.byref(sv)), "mok_saved_size", h)
+        self.workspace_bytes = ws.value
+        self.saved_bytes = sv.value
+        self._workspace: Optional[torch.Tensor] = None
+
+    # the saved tensor: payload at a 256-byte aligned offset, the offset in the last byte
+    @property
+    def saved_numel(self) -> int:
+        return self.saved_bytes + _lib.ALIGN_WORKSPACE + 1
+
+    def workspace(self):
+        """(pointer, bytes) of this context's workspace (allocated once)."""
+        if self._workspace is None:
+            self._workspace = torch.empty(
+                self.workspace_bytes + _lib.ALIGN_WORKSPACE, dtype=torch.uint8, device=self.device
+            )
+        return _aligned_view(self._workspace, self.workspace_bytes, _lib.ALIGN_WORKSPACE), self.workspace_bytes
+
+    def destroy(self):
+        if self.handle:
+            _lib.lib().mok_context_destroy(self.handle)
+            self.handle = None
+
+    def check(self, status: int, call: str):
+        _lib.check(status, call, self.handle)
+
+
+_cache: dict = {}
+_cache_lock = threading.Lock()
+
+
+def get_context(config: Config, T: int, device: torch.device) -> Context:
+    """The cached context for (config, T_max of a T-token call, device)."""
+    T_max = config.context_tokens(T)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = (config.key(), T_max, str(dev))
+    ctx = _cache.get(key)
+    if ctx is None:
+        with _cache_lock:
+            ctx = _cache.get(key)
+            if ctx is None:
+                ctx = Context(config, T_max, dev)
+                _cache[key] = ctx
+    return ctx
+
+
+def clear_cache():
+    """Destroys every cached context. Saved buffers of forwards whose backward has not
+    run yet become invalid (their backward then fails with a clear error)."""
+    with _cache_lock:
+        for ctx in _cache.values():
+            ctx.destroy()
+        _cache.clear()
+
+
+def num_cached_contexts() -> int:
+    return len(_cache)
+
+
+def synchronize():
+    """Waits for the work libmok enqueued on the GPU and raises MokError for an error
+    that a kernel met (mok_context_sync on every cached CUDA context). The CPU backend's
+    calls are synchronous: nothing to do for them."""
+    L = _lib.lib()
+    fn = getattr(L, "mok_context_sync", None)
+    if fn is None:
+        return
+    for ctx in list(_cache.values()):
+        if ctx.handle and ctx.backend == _lib.MOK_BACKEND_CUDA:
+            ctx.check(fn(ctx.handle), "mok_context_sync")

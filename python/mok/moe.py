@@ -1,0 +1,212 @@
+"""mok.MoE: the layer as a torch.nn.Module."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ._context import Config
+from .ops import moe_forward
+
+_WEIGHTS = ("w_router", "w13", "w2", "ws13", "ws2")
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts layer (router, top-K, SwiGLU experts, weighted combine,
+    optional shared expert) whose forward and backward run in libmok: deterministic,
+    bitwise reproducible, fixed rounding points (see DESIGN.md / docs/).
+
+    Args:
+        hidden (H), ffn (F), num_experts (E), top_k (K): the layer.
+        score: "softmax" or "sigmoid" router scores.
+        normalize: divide the K weights by their sum (before route_scale).
+        route_scale: multiplies the weights.
+        bias_select: add the `bias_select` buffer [E] (fp32) to the scores for expert
+            selection only (aux-loss-free balancing); it gets no gradient.
+        aux_loss_coef, z_loss_coef: load-balancing loss and router z-loss; after a
+            forward they are `module.aux_loss` and `module.z_loss` (0-dim tensors in the
+            autograd graph: add them to your loss).
+        shared_ffn (Fs): a shared expert of this ffn size applied to every token; 0 = none.
+        routing: "fused" (the layer routes) or "replay" (forward(x, topk_idx,
+            topk_weight); topk_weight then gets a gradient).
+        wgrad_fp32_accum: weight gradients are added into fp32 `main_grad` attributes of
+            the weights (Megatron style) instead of .grad; zero them with
+            zero_main_grad().
+        max_tokens: most tokens per call; None = any (contexts are then made per
+            power-of-two token count, each holding buffers for that many tokens).
+        exact: EXACT numerics (CPU only): float64 weights and tensors, nothing rounded;
+            for torch.autograd.gradcheck.
+        num_threads: CPU threads of the layer; 0 = all cores.
+        capacity: rows the experts can receive per call; 0 = safe default.
+
+    Weights (nn.Parameter, bf16 or float64 when exact), initialised as nn.Linear does
+    (U(-1/sqrt(in), 1/sqrt(in))): w_router [E, H] (fused routing only), w13 [E, 2F, H]
+    (rows 0..F-1 gate, F..2F-1 up), w2 [E, H, F], ws13 [2Fs, H], ws2 [H, Fs].
+
+    After forward: aux_loss, z_loss, tokens_per_expert (int32 [E]), topk_idx (int32
+    [T, K]) and topk_weight ([T, K], detached).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score: str = "softmax",
+        normalize: bool = True,
+        route_scale: float = 1.0,
+        bias_select: bool = False,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+        shared_ffn: int = 0,
+        routing: str = "fused",
+        wgrad_fp32_accum: bool = False,
+        max_tokens: Optional[int] = None,
+        exact: bool = False,
+        num_threads: int = 0,
+        capacity: int = 0,
+        device=None,
+    ):
+        super().__init__()
+        cfg = Config(
+            hidden=hidden,
+            ffn=ffn,
+            num_experts=num_experts,
+            top_k=top_k,
+            score=score,
+            normalize=normalize,
+            route_scale=route_scale,
+            bias_select=bias_select,
+            aux_loss_coef=aux_loss_coef,
+            z_loss_coef=z_loss_coef,
+            shared_ffn=shared_ffn,
+            routing=routing,
+            wgrad_fp32_accum=wgrad_fp32_accum,
+            max_tokens=max_tokens,
+            exact=exact,
+            num_threads=num_threads,
+            capacity=capacity,
+        )
+        self.config = cfg
+        H, F, E, Fs = hidden, ffn, num_experts, shared_ffn
+        act, real = cfg.param_dtype, cfg.real_dtype
+        kw = dict(dtype=act, device=device)
+        self.register_parameter("w_router", nn.Parameter(torch.empty(E, H, **kw)) if cfg.fused else None)
+        self.w13 = nn.Parameter(torch.empty(E, 2 * F, H, **kw))
+        self.w2 = nn.Parameter(torch.empty(E, H, F, **kw))
+        self.register_parameter("ws13", nn.Parameter(torch.empty(2 * Fs, H, **kw)) if Fs else None)
+        self.register_parameter("ws2", nn.Parameter(torch.empty(H, Fs, **kw)) if Fs else None)
+        self.register_buffer("bias_select", torch.zeros(E, dtype=real, device=device))
+        self._real_buffers = ["bias_select"]
+        if wgrad_fp32_accum:
+            for name in _WEIGHTS:
+                p = getattr(self, name)
+                if p is not None:
+                    self.register_buffer("main_grad_" + name, torch.zeros(p.shape, dtype=real, device=device), persistent=False)
+                    self._real_buffers.append("main_grad_" + name)
+            self._link_main_grads()
+        self.aux_loss: Optional[Tensor] = None
+        self.z_loss: Optional[Tensor] = None
+        self.tokens_per_expert: Optional[Tensor] = None
+        self.topk_idx: Optional[Tensor] = None
+        self.topk_weight: Optional[Tensor] = None
+        self.reset_parameters()
+
+    # -- parameters --
+    def reset_parameters(self):
+        """nn.Linear's initialisation of each [out, in] matrix: U(-1/sqrt(in), 1/sqrt(in))."""
+        with torch.no_grad():
+            for name in _WEIGHTS:
+                p = getattr(self, name)
+                if p is None:
+                    continue
+                fan_in = p.shape[-1]
+                bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+                tmp = torch.empty(p.shape, dtype=torch.float64 if self.config.exact else torch.float32, device=p.device)
+                nn.init.uniform_(tmp, -bound, bound)
+                p.copy_(tmp)
+
+    def _link_main_grads(self):
+        for name in _WEIGHTS:
+            p = getattr(self, name)
+            if p is not None and hasattr(self, "main_grad_" + name):
+                p.main_grad = getattr(self, "main_grad_" + name)
+
+    def zero_main_grad(self):
+        """Zeroes the fp32 main_grad buffers (wgrad_fp32_accum)."""
+        for name in _WEIGHTS:
+            buf = getattr(self, "main_grad_" + name, None)
+            if buf is not None:
+                buf.zero_()
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(dtype) / .half() / .bfloat16() convert floating buffers: keep bias_select
+        # and main_grad in their fp32 (float64) dtype, moving them to the new device only
+        old = {name: getattr(self, name) for name in self._real_buffers}
+        out = super()._apply(fn, *args, **kwargs)
+        for name, before in old.items():
+            now = getattr(self, name)
+            if now.dtype != before.dtype:
+                setattr(self, name, before.to(device=now.device))
+        self._link_main_grads()
+        return out
+
+    # -- forward --
+    def forward(self, x: Tensor, topk_idx: Optional[Tensor] = None, topk_weight: Optional[Tensor] = None) -> Tensor:
+        cfg = self.config
+        main_grads = None
+        if cfg.wgrad_fp32_accum:
+            main_grads = [getattr(self, "main_grad_" + n) if getattr(self, n) is not None else None for n in _WEIGHTS]
+        out = moe_forward(
+            x,
+            self.w_router,
+            self.w13,
+            self.w2,
+            self.ws13,
+            self.ws2,
+            config=cfg,
+            bias_select=self.bias_select if cfg.bias_select else None,
+            topk_idx=topk_idx,
+            topk_weight=topk_weight,
+            main_grads=main_grads,
+        )
+        self.aux_loss = out.aux_loss
+        self.z_loss = out.z_loss
+        self.tokens_per_expert = out.tokens_per_expert
+        self.topk_idx = out.topk_idx
+        self.topk_weight = out.topk_weight
+        return out.y
+
+    _RESULTS = ("aux_loss", "z_loss", "tokens_per_expert", "topk_idx", "topk_weight")
+
+    def __getstate__(self):
+        # the last forward's results are not state (and aux_loss / z_loss are not graph
+        # leaves, so they cannot be deep-copied): copies and pickles leave them out
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        state = dict(state)
+        for name in self._RESULTS:
+            state[name] = None
+        return state
+
+    def extra_repr(self) -> str:
+        c = self.config
+        s = f"hidden={c.hidden}, ffn={c.ffn}, num_experts={c.num_experts}, top_k={c.top_k}, score={c.score!r}"
+        if c.shared_ffn:
+            s += f", shared_ffn={c.shared_ffn}"
+        if c.routing != "fused":
+            s += f", routing={c.routing!r}"
+        if c.aux_loss_coef:
+            s += f", aux_loss_coef={c.aux_loss_coef}"
+        if c.z_loss_coef:
+            s += f", z_loss_coef={c.z_loss_coef}"
+        if c.bias_select:
+            s += ", bias_select=True"
+        if c.wgrad_fp32_accum:
+            s += ", wgrad_fp32_accum=True"
+        if c.exact:
+            s += ", exact=True"
+        return s

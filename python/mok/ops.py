@@ -1,0 +1,440 @@
+"""The layer as PyTorch operators: mok::moe_forward and mok::moe_backward
+(torch.library custom ops, with fake implementations for tracing and an autograd
+formula), and the functional form mok.moe_forward that checks its arguments and calls
+them.
+
+mok::moe_forward runs mok_forward and returns, besides y and the monitoring outputs,
+the `saved` buffer (uint8) that mok_backward needs; the autograd formula keeps it for
+backward, where mok::moe_backward runs mok_backward on the same cached context.
+
+Weight gradients: written as fresh tensors (bf16, float64 in exact numerics) and
+returned to autograd, or, with wgrad_fp32_accum, added by libmok into the fp32
+`main_grad` buffers (Megatron style), in which case autograd gets None for the weights.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import List, NamedTuple, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _lib
+from ._context import Config, device_guard, get_context
+
+# ---- helpers ----------------------------------------------------------------------
+
+
+def _prep(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Contiguous and 16-byte aligned (a copy only when it is not already)."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    if t.numel() and t.data_ptr() % _lib.ALIGN_TENSOR:
+        t = t.clone()
+    return t
+
+
+def _ptr(t: Optional[Tensor]) -> Optional[int]:
+    return t.data_ptr() if t is not None else None
+
+
+def _stream(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device).cuda_stream
+    return None
+
+
+def _nothing(device) -> Tensor:
+    """Placeholder for an output this configuration does not have."""
+    return torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _saved_offset(saved: Tensor) -> int:
+    """Offset of the saved payload inside the saved tensor. CPU: the 256-byte aligned
+    offset recorded by the forward in the tensor's last byte. CUDA: 0 (torch's CUDA
+    allocator hands out 512-byte aligned blocks; reading a byte back would need a
+    device synchronisation)."""
+    if saved.device.type == "cpu":
+        return ctypes.string_at(saved.data_ptr() + saved.numel() - 1, 1)[0]
+    return 0
+
+
+def _saved_payload(ctx, saved: Tensor) -> Tuple[int, Tensor]:
+    """Address of the saved payload written by the forward. If the tensor was copied
+    since (so the payload is no longer 256-byte aligned), the payload is copied into a
+    fresh aligned buffer."""
+    n = saved.numel()
+    if n != ctx.saved_numel:
+        raise ValueError(
+            f"mok: saved has {n} bytes, but the context of this configuration expects "
+            f"{ctx.saved_numel}: it was not written by mok::moe_forward with the same config"
+        )
+    off = _saved_offset(saved)
+    p = saved.data_ptr() + off
+    if p % _lib.ALIGN_WORKSPACE == 0:
+        return p, saved
+    fresh = torch.empty(ctx.saved_bytes + _lib.ALIGN_WORKSPACE, dtype=torch.uint8, device=saved.device)
+    q = (-fresh.data_ptr()) % _lib.ALIGN_WORKSPACE
+    fresh[q : q + ctx.saved_bytes].copy_(saved[off : off + ctx.saved_bytes])
+    return fresh.data_ptr() + q, fresh
+
+
+# ---- mok::moe_forward -------------------------------------------------------------
+
+
+@torch.library.custom_op("mok::moe_forward", mutates_args=())
+def _moe_forward_op(
+    x: Tensor,
+    w_router: Optional[Tensor],
+    bias_select: Optional[Tensor],
+    w13: Tensor,
+    w2: Tensor,
+    ws13: Optional[Tensor],
+    ws2: Optional[Tensor],
+    topk_idx: Optional[Tensor],
+    topk_weight: Optional[Tensor],
+    grad_acc: List[Tensor],
+    config: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (y, aux_loss, z_loss, tokens_per_expert, topk_idx, topk_weight, saved).
+    grad_acc (the fp32 main_grad buffers, or empty) is not used here: it is an input so
+    that the autograd formula can hand it to the backward."""
+    cfg = Config.from_key(config)
+    T, H, K, E = x.shape[0], cfg.hidden, cfg.top_k, cfg.num_experts
+    dev = x.device
+    ctx = get_context(cfg, T, dev)
+    act, real = cfg.param_dtype, cfg.real_dtype
+    x, w_router, bias_select, w13, w2, ws13, ws2 = map(_prep, (x, w_router, bias_select, w13, w2, ws13, ws2))
+    y = torch.empty(T, H, dtype=act, device=dev)
+    aux = torch.zeros((), dtype=real, device=dev)
+    z = torch.zeros((), dtype=real, device=dev)
+    tpe = torch.zeros(E, dtype=torch.int32, device=dev)
+    if cfg.fused:
+        idx = torch.empty(T, K, dtype=torch.int32, device=dev)
+        wt = torch.empty(T, K, dtype=real, device=dev)
+        idx_in, wt_in = idx, wt
+    else:
+        idx_in, wt_in = _prep(topk_idx), _prep(topk_weight)
+        idx, wt = idx_in.clone(), wt_in.clone()
+    saved = torch.empty(ctx.saved_numel, dtype=torch.uint8, device=dev)
+    sp = saved.data_ptr()
+    off = (-sp) % _lib.ALIGN_WORKSPACE
+    if dev.type == "cpu":
+        ctypes.memset(sp + saved.numel() - 1, off, 1)  # the payload's offset, for backward
+    elif off:
+        raise RuntimeError(f"mok: torch's {dev.type} allocator returned a saved buffer that is not 256-byte aligned")
+
+    a = _lib.MokForwardArgs()
+    a.num_tokens = T
+    a.x = _ptr(x)
+    a.w_router = _ptr(w_router) if cfg.fused else None
+    a.bias_select = _ptr(bias_select) if cfg.fused and cfg.bias_select else None
+    a.w13, a.w2 = _ptr(w13), _ptr(w2)
+    a.ws13 = _ptr(ws13) if cfg.shared_ffn else None
+    a.ws2 = _ptr(ws2) if cfg.shared_ffn else None
+    a.topk_idx, a.topk_weight = _ptr(idx_in), _ptr(wt_in)
+    a.y = _ptr(y)
+    a.tokens_per_expert = _ptr(tpe)
+    a.aux_loss, a.z_loss = _ptr(aux), _ptr(z)
+    a.saved, a.saved_bytes = sp + off, ctx.saved_bytes
+    a.stream = _stream(dev)
+    L = _lib.lib()
+    with ctx.lock, device_guard(dev):
+        a.workspace, a.workspace_bytes = ctx.workspace()
+        ctx.check(L.mok_forward(ctx.handle, ctypes.byref(a)), "mok_forward")
+    return y, aux, z, tpe, idx, wt, saved
+
+
+@_moe_forward_op.register_fake
+def _moe_forward_fake(x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, grad_acc, config):
+    cfg = Config.from_key(config)
+    T, H, K, E = x.shape[0], cfg.hidden, cfg.top_k, cfg.num_experts
+    if cfg.max_tokens is not None:
+        T_ctx = cfg.max_tokens
+    else:
+        T_ctx = int(T)  # the context (and the saved size) depends on T: specialise on it
+    ctx = get_context(cfg, T_ctx, x.device)
+    act, real = cfg.param_dtype, cfg.real_dtype
+    return (
+        x.new_empty((T, H), dtype=act),
+        x.new_empty((), dtype=real),
+        x.new_empty((), dtype=real),
+        x.new_empty((E,), dtype=torch.int32),
+        x.new_empty((T, K), dtype=torch.int32),
+        x.new_empty((T, K), dtype=real),
+        x.new_empty((ctx.saved_numel,), dtype=torch.uint8),
+    )
+
+
+# ---- mok::moe_backward ------------------------------------------------------------
+
+
+@torch.library.custom_op("mok::moe_backward", mutates_args=("grad_acc",))
+def _moe_backward_op(
+    dy: Tensor,
+    x: Tensor,
+    w_router: Optional[Tensor],
+    w13: Tensor,
+    w2: Tensor,
+    ws13: Optional[Tensor],
+    ws2: Optional[Tensor],
+    saved: Tensor,
+    d_aux_loss: Tensor,
+    d_z_loss: Tensor,
+    grad_acc: List[Tensor],
+    config: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dx, d_w_router, d_w13, d_w2, d_ws13, d_ws2, d_topk_weight); a gradient
+    this configuration does not have is an empty tensor. With wgrad_fp32_accum the
+    weight gradients are added into grad_acc = [router, w13, w2, ws13, ws2] (fp32) and
+    the returned ones are empty."""
+    cfg = Config.from_key(config)
+    T, H, F, E, K, Fs = x.shape[0], cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.shared_ffn
+    dev = x.device
+    ctx = get_context(cfg, T, dev)
+    act, real = cfg.param_dtype, cfg.real_dtype
+    dy, x, w_router, w13, w2, ws13, ws2 = map(_prep, (dy, x, w_router, w13, w2, ws13, ws2))
+    d_aux = _prep(d_aux_loss.detach().to(real).reshape(()))
+    d_z = _prep(d_z_loss.detach().to(real).reshape(()))
+    alloc = torch.zeros if T == 0 else torch.empty  # with no tokens libmok writes nothing
+    dx = alloc(T, H, dtype=act, device=dev)
+    dtw = alloc(T, K, dtype=real, device=dev) if not cfg.fused else _nothing(dev)
+    if cfg.wgrad_fp32_accum:
+        if len(grad_acc) != 5:
+            raise ValueError("mok: wgrad_fp32_accum needs grad_acc = [router, w13, w2, ws13, ws2]")
+        for g in grad_acc:
+            if g.numel() and (not g.is_contiguous() or g.data_ptr() % 4):
+                raise ValueError("mok: main_grad buffers must be contiguous (they are added into in place)")
+        acc_r, acc_13, acc_2, acc_s13, acc_s2 = grad_acc
+        dwr, d13, d2, ds13, ds2 = (_nothing(dev) for _ in range(5))
+        p_r, p_13, p_2, p_s13, p_s2 = (_ptr(g) for g in grad_acc)
+    else:
+        dwr = alloc(E, H, dtype=act, device=dev) if cfg.fused else _nothing(dev)
+        d13 = alloc(E, 2 * F, H, dtype=act, device=dev)
+        d2 = alloc(E, H, F, dtype=act, device=dev)
+        ds13 = alloc(2 * Fs, H, dtype=act, device=dev) if Fs else _nothing(dev)
+        ds2 = alloc(H, Fs, dtype=act, device=dev) if Fs else _nothing(dev)
+        p_r, p_13, p_2, p_s13, p_s2 = (_ptr(g) for g in (dwr, d13, d2, ds13, ds2))
+
+    b = _lib.MokBackwardArgs()
+    b.num_tokens = T
+    b.x = _ptr(x)
+    b.w_router = _ptr(w_router) if cfg.fused else None
+    b.w13, b.w2 = _ptr(w13), _ptr(w2)
+    b.ws13 = _ptr(ws13) if Fs else None
+    b.ws2 = _ptr(ws2) if Fs else None
+    b.dy = _ptr(dy)
+    b.d_aux_loss, b.d_z_loss = _ptr(d_aux), _ptr(d_z)  # never NULL: NULL means 1 in mok.h
+    b.dx = _ptr(dx)
+    b.d_topk_weight = _ptr(dtw) if not cfg.fused else None
+    b.d_w_router = p_r if cfg.fused else None
+    b.d_w13, b.d_w2 = p_13, p_2
+    b.d_ws13 = p_s13 if Fs else None
+    b.d_ws2 = p_s2 if Fs else None
+    b.stream = _stream(dev)
+    L = _lib.lib()
+    with ctx.lock, device_guard(dev):
+        b.saved, keep = _saved_payload(ctx, saved)
+        b.saved_bytes = ctx.saved_bytes
+        b.workspace, b.workspace_bytes = ctx.workspace()
+        ctx.check(L.mok_backward(ctx.handle, ctypes.byref(b)), "mok_backward")
+    del keep
+    return dx, dwr, d13, d2, ds13, ds2, dtw
+
+
+@_moe_backward_op.register_fake
+def _moe_backward_fake(dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux_loss, d_z_loss, grad_acc, config):
+    cfg = Config.from_key(config)
+    T, H, F, E, K, Fs = x.shape[0], cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.shared_ffn
+    act, real = cfg.param_dtype, cfg.real_dtype
+
+    def nothing():
+        return x.new_empty((0,), dtype=torch.uint8)
+
+    dx = x.new_empty((T, H), dtype=act)
+    dtw = x.new_empty((T, K), dtype=real) if not cfg.fused else nothing()
+    if cfg.wgrad_fp32_accum:
+        return dx, nothing(), nothing(), nothing(), nothing(), nothing(), dtw
+    return (
+        dx,
+        x.new_empty((E, H), dtype=act) if cfg.fused else nothing(),
+        x.new_empty((E, 2 * F, H), dtype=act),
+        x.new_empty((E, H, F), dtype=act),
+        x.new_empty((2 * Fs, H), dtype=act) if Fs else nothing(),
+        x.new_empty((H, Fs), dtype=act) if Fs else nothing(),
+        dtw,
+    )
+
+
+# ---- autograd ---------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, grad_acc, config = inputs
+    y, aux, z, tpe, idx, wt, saved = output
+    ctx.save_for_backward(x, w_router, w13, w2, ws13, ws2, saved)
+    # not through save_for_backward: the buffers are added into in place by every
+    # backward (several forwards may be pending), so no version check on them
+    ctx.grad_acc = list(grad_acc)
+    ctx.config = config
+    ctx.mark_non_differentiable(tpe, idx, wt, saved)
+
+
+def _backward(ctx, dy, d_aux, d_z, d_tpe, d_idx, d_wt, d_saved):
+    x, w_router, w13, w2, ws13, ws2, saved = ctx.saved_tensors
+    cfg = Config.from_key(ctx.config)
+    real = cfg.real_dtype
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if d_aux is None:
+        d_aux = x.new_zeros((), dtype=real)
+    if d_z is None:
+        d_z = x.new_zeros((), dtype=real)
+    dx, dwr, d13, d2, ds13, ds2, dtw = torch.ops.mok.moe_backward(
+        dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux, d_z, ctx.grad_acc, ctx.config
+    )
+    if cfg.wgrad_fp32_accum:
+        dwr = d13 = d2 = ds13 = ds2 = None
+    return (
+        dx,
+        dwr if cfg.fused else None,
+        None,  # bias_select: selection only, no gradient
+        d13,
+        d2,
+        ds13 if cfg.shared_ffn else None,
+        ds2 if cfg.shared_ffn else None,
+        None,  # topk_idx
+        dtw if not cfg.fused else None,
+        [None] * len(ctx.grad_acc),  # grad_acc
+        None,  # config
+    )
+
+
+_moe_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the functional form ----------------------------------------------------------
+
+
+class MoEOutput(NamedTuple):
+    y: Tensor                  # [T, H]
+    aux_loss: Tensor           # 0-dim, in the autograd graph (0 when aux_loss_coef = 0)
+    z_loss: Tensor             # 0-dim, in the autograd graph (0 when z_loss_coef = 0)
+    tokens_per_expert: Tensor  # [E] int32
+    topk_idx: Tensor           # [T, K] int32: the experts of each token, in slot order
+    topk_weight: Tensor        # [T, K] fp32 (detached): their weights g
+
+
+def _check_tensor(name, t, shape, dtype, device, dtype_hint=""):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"mok: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"mok: {name} has shape {list(t.shape)}, expected {list(shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"mok: {name} has dtype {t.dtype}, expected {dtype}{dtype_hint}")
+    if t.device != device:
+        raise ValueError(f"mok: {name} is on {t.device}, but x is on {device}: all tensors must be on one device")
+
+
+def moe_forward(
+    x: Tensor,
+    w_router: Optional[Tensor],
+    w13: Tensor,
+    w2: Tensor,
+    ws13: Optional[Tensor] = None,
+    ws2: Optional[Tensor] = None,
+    *,
+    config: Union[Config, str],
+    bias_select: Optional[Tensor] = None,
+    topk_idx: Optional[Tensor] = None,
+    topk_weight: Optional[Tensor] = None,
+    main_grads: Optional[List[Tensor]] = None,
+) -> MoEOutput:
+    """The MoE layer as a function (what mok.MoE.forward calls).
+
+    x [T, H]; w_router [E, H] (fused routing; None for replay); w13 [E, 2F, H];
+    w2 [E, H, F]; ws13 [2Fs, H] and ws2 [H, Fs] when config.shared_ffn > 0. All bf16
+    (float64 with config.exact). bias_select [E] fp32 when config.bias_select.
+    Replay routing: topk_idx [T, K] int32 (int64 is converted) and topk_weight [T, K]
+    fp32, which gets a gradient. With config.wgrad_fp32_accum, main_grads = the fp32
+    buffers [router, w13, w2, ws13, ws2] that the weight gradients are added into
+    (default: the weights' `main_grad` attributes); then the weights get no .grad.
+
+    Raises TypeError / ValueError naming the argument for a bad dtype / shape / device,
+    and mok.MokError for what libmok rejects (its status and message).
+    """
+    cfg = Config.from_key(config) if isinstance(config, str) else config
+    if not isinstance(cfg, Config):
+        raise TypeError(f"mok: config must be a mok.Config, got {type(config).__name__}")
+    H, F, E, K, Fs = cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.shared_ffn
+    act, real = cfg.param_dtype, cfg.real_dtype
+    hint = " (this layer runs exact numerics: float64)" if cfg.exact else " (this layer is bf16)"
+    if not isinstance(x, Tensor):
+        raise TypeError(f"mok: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"mok: x must be 2-D [tokens, hidden], got shape {list(x.shape)}")
+    if x.shape[1] != H:
+        raise ValueError(f"mok: x has hidden size {x.shape[1]} (shape {list(x.shape)}), but the layer has hidden = {H}")
+    if x.dtype != act:
+        raise TypeError(f"mok: x has dtype {x.dtype}, expected {act}{hint}")
+    dev = x.device
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"mok: x is on device {dev}: mok runs on 'cpu' (CPU backend) or 'cuda' (CUDA backend)")
+    T = x.shape[0]
+    if cfg.max_tokens is not None and T > cfg.max_tokens:
+        raise ValueError(f"mok: x has {T} tokens, more than max_tokens = {cfg.max_tokens} of this layer")
+    if cfg.fused:
+        if w_router is None:
+            raise ValueError("mok: w_router is required with routing='fused'")
+        _check_tensor("w_router", w_router, (E, H), act, dev, hint)
+        if topk_idx is not None or topk_weight is not None:
+            raise ValueError("mok: topk_idx / topk_weight are inputs of routing='replay' only; this layer routes itself")
+        if cfg.bias_select:
+            if bias_select is None:
+                raise ValueError("mok: bias_select [E] is required when the layer has bias_select=True")
+            _check_tensor("bias_select", bias_select, (E,), real, dev)
+        else:
+            bias_select = None
+    else:
+        w_router = None
+        bias_select = None
+        if topk_idx is None or topk_weight is None:
+            raise ValueError("mok: routing='replay' needs topk_idx [T, K] and topk_weight [T, K]")
+        if not isinstance(topk_idx, Tensor):
+            raise TypeError(f"mok: topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
+        if topk_idx.dtype == torch.int64:
+            topk_idx = topk_idx.to(torch.int32)
+        _check_tensor("topk_idx", topk_idx, (T, K), torch.int32, dev, " (or torch.int64)")
+        _check_tensor("topk_weight", topk_weight, (T, K), real, dev)
+    _check_tensor("w13", w13, (E, 2 * F, H), act, dev, hint)
+    _check_tensor("w2", w2, (E, H, F), act, dev, hint)
+    if Fs:
+        if ws13 is None or ws2 is None:
+            raise ValueError(f"mok: ws13 and ws2 are required with shared_ffn = {Fs}")
+        _check_tensor("ws13", ws13, (2 * Fs, H), act, dev, hint)
+        _check_tensor("ws2", ws2, (H, Fs), act, dev, hint)
+    else:
+        if ws13 is not None or ws2 is not None:
+            raise ValueError("mok: ws13 / ws2 given, but the layer has shared_ffn = 0")
+    grad_acc: List[Tensor] = []
+    if cfg.wgrad_fp32_accum:
+        if main_grads is None:
+            main_grads = [getattr(w, "main_grad", None) if w is not None else None for w in (w_router, w13, w2, ws13, ws2)]
+        names = ("main_grads[0] (router)", "main_grads[1] (w13)", "main_grads[2] (w2)", "main_grads[3] (ws13)", "main_grads[4] (ws2)")
+        shapes = ((E, H), (E, 2 * F, H), (E, H, F), (2 * Fs, H), (H, Fs))
+        needed = (cfg.fused, True, True, Fs > 0, Fs > 0)
+        if len(main_grads) != 5:
+            raise ValueError("mok: main_grads must be [router, w13, w2, ws13, ws2] (None where the layer has none)")
+        for name, g, shape, need in zip(names, main_grads, shapes, needed):
+            if need:
+                if g is None:
+                    raise ValueError(f"mok: wgrad_fp32_accum needs {name}: pass main_grads or set .main_grad on the weight")
+                _check_tensor(name, g, shape, real, dev)
+                grad_acc.append(g)
+            else:
+                grad_acc.append(x.new_empty((0,), dtype=real))
+    y, aux, z, tpe, idx, wt, _saved = torch.ops.mok.moe_forward(
+        x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, grad_acc, cfg.key()
+    )
+    return MoEOutput(y, aux, z, tpe, idx, wt.detach())

@@ -1,0 +1,230 @@
+/* test_determinism.c — the determinism contract (DESIGN.md section 2), by bytes:
+ *  D1  the same problem run again, and 5 steps on one set of contexts, give the same bits;
+ *      so do 1, 2 and 3 threads per context;
+ *  D3  one global batch (512 tokens: 64 per rank at W = 8, one MOK_REDUCE_CHUNK_TOKENS
+ *      chunk) on W = 1, 2, 4, 8 gives the same y, dx, routing, counts, losses,
+ *      d_topk_weight and every weight gradient, replicated ones included;
+ *  D4  a token's forward alone equals its forward inside a batch, in any order and on
+ *      any W, with the global aux loss on;
+ *  and mok_reduce_tree is the balanced tree that mok.h describes. */
+#include <string.h>
+
+#include "runner.h"
+
+static mok_config_t layer(void) {
+  mok_config_t c = MOK_CONFIG_INIT;
+  c.H = 64, c.F = 32, c.E = 16, c.K = 4, c.Fs = 32;
+  c.aux_loss_coef = 0.01f;
+  c.z_loss_coef = 0.001f;
+  c.use_bias_select = 1;
+  return c;
+}
+
+static mok_run_opts_t opts(int W, int steps, int num_threads) {
+  mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+  o.W = W;
+  o.steps = steps;
+  o.num_threads = num_threads;
+  return o;
+}
+
+static int run_to_run(void) {
+  int bad = 0;
+  const int Ws[] = {1, 2};
+  for (int i = 0; i < 2; i++) {
+    const mok_config_t c = layer();
+    mok_problem_t* p = test_problem(&c, 256, test_case_seed());
+    TEST_ASSERT(p, "problem");
+    test_outputs_t first, again, steps;
+    mok_run_opts_t o = opts(Ws[i], 1, 1);
+    TEST_ASSERT(!test_run(p, &o), "run 1");
+    test_snapshot(p, 1, &first);
+    TEST_ASSERT(!test_run(p, &o), "run 2");
+    test_snapshot(p, 1, &again);
+    o.steps = 5;
+    TEST_ASSERT(!test_run(p, &o), "5 steps");
+    test_snapshot(p, 1, &steps);
+    char what[64];
+    snprintf(what, sizeof what, "W = %d, second run", Ws[i]);
+    bad += test_same_bits(&again, &first, NULL, what);
+    snprintf(what, sizeof what, "W = %d, step 5 of 5", Ws[i]);
+    bad += test_same_bits(&steps, &first, NULL, what);
+  }
+  return bad;
+}
+
+static int thread_count(void) {
+  int bad = 0;
+  const mok_config_t c = layer();
+  mok_problem_t* p = test_problem(&c, 256, test_case_seed());
+  TEST_ASSERT(p, "problem");
+  test_outputs_t ref, out;
+  mok_run_opts_t o = opts(1, 1, 1);
+  TEST_ASSERT(!test_run(p, &o), "1 thread");
+  test_snapshot(p, 1, &ref);
+  const int cases[][2] = {{1, 2}, {1, 3}, {2, 1}, {2, 3}}; /* {W, threads per context} */
+  for (int i = 0; i < 4; i++) {
+    o = opts(cases[i][0], 1, cases[i][1]);
+    TEST_ASSERT(!test_run(p, &o), "W = %d, %d threads", cases[i][0], cases[i][1]);
+    test_snapshot(p, 1, &out);
+    char what[64];
+    snprintf(what, sizeof what, "W = %d, %d threads", cases[i][0], cases[i][1]);
+    bad += test_same_bits(&out, &ref, NULL, what);
+  }
+  return bad;
+}
+
+/* D3: the same global batch on W = 1, 2, 4, 8; every output the config has. */
+static int ep_invariance(const mok_config_t* c, int steps) {
+  mok_problem_t* p = test_problem(c, 512, test_case_seed());
+  TEST_ASSERT(p, "problem");
+  test_outputs_t ref, out;
+  mok_run_opts_t o = opts(1, steps, 1);
+  TEST_ASSERT(!test_run(p, &o), "W = 1");
+  test_snapshot(p, 1, &ref);
+  int bad = 0;
+  for (int W = 2; W <= 8; W *= 2) {
+    o = opts(W, steps, 1);
+    TEST_ASSERT(!test_run(p, &o), "W = %d", W);
+    test_snapshot(p, 1, &out);
+    char what[32];
+    snprintf(what, sizeof what, "W = %d vs W = 1", W);
+    bad += test_same_bits(&out, &ref, NULL, what);
+  }
+  return bad;
+}
+
+static int ep_softmax(void) {
+  mok_config_t c = layer();
+  c.use_bias_select = 0;
+  return ep_invariance(&c, 1);
+}
+
+static int ep_sigmoid_bias(void) {
+  mok_config_t c = layer();
+  c.score = MOK_SCORE_SIGMOID;
+  c.normalize = 0;
+  c.route_scale = 2.0f;
+  c.Fs = 0;
+  return ep_invariance(&c, 1);
+}
+
+static int ep_replay(void) {
+  mok_config_t c = layer();
+  c.routing = MOK_ROUTING_REPLAY;
+  return ep_invariance(&c, 1);
+}
+
+static int ep_fp32_accum(void) {
+  mok_config_t c = layer();
+  c.wgrad = MOK_WGRAD_FP32_ACCUM;
+  return ep_invariance(&c, 2);
+}
+
+/* The weights (and bias) of src in dst, a problem of the same layer, bf16 numerics. */
+static void copy_weights(mok_problem_t* dst, const mok_problem_t* src) {
+  const mok_config_t* c = &src->cfg;
+  memcpy(dst->w_router, src->w_router, (size_t)(c->E * c->H) * 2);
+  memcpy(dst->w13, src->w13, (size_t)(c->E * 2 * c->F * c->H) * 2);
+  memcpy(dst->w2, src->w2, (size_t)(c->E * c->H * c->F) * 2);
+  memcpy(dst->ws13, src->ws13, (size_t)(2 * c->Fs * c->H) * 2);
+  memcpy(dst->ws2, src->ws2, (size_t)(c->H * c->Fs) * 2);
+  memcpy(dst->bias_select, src->bias_select, (size_t)c->E * 4);
+}
+
+/* The forward of token t alone (T_global = 1, on W = 1 and on W = 2 where rank 1 has no
+ * token) equals row t of the batch's forward; so does every row of the batch reversed
+ * and run on W = 2. */
+static int batch_invariance(void) {
+  const mok_config_t c = layer();
+  const int64_t T = 64, H = c.H, K = c.K;
+  mok_problem_t* p = test_problem(&c, T, test_case_seed());
+  mok_problem_t* rev = test_problem(&c, T, test_case_seed());
+  mok_problem_t* one = test_problem(&c, 1, test_case_seed() + 1);
+  TEST_ASSERT(p && rev && one, "problems");
+  mok_run_opts_t o = opts(1, 1, 1);
+  o.backward = 0;
+  TEST_ASSERT(!test_run(p, &o), "batch");
+  /* weights of p in `one` and `rev`; the tokens of p reversed in `rev` */
+  copy_weights(one, p);
+  copy_weights(rev, p);
+  const size_t row = (size_t)H * 2;
+  for (int64_t t = 0; t < T; t++)
+    memcpy((char*)rev->x + t * row, (char*)p->x + (T - 1 - t) * row, row);
+  o.W = 2;
+  TEST_ASSERT(!test_run(rev, &o), "reversed batch on W = 2");
+  for (int64_t t = 0; t < T; t++) {
+    int64_t r = T - 1 - t;
+    TEST_ASSERT(memcmp((char*)rev->y + r * row, (char*)p->y + t * row, row) == 0 &&
+                    memcmp(rev->out_topk_idx + r * K, p->out_topk_idx + t * K, K * 4) == 0 &&
+                    memcmp((float*)rev->out_topk_weight + r * K, (float*)p->out_topk_weight + t * K,
+                           K * 4) == 0,
+                "token %lld: forward in the reversed batch on W = 2 differs", (long long)t);
+  }
+  uint64_t rng = test_case_seed();
+  for (int n = 0; n < 4; n++) {
+    int64_t t = (int64_t)(test_next(&rng) % (uint64_t)T);
+    memcpy(one->x, (char*)p->x + t * row, row);
+    for (int W = 1; W <= 2; W++) {
+      o.W = W;
+      memset(one->y, 0xA5, row);
+      TEST_ASSERT(!test_run(one, &o), "token %lld alone on W = %d", (long long)t, W);
+      for (int64_t h = 0; h < H; h++) {
+        uint16_t a = ((uint16_t*)one->y)[h], b = ((uint16_t*)p->y)[t * H + h];
+        TEST_ASSERT(a == b, "token %lld alone on W = %d: y[%lld] = 0x%04x, in the batch 0x%04x",
+                    (long long)t, W, (long long)h, a, b);
+      }
+      TEST_ASSERT(memcmp(one->out_topk_idx, p->out_topk_idx + t * K, K * 4) == 0 &&
+                      memcmp(one->out_topk_weight, (float*)p->out_topk_weight + t * K, K * 4) == 0,
+                  "token %lld alone on W = %d: routing differs", (long long)t, W);
+    }
+  }
+  return 0;
+}
+
+/* The tree of mok.h: node [lo, hi) = node [lo, mid) + node [mid, hi), mid = lo + the
+ * largest power of two below hi - lo. */
+static float tree(const float* partials, int64_t n, int64_t lo, int64_t hi, int64_t i) {
+  if (hi - lo == 1) return partials[lo * n + i];
+  int64_t half = 1;
+  while (2 * half < hi - lo) half *= 2;
+  int64_t mid = lo + half;
+  float a = tree(partials, n, lo, mid, i), b = tree(partials, n, mid, hi, i);
+  return a + b;
+}
+
+static int reduce_tree(void) {
+  enum { N = 33, MAX_CHUNKS = 40 };
+  float* partials = test_alloc(MAX_CHUNKS * N * 4);
+  float* out = test_alloc(N * 4);
+  uint64_t rng = test_case_seed();
+  for (int i = 0; i < MAX_CHUNKS * N; i++) /* wide exponents: the order shows in the bits */
+    partials[i] = (float)((double)(int64_t)test_next(&rng) * 0x1.0p-63 *
+                          (double)(1u << (test_next(&rng) % 24)));
+  const int64_t counts[] = {1, 2, 3, 5, 7, 8, 13, 16, 31, 40};
+  for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+    mok_status_t s = mok_reduce_tree(partials, counts[c], N, out);
+    TEST_ASSERT(s == MOK_STATUS_SUCCESS, "reduce_tree(%lld chunks): %s", (long long)counts[c],
+                mok_status_string(s));
+    for (int64_t i = 0; i < N; i++) {
+      float want = tree(partials, N, 0, counts[c], i);
+      TEST_ASSERT(memcmp(&out[i], &want, 4) == 0, "%lld chunks: out[%lld] = %.9g, tree %.9g",
+                  (long long)counts[c], (long long)i, out[i], want);
+    }
+  }
+  TEST_ASSERT(mok_reduce_tree(NULL, 4, N, out) == MOK_STATUS_NULL_POINTER, "NULL partials");
+  TEST_ASSERT(mok_reduce_tree(partials, 4, N, NULL) == MOK_STATUS_NULL_POINTER, "NULL out");
+  return 0;
+}
+
+const test_case_t suite_determinism[] = {
+    {"run_to_run", run_to_run},
+    {"thread_count", thread_count},
+    {"ep_softmax", ep_softmax},
+    {"ep_sigmoid_bias", ep_sigmoid_bias},
+    {"ep_replay", ep_replay},
+    {"ep_fp32_accum", ep_fp32_accum},
+    {"batch_invariance", batch_invariance},
+    {"reduce_tree", reduce_tree},
+    TEST_END,
+};

@@ -1,0 +1,189 @@
+/* test_grad.c — backward against central finite differences of forward, in EXACT
+ * numerics (every floating tensor double). The scalar checked is the loss whose
+ * gradients backward receives:
+ *     L = sum(y * dy) + d_aux_loss * aux_loss + d_z_loss * z_loss
+ * For ~10 random entries of each input tensor (x, w_router, w13, w2, ws13, ws2, and
+ * topk_weight in replay), (L(v + eps) - L(v - eps)) / 2 eps must match the analytic
+ * gradient to 1e-5 relative (abs floor 1e-7: L's rounding, ~1e-16 |L| over 2 eps).
+ * Top-K is discrete: an entry whose perturbation changes the routing is skipped. */
+#include <math.h>
+#include <string.h>
+
+#include "runner.h"
+
+enum { SAMPLES = 10 };
+static const double kEps = 1e-6, kRtol = 1e-5, kAtol = 1e-7;
+
+static mok_config_t small_config(void) {
+  mok_config_t c = MOK_CONFIG_INIT;
+  c.H = 16, c.F = 8, c.E = 6, c.K = 2, c.Fs = 8;
+  c.numerics = MOK_NUMERICS_EXACT;
+  c.aux_loss_coef = 0.1f;
+  c.z_loss_coef = 0.05f;
+  c.num_threads = 1;
+  return c;
+}
+
+static double loss(const mok_problem_t* p) {
+  const double *y = p->y, *dy = p->dy;
+  double L = 0;
+  for (int64_t i = 0; i < p->T_global * p->cfg.H; i++) L += y[i] * dy[i];
+  if (p->cfg.routing == MOK_ROUTING_FUSED)
+    L += *(const double*)p->d_aux_loss * *(const double*)p->aux_loss +
+         *(const double*)p->d_z_loss * *(const double*)p->z_loss;
+  return L;
+}
+
+/* L at the current inputs, and whether the routing is still `route` (fused only). */
+static int forward_loss(mok_problem_t* p, const mok_run_opts_t* fwd, const int32_t* route,
+                        double* L, int* same_route) {
+  if (test_run(p, fwd)) return 1;
+  *L = loss(p);
+  *same_route = p->cfg.routing == MOK_ROUTING_REPLAY ||
+                memcmp(p->out_topk_idx, route, (size_t)(p->T_global * p->cfg.K) * 4) == 0;
+  return 0;
+}
+
+/* Runs backward once, then checks each input's gradient by finite differences. */
+static int check_gradients(const mok_config_t* cfg, int64_t T, int W, int zero_dy) {
+  mok_problem_t* p = test_problem(cfg, T, test_case_seed());
+  TEST_ASSERT(p, "problem");
+  const int64_t H = cfg->H, F = cfg->F, E = cfg->E, K = cfg->K, Fs = cfg->Fs;
+  const int replay = cfg->routing == MOK_ROUTING_REPLAY;
+  if (zero_dy) memset(p->dy, 0, (size_t)(T * H) * 8); /* L = the router losses alone */
+  mok_run_opts_t opts = MOK_RUN_OPTS_INIT, fwd = MOK_RUN_OPTS_INIT;
+  opts.W = fwd.W = W;
+  opts.num_threads = fwd.num_threads = 1;
+  fwd.backward = 0;
+  TEST_ASSERT(!test_run(p, &opts), "forward + backward");
+  test_outputs_t grads;
+  test_snapshot(p, 1, &grads);
+  int32_t* route = test_alloc((size_t)(T * K) * 4);
+  memcpy(route, p->out_topk_idx, (size_t)(T * K) * 4);
+
+  struct {
+    const char* input;
+    double* data;
+    int64_t count;
+    const char* grad;
+  } params[] = {
+      {"x", p->x, T * H, "dx"},
+      {"w_router", replay ? NULL : p->w_router, E * H, "d_w_router"},
+      {"w13", p->w13, E * 2 * F * H, "d_w13"},
+      {"w2", p->w2, E * H * F, "d_w2"},
+      {"ws13", Fs ? p->ws13 : NULL, 2 * Fs * H, "d_ws13"},
+      {"ws2", Fs ? p->ws2 : NULL, H * Fs, "d_ws2"},
+      {"topk_weight", replay ? p->topk_weight : NULL, T * K, "d_topk_weight"},
+  };
+  uint64_t rng = test_case_seed() ^ 0x5eedull;
+  int bad = 0;
+  for (size_t k = 0; k < sizeof params / sizeof params[0]; k++) {
+    if (!params[k].data) continue;
+    const mok_tensor_view_t* g = test_view(&grads, params[k].grad);
+    TEST_ASSERT(g && g->count == params[k].count && g->kind == 2, "no double gradient %s",
+                params[k].grad);
+    int checked = 0;
+    for (int n = 0; n < SAMPLES; n++) {
+      int64_t i = (int64_t)(test_next(&rng) % (uint64_t)params[k].count);
+      double v = params[k].data[i], Lp, Lm;
+      int same_p, same_m;
+      params[k].data[i] = v + kEps;
+      TEST_ASSERT(!forward_loss(p, &fwd, route, &Lp, &same_p), "forward at +eps");
+      params[k].data[i] = v - kEps;
+      TEST_ASSERT(!forward_loss(p, &fwd, route, &Lm, &same_m), "forward at -eps");
+      params[k].data[i] = v;
+      if (!same_p || !same_m) continue; /* top-K flipped inside [v - eps, v + eps] */
+      checked++;
+      double num = (Lp - Lm) / (2 * kEps), ana = ((const double*)g->data)[i];
+      if (!(fabs(num - ana) <= kRtol * fmax(fabs(num), fabs(ana)) + kAtol)) {
+        printf("    %s[%lld]: analytic %.10g, finite difference %.10g (W = %d)\n", params[k].grad,
+               (long long)i, ana, num, W);
+        bad++;
+      }
+    }
+    TEST_ASSERT(checked >= SAMPLES / 2, "%s: only %d of %d entries kept their routing",
+                params[k].input, checked, SAMPLES);
+  }
+  return bad;
+}
+
+static int softmax_normalized(void) {
+  mok_config_t c = small_config();
+  c.route_scale = 2.5f;
+  return check_gradients(&c, 12, 1, 0);
+}
+
+static int softmax_unnormalized(void) {
+  mok_config_t c = small_config();
+  c.normalize = 0;
+  c.Fs = 0;
+  return check_gradients(&c, 16, 1, 0);
+}
+
+static int sigmoid_normalized_bias(void) {
+  mok_config_t c = small_config();
+  c.score = MOK_SCORE_SIGMOID;
+  c.use_bias_select = 1;
+  c.route_scale = 1.5f;
+  return check_gradients(&c, 12, 1, 0);
+}
+
+static int sigmoid_unnormalized(void) {
+  mok_config_t c = small_config();
+  c.score = MOK_SCORE_SIGMOID;
+  c.normalize = 0;
+  c.route_scale = 0.7f;
+  c.aux_loss_coef = 0.2f;
+  c.z_loss_coef = 0;
+  return check_gradients(&c, 12, 1, 0);
+}
+
+/* dy = 0: the load-balancing and z losses are all of L, so their gradients are checked
+ * on their own rather than beside the larger expert path. */
+static int router_losses_softmax(void) {
+  mok_config_t c = small_config();
+  c.aux_loss_coef = 1.0f;
+  c.z_loss_coef = 0.5f;
+  return check_gradients(&c, 12, 1, 1);
+}
+
+static int router_losses_sigmoid(void) {
+  mok_config_t c = small_config();
+  c.score = MOK_SCORE_SIGMOID;
+  c.use_bias_select = 1;
+  c.aux_loss_coef = 1.0f;
+  c.z_loss_coef = 0.5f;
+  return check_gradients(&c, 12, 1, 1);
+}
+
+static int replay(void) {
+  mok_config_t c = small_config();
+  c.routing = MOK_ROUTING_REPLAY;
+  return check_gradients(&c, 12, 1, 0);
+}
+
+static int two_ranks(void) {
+  mok_config_t c = small_config();
+  c.use_bias_select = 1;
+  c.route_scale = 1.25f;
+  return check_gradients(&c, 12, 2, 0);
+}
+
+static int two_ranks_replay(void) {
+  mok_config_t c = small_config();
+  c.routing = MOK_ROUTING_REPLAY;
+  return check_gradients(&c, 11, 2, 0);
+}
+
+const test_case_t suite_grad[] = {
+    {"softmax_normalized", softmax_normalized},
+    {"softmax_unnormalized", softmax_unnormalized},
+    {"sigmoid_normalized_bias", sigmoid_normalized_bias},
+    {"sigmoid_unnormalized", sigmoid_unnormalized},
+    {"router_losses_softmax", router_losses_softmax},
+    {"router_losses_sigmoid", router_losses_sigmoid},
+    {"replay", replay},
+    {"two_ranks", two_ranks},
+    {"two_ranks_replay", two_ranks_replay},
+    TEST_END,
+};
