@@ -240,6 +240,23 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
   __syncthreads();
 }
 
+// GEMM tasks own a group of up to kGroup output tiles of one row tile (one pipeline).
+constexpr int kGroup = 8;
+__host__ __device__ constexpr int groups(int n) { return (n + kGroup - 1) / kGroup; }
+
+// Group g of the n column tiles: setup(nt, A, B) and epi(nt, acc, wg, warp, lane) per
+// column tile nt; every tile runs num_kb K blocks.
+template <int TA, int TB, class Setup, class Epi>
+__device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, Setup setup, Epi epi) {
+  gemm_tiles<TA, TB>(
+      sm, min(kGroup, n - g * kGroup),
+      [&](int t, Operand& A, Operand& B, int& nk, int& kv) {
+        setup(g * kGroup + t, A, B);
+        nk = num_kb, kv = BK;
+      },
+      [&](int t, float(&acc)[64], int wg, int w, int l) { epi(g * kGroup + t, acc, wg, w, l); });
+}
+
 // One tile: gemm_tiles with a single tile.
 template <int TA, int TB, class Epi>
 __device__ __forceinline__ void gemm_tile(Smem& sm, const Operand& A, const Operand& B, int num_kb,

@@ -185,68 +185,86 @@ __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, 
   return false;
 }
 
-__device__ __noinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int nt) {
+__device__ __noinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   const int t0 = mt * BM;
-  Operand A{&p.m_dy, {t0, t0 + 64}, 0};
-  Operand B{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
-  gemm_tile<0, 1>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-    swiglu_bwd_epilogue(acc, wg, w, l, t0, s.T, nt * BN, s.Fs, p.sv.sa, p.d_a_s);
-  });
+  gemm_group<0, 1>(
+      sm, g, cdivb(s.Fs, BN), s.H / BK,
+      [&](int nt, Operand& A, Operand& B) {
+        A = Operand{&p.m_dy, {t0, t0 + 64}, 0};
+        B = Operand{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
+      },
+      [&](int nt, float(&acc)[64], int wg, int w, int l) {
+        swiglu_bwd_epilogue(acc, wg, w, l, t0, s.T, nt * BN, s.Fs, p.sv.sa, p.d_a_s);
+      });
   signal_counter(&p.st.sync->counter[B_FIXED + s.max_mt + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DHS_ALL], 1);
 }
 
-__device__ __noinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int nt) {
+__device__ __noinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
   int e, row0, row_end;
-  if (expert_tile(p, mt, &e, &row0, &row_end)) {
-    Operand A{&p.m_dyrows, {row0, row0 + 64}, 0};
-    Operand B{&p.m_w2, {nt * BN, nt * BN + 64}, e * s.H};
-    gemm_tile<0, 1>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-      swiglu_bwd_epilogue(acc, wg, w, l, row0, row_end, nt * BN, s.F, p.sv.a_rows, p.d_a);
-    });
-  }
+  if (expert_tile(p, mt, &e, &row0, &row_end))
+    gemm_group<0, 1>(
+        sm, g, cdivb(s.F, BN), s.H / BK,
+        [&](int nt, Operand& A, Operand& B) {
+          A = Operand{&p.m_dyrows, {row0, row0 + 64}, 0};
+          B = Operand{&p.m_w2, {nt * BN, nt * BN + 64}, e * s.H};
+        },
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+          swiglu_bwd_epilogue(acc, wg, w, l, row0, row_end, nt * BN, s.F, p.sv.a_rows, p.d_a);
+        });
   signal_counter(&p.st.sync->counter[B_FIXED + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
 }
 
-__device__ __noinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int nt) {
+__device__ __noinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int g) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
   const int t0 = b * BM;
-  Operand A{&p.m_dlog, {t0, t0 + 64}, 0};
-  Operand B{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
-  gemm_tile<0, 1>(sm, A, B, cdivb(s.E, BK), BK, [&](float(&acc)[64], int wg, int w, int l) {
-    store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_router, s.H);
-  });
+  gemm_group<0, 1>(
+      sm, g, cdivb(s.H, BN), cdivb(s.E, BK),
+      [&](int nt, Operand& A, Operand& B) {
+        A = Operand{&p.m_dlog, {t0, t0 + 64}, 0};
+        B = Operand{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
+      },
+      [&](int nt, float(&acc)[64], int wg, int w, int l) {
+        store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_router, s.H);
+      });
   signal_counter(&p.st.sync->counter[B_DXR]);
 }
 
-__device__ __noinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, int nt) {
+__device__ __noinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], cdivb(s.Fs, BN), p.st, 20)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], groups(cdivb(s.Fs, BN)), p.st, 20)) return;
   const int t0 = mt * BM;
-  Operand A{&p.m_das, {t0, t0 + 64}, 0};
-  Operand B{&p.m_ws13, {nt * BN, nt * BN + 64}, 0};
-  gemm_tile<0, 1>(sm, A, B, 2 * s.Fs / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-    store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_shared, s.H);
-  });
+  gemm_group<0, 1>(
+      sm, g, cdivb(s.H, BN), 2 * s.Fs / BK,
+      [&](int nt, Operand& A, Operand& B) {
+        A = Operand{&p.m_das, {t0, t0 + 64}, 0};
+        B = Operand{&p.m_ws13, {nt * BN, nt * BN + 64}, 0};
+      },
+      [&](int nt, float(&acc)[64], int wg, int w, int l) {
+        store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_shared, s.H);
+      });
   signal_counter(&p.st.sync->counter[B_DXS]);
 }
 
-__device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int nt) {
+__device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], cdivb(s.F, BN), p.st, 20)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN)), p.st, 20)) return;
   int e, row0, row_end;
-  if (expert_tile(p, mt, &e, &row0, &row_end)) {
-    Operand A{&p.m_da, {row0, row0 + 64}, 0};
-    Operand B{&p.m_w13, {nt * BN, nt * BN + 64}, e * 2 * s.F};
-    gemm_tile<0, 1>(sm, A, B, 2 * s.F / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-      store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H);
-    });
-  }
+  if (expert_tile(p, mt, &e, &row0, &row_end))
+    gemm_group<0, 1>(
+        sm, g, cdivb(s.H, BN), 2 * s.F / BK,
+        [&](int nt, Operand& A, Operand& B) {
+          A = Operand{&p.m_da, {row0, row0 + 64}, 0};
+          B = Operand{&p.m_w13, {nt * BN, nt * BN + 64}, e * 2 * s.F};
+        },
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+          store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H);
+        });
   signal_counter(&p.st.sync->counter[B_DX]);
 }
 
@@ -255,7 +273,7 @@ __device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int n
 __device__ __noinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
-  const uint32_t target = which == 2 ? (uint32_t)s.nb : (uint32_t)(s.max_mt * cdivb(s.F, BN));
+  const uint32_t target = which == 2 ? (uint32_t)s.nb : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN)));
   if (!wait_counter(sm, dep, target, p.st, 20)) return;
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;
@@ -294,7 +312,7 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
   const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
   const int t2 = s.Fs ? nH * nFs : 0;
   if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
-  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * nFs), p.st, 20)) return;
+  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(nFs)), p.st, 20)) return;
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
   float* part = p.partials + (int64_t)c * p.partial_len;
   gemm_tiles<1, 1>(
@@ -363,7 +381,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, 
 
 __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int b) {
   const Shape& s = p.s;
-  const int nH = cdivb(s.H, BN);
+  const int nH = groups(cdivb(s.H, BN));
   if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * nH), p.st, 20)) return;
   if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DXR], (uint32_t)(s.nb * nH), p.st, 20)) return;
   if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DXS], (uint32_t)(s.smt * nH), p.st, 20)) return;
@@ -400,7 +418,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
                            p.sv.header[2] != (uint64_t)s.T))
     raise_error(p.st, MOK_STATUS_INVALID_SAVED);
-  const int nH = cdivb(s.H, BN), nF = cdivb(s.F, BN), nFs = cdivb(s.Fs, BN);
+  // GEMM tasks: a row tile and a group of its column tiles
+  const int nH = groups(cdivb(s.H, BN)), nF = groups(cdivb(s.F, BN)), nFs = groups(cdivb(s.Fs, BN));
   const int n_dhs = s.Fs ? s.smt * nFs : 0, n_dh = s.max_mt * nF, n_dxr = s.fused ? s.nb * nH : 0;
   const int n_dxs = s.Fs ? s.smt * nH : 0, n_dx = s.max_mt * nH;
   const int w2_tiles = cdivb(s.H, BM), w13_tiles = cdivb(2 * s.F, BM);  // row tiles per expert

@@ -251,63 +251,77 @@ __device__ __forceinline__ void swiglu_epilogue(float (&acc)[64], int wg, int w,
 }
 
 // ---- expert and shared GEMMs ----
-__device__ __noinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int nt) {
+__device__ __noinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.nb, p.st, 19)) return;
   if (mt < *p.num_tiles) {
-    const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
-    const int F = s.F, wrow = e * 2 * F + nt * 64;
-    Operand A{&p.m_xrows, {row0, row0 + 64}, 0};
-    Operand B{&p.m_w13, {wrow, wrow + F}, 0};
-    gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-      swiglu_epilogue(acc, wg, w, l, row0, row_end, nt * 64, F, p.sv.a_rows, p.sv.h_rows);
-    });
+    const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
+    gemm_group<0, 0>(
+        sm, g, F / 64, s.H / BK,
+        [&](int nt, Operand& A, Operand& B) {
+          A = Operand{&p.m_xrows, {row0, row0 + 64}, 0};
+          B = Operand{&p.m_w13, {e * 2 * F + nt * 64, e * 2 * F + F + nt * 64}, 0};
+        },
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+          swiglu_epilogue(acc, wg, w, l, row0, row_end, nt * 64, F, p.sv.a_rows, p.sv.h_rows);
+        });
   }
   signal_counter(&p.st.sync->counter[C_FIXED + mt]);
 }
 
-__device__ __noinline__ void shared1_task(Smem& sm, const FwdParams& p, int mt, int nt) {
+__device__ __noinline__ void shared1_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   const int t0 = mt * BM, Fs = s.Fs;
-  Operand A{&p.m_x, {t0, t0 + 64}, 0};
-  Operand B{&p.m_ws13, {nt * 64, Fs + nt * 64}, 0};
-  gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-    swiglu_epilogue(acc, wg, w, l, t0, s.T, nt * 64, Fs, p.sv.sa, p.sv.sh);
-  });
+  gemm_group<0, 0>(
+      sm, g, Fs / 64, s.H / BK,
+      [&](int nt, Operand& A, Operand& B) {
+        A = Operand{&p.m_x, {t0, t0 + 64}, 0};
+        B = Operand{&p.m_ws13, {nt * 64, Fs + nt * 64}, 0};
+      },
+      [&](int nt, float(&acc)[64], int wg, int w, int l) {
+        swiglu_epilogue(acc, wg, w, l, t0, s.T, nt * 64, Fs, p.sv.sa, p.sv.sh);
+      });
   signal_counter(&p.st.sync->counter[C_FIXED + s.max_mt + mt]);
 }
 
-__device__ __noinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int nt) {
+__device__ __noinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], s.F / 64, p.st, 19)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(s.F / 64), p.st, 19)) return;
   if (mt < *p.num_tiles) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
-    const int wrow = e * s.H + nt * BN;
-    Operand A{&p.m_hrows, {row0, row0 + 64}, 0};
-    Operand B{&p.m_w2, {wrow, wrow + 64}, 0};
-    gemm_tile<0, 0>(sm, A, B, s.F / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-      store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H);
-    });
+    gemm_group<0, 0>(
+        sm, g, cdiv(s.H, BN), s.F / BK,
+        [&](int nt, Operand& A, Operand& B) {
+          A = Operand{&p.m_hrows, {row0, row0 + 64}, 0};
+          B = Operand{&p.m_w2, {e * s.H + nt * BN, e * s.H + nt * BN + 64}, 0};
+        },
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+          store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H);
+        });
   }
   signal_counter(&p.st.sync->counter[C_G2]);
 }
 
-__device__ __noinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int nt) {
+__device__ __noinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], s.Fs / 64, p.st, 19)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], groups(s.Fs / 64), p.st, 19)) return;
   const int t0 = mt * BM;
-  Operand A{&p.m_sh, {t0, t0 + 64}, 0};
-  Operand B{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
-  gemm_tile<0, 0>(sm, A, B, s.Fs / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-    store_tile<kStoreBf16>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H);
-  });
+  gemm_group<0, 0>(
+      sm, g, cdiv(s.H, BN), s.Fs / BK,
+      [&](int nt, Operand& A, Operand& B) {
+        A = Operand{&p.m_sh, {t0, t0 + 64}, 0};
+        B = Operand{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
+      },
+      [&](int nt, float(&acc)[64], int wg, int w, int l) {
+        store_tile<kStoreBf16>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H);
+      });
   signal_counter(&p.st.sync->counter[C_S2]);
 }
 
 // ---- COMBINE ----
 __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int b) {
   const Shape& s = p.s;
-  const int nH = cdiv(s.H, BN);
+  const int nH = groups(cdiv(s.H, BN));
   if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH), p.st, 19)) return;
   if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nH), p.st, 19)) return;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
@@ -343,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   smem_init(sm);
   const Shape& s = p.s;
-  const int nF1 = s.F / 64, nS1 = s.Fs / 64, nH = cdiv(s.H, BN);
+  const int nF1 = groups(s.F / 64), nS1 = groups(s.Fs / 64), nH = groups(cdiv(s.H, BN));  // task groups
   const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
   const int n_sh2 = s.Fs ? s.smt * nH : 0, n_g2 = s.max_mt * nH;
   const int num_tasks = n_route + n_sh1 + 1 + s.nb + n_g1 + n_sh2 + n_g2 + s.nb;
