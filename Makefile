@@ -67,7 +67,7 @@ $(BUILD)/tests/gpu/runner.o: tests/runner.c $(wildcard include/*.h tools/*.h tes
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -DMOK_GPU_TESTS -Isrc -Itools -c $< -o $@
 
-$(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(BUILD)/tests/gpu/test_gpu.o $(TOOL_OBJ) $(BUILD)/libmok.a
+$(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(BUILD)/tests/gpu/test_gpu.o $(BUILD)/tests/reference.o $(TOOL_OBJ) $(BUILD)/libmok.a
 	$(CC) -o $@ $^ $(LDLIBS)
 
 test-gpu: $(BUILD)/mok_gpu_tests
