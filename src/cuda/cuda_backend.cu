@@ -52,6 +52,7 @@ static Shape make_shape(const mok_config_t& c, int64_t T) {
   s.use_bias = c.use_bias_select != 0;
   s.route_scale = c.route_scale, s.aux_coef = c.aux_loss_coef, s.z_coef = c.z_loss_coef;
   s.nb = cdiv(T, 128);
+  s.ns = cdiv(T, kSubTokens);
   s.max_mt = cdiv(T * c.K, BM) + (int)c.E;
   s.smt = s.nb;
   s.chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);

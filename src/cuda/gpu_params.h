@@ -13,6 +13,7 @@ namespace mok {
 
 typedef __nv_bfloat16 bf16;
 
+constexpr int kSubTokens = 32;  // tokens per DISPATCH, COMBINE, DG and DXSUM task
 constexpr uint64_t MOK_SAVED_MAGIC_GPU = 0x6d6f6b2d67707573ull;  // header[0] of a saved buffer
 
 // Sync words of a step, zeroed by the last CTA of every launch (sm90_common.cuh).
@@ -56,7 +57,8 @@ struct Shape {
   int T, H, F, E, K, Fs;
   int fused, score, normalize, use_bias;
   float route_scale, aux_coef, z_coef;
-  int nb;       // token blocks of 128
+  int nb;       // token blocks of 128 (routing, shared-expert m-tiles)
+  int ns;       // token blocks of kSubTokens (memory-bound token tasks: more of them)
   int max_mt;   // expert m-tiles at most: ceil(T*K / 128) + E
   int smt;      // shared-expert m-tiles: nb
   int chunks;   // replicated-sum chunks of MOK_REDUCE_CHUNK_TOKENS tokens

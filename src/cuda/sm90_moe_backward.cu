@@ -2,7 +2,7 @@
 // persistent launch (CPU reference: bf16_backward in src/cpu/layer_impl.h).
 //
 // Tasks, in ticket order (each waits only on earlier ones):
-//   DG[b]         token block b: d_g[t, j] = dy[t] . o_j; dy_j = bf16(g dy[t]) to the
+//   DG[b]         32-token block b: d_g[t, j] = dy[t] . o_j; dy_j = bf16(g dy[t]) to the
 //                 expert rows; router backward (dlogits, bf16) or d_topk_weight
 //   DHS[m,n]      shared expert: dh_s = dy ws2, d_a_s = bf16(SwiGLU')
 //   DH[m,n]       experts: dh = dy_j w2[e], d_a = bf16(SwiGLU')
@@ -13,7 +13,7 @@
 //   WG13[e,m,n]   dw13[e] = d_a^T x_rows
 //   RW[c,tile]    replicated gradients of 64-token chunk c: dW_router, dws13, dws2
 //   TREE[slice]   the fixed pairwise tree over the chunks, then written out
-//   DXSUM[b]      dx[t] = bf16(sum_j dx_j + router path + shared path)
+//   DXSUM[b]      (32 tokens) dx[t] = bf16(sum_j dx_j + router path + shared path)
 #include "sm90_common.cuh"
 
 namespace mok {
@@ -31,9 +31,9 @@ __device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
 }
 
 // ---- DG: d_g, dy_j, router backward ----
-__device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int b) {
+__device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   const Shape& s = p.s;
-  const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H, E = s.E;
+  const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H, E = s.E;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
     const int t = i / K, pos = p.sv.pos[i];
@@ -203,7 +203,7 @@ __device__ __noinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int 
 
 __device__ __noinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
   int e, row0, row_end;
   if (expert_tile(p, mt, &e, &row0, &row_end))
     gemm_group<0, 1>(
@@ -221,7 +221,7 @@ __device__ __noinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g
 
 __device__ __noinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
   const int t0 = b * BM;
   gemm_group<0, 1>(
       sm, g, cdivb(s.H, BN), cdivb(s.E, BK),
@@ -273,7 +273,7 @@ __device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g
 __device__ __noinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
-  const uint32_t target = which == 2 ? (uint32_t)s.nb : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN)));
+  const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN)));
   if (!wait_counter(sm, dep, target, p.st, 20)) return;
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;
@@ -311,7 +311,7 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
   const int nH = cdivb(s.H, BN), nFs = cdivb(s.Fs, BN);
   const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
   const int t2 = s.Fs ? nH * nFs : 0;
-  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DG], s.nb, p.st, 20)) return;
+  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
   if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(nFs)), p.st, 20)) return;
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
   float* part = p.partials + (int64_t)c * p.partial_len;
@@ -364,11 +364,23 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, 
        x += kThreads) {
     if (x < e1 && x >= er) continue;
     float* col = p.partials + x;
-    for (int n = s.chunks; n > 1; n = (n + 1) / 2)
-      for (int i = 0; i < n / 2 + (n & 1); i++) {
-        const float left = col[(int64_t)(2 * i) * len];
-        col[(int64_t)i * len] = 2 * i + 1 < n ? __fadd_rn(left, col[(int64_t)(2 * i + 1) * len]) : left;
+    // level by level in place: node i = node 2i + node 2i+1 (a lone last node moves up)
+    for (int n = s.chunks; n > 1; n = (n + 1) / 2) {
+      const int half = n / 2;
+      int i = 0;
+      for (; i + 4 <= half; i += 4) {  // a level's loads before its stores, 4 nodes at a time
+        const float l0 = col[(int64_t)(2 * i) * len], r0 = col[(int64_t)(2 * i + 1) * len];
+        const float l1 = col[(int64_t)(2 * i + 2) * len], r1 = col[(int64_t)(2 * i + 3) * len];
+        const float l2 = col[(int64_t)(2 * i + 4) * len], r2 = col[(int64_t)(2 * i + 5) * len];
+        const float l3 = col[(int64_t)(2 * i + 6) * len], r3 = col[(int64_t)(2 * i + 7) * len];
+        col[(int64_t)i * len] = __fadd_rn(l0, r0);
+        col[(int64_t)(i + 1) * len] = __fadd_rn(l1, r1);
+        col[(int64_t)(i + 2) * len] = __fadd_rn(l2, r2);
+        col[(int64_t)(i + 3) * len] = __fadd_rn(l3, r3);
       }
+      for (; i < half; i++) col[(int64_t)i * len] = __fadd_rn(col[(int64_t)(2 * i) * len], col[(int64_t)(2 * i + 1) * len]);
+      if (n & 1) col[(int64_t)half * len] = col[(int64_t)(n - 1) * len];
+    }
     const float v = s.chunks > 0 ? col[0] : 0.f;
     void* out = x < e1 ? p.d_w_router : x < e2 ? p.d_ws13 : p.d_ws2;
     const int64_t k = x < e1 ? x : x < e2 ? x - e1 : x - e2;
@@ -379,13 +391,13 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, 
   __syncthreads();
 }
 
-__device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int b) {
+__device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   const Shape& s = p.s;
   const int nH = groups(cdivb(s.H, BN));
   if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * nH), p.st, 20)) return;
   if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DXR], (uint32_t)(s.nb * nH), p.st, 20)) return;
   if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DXS], (uint32_t)(s.smt * nH), p.st, 20)) return;
-  const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
+  const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = t0 + warp; t < t1; t += kThreads / 32)
     for (int v = lane; v < H / 8; v += 32) {
@@ -426,14 +438,14 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   const int n_wg2 = s.E * w2_tiles, n_wg13 = s.E * w13_tiles;
   const int rwt = rw_tiles(s), n_rw = rwt ? s.chunks : 0;
   const int n_tree = rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0;
-  const int num_tasks = s.nb + n_dhs + n_dh + n_dxr + n_dxs + n_dx + n_wg2 + n_wg13 + n_rw + n_tree + s.nb;
+  const int num_tasks = s.ns + n_dhs + n_dh + n_dxr + n_dxs + n_dx + n_wg2 + n_wg13 + n_rw + n_tree + s.ns;
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
     const long long c0 = clock64();
     int kind = 8;
-    if (task < s.nb) {
+    if (task < s.ns) {
       dg_task(sm, p, task);
-    } else if ((task -= s.nb) < n_dhs) {
+    } else if ((task -= s.ns) < n_dhs) {
       kind = 9, dhs_task(sm, p, task / nFs, task % nFs);
     } else if ((task -= n_dhs) < n_dh) {
       kind = 10, dh_task(sm, p, task / nF, task % nF);

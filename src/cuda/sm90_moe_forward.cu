@@ -8,12 +8,12 @@
 //   SHARED1[m,n]  shared expert gate|up with SwiGLU (no dependency: fills the gaps)
 //   PREFIX        counts -> expert offsets (prefix sums in global token order), the
 //                 expert m-tile table, tokens_per_expert, aux and z losses (fixed tree)
-//   DISPATCH[b]   x rows of block b to their expert rows at pos = expert_off[e] +
+//   DISPATCH[b]   x rows of 32-token block b to their expert rows at pos = expert_off[e] +
 //                 block_off[b, e] + rank (written through the rank's peer pointer)
 //   GEMM1[m,n]    expert m-tile: a = x_rows w13[e]^T, epilogue h = silu(gate) * up
 //   SHARED2[m,n]  shared expert down projection
 //   GEMM2[m,n]    o = h w2[e]^T
-//   COMBINE[b]    y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order
+//   COMBINE[b]    (32 tokens) y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order
 #include "sm90_common.cuh"
 
 namespace mok {
@@ -214,10 +214,10 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
 }
 
 // ---- DISPATCH ----
-__device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int b) {
+__device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
-  const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
+  const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), b = t0 / 128, K = s.K, H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
     const int t = i / K, e = p.sv.idx[i];
@@ -253,7 +253,7 @@ __device__ __forceinline__ void swiglu_epilogue(float (&acc)[64], int wg, int w,
 // ---- expert and shared GEMMs ----
 __device__ __noinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.nb, p.st, 19)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19)) return;
   if (mt < *p.num_tiles) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
     gemm_group<0, 0>(
@@ -319,12 +319,12 @@ __device__ __noinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, 
 }
 
 // ---- COMBINE ----
-__device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int b) {
+__device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) {
   const Shape& s = p.s;
   const int nH = groups(cdiv(s.H, BN));
   if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH), p.st, 19)) return;
   if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nH), p.st, 19)) return;
-  const int t0 = b * 128, t1 = min(s.T, t0 + 128), K = s.K, H = s.H;
+  const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = t0 + warp; t < t1; t += kThreads / 32)
     for (int v = lane; v < H / 8; v += 32) {
@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   const int nF1 = groups(s.F / 64), nS1 = groups(s.Fs / 64), nH = groups(cdiv(s.H, BN));  // task groups
   const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
   const int n_sh2 = s.Fs ? s.smt * nH : 0, n_g2 = s.max_mt * nH;
-  const int num_tasks = n_route + n_sh1 + 1 + s.nb + n_g1 + n_sh2 + n_g2 + s.nb;
+  const int num_tasks = n_route + n_sh1 + 1 + s.ns + n_g1 + n_sh2 + n_g2 + s.ns;
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
     const long long c0 = clock64();
@@ -371,9 +371,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
       kind = 1, shared1_task(sm, p, task / nS1, task % nS1);
     } else if ((task -= n_sh1) < 1) {
       kind = 2, prefix_task(sm, p);
-    } else if ((task -= 1) < s.nb) {
+    } else if ((task -= 1) < s.ns) {
       kind = 3, dispatch_task(sm, p, task);
-    } else if ((task -= s.nb) < n_g1) {
+    } else if ((task -= s.ns) < n_g1) {
       kind = 4, gemm1_task(sm, p, task / nF1, task % nF1);
     } else if ((task -= n_g1) < n_sh2) {
       kind = 5, shared2_task(sm, p, task / nH, task % nH);
