@@ -136,7 +136,8 @@ typedef struct {
  * EXACT numerics, where "fp32" tensors are double too). Pointers are host pointers for
  * the CPU backend, device pointers for CUDA; all 16-byte aligned, rows contiguous. */
 typedef struct {
-  int64_t num_tokens;        /* T of this call, 0 <= T <= config T */
+  int64_t num_tokens;        /* T of this call, 0 <= T <= config T; T = 0 with W = 1 is a
+                                no-op that writes nothing */
   const void* x;             /* [T, H] bf16 */
   const void* w_router;      /* [E, H] bf16, fused routing */
   const float* bias_select;  /* [E] fp32, when use_bias_select */
@@ -221,7 +222,7 @@ MOK_API mok_status_t mok_context_sync(mok_context_t* ctx);
  * (node [lo, hi) = node [lo, mid) + node [mid, hi), mid = lo + the largest power of two
  * below hi - lo: the pairwise tree, level l+1 node i = level l nodes 2i + 2i+1).
  * Summing a contiguous run of chunks per rank and combining the ranks' subtrees by the
- * same tree gives the same bits (see mok_cpu_comm and docs/DETERMINISM.md). */
+ * same tree gives the same bits (docs/CPU.md, "Numerics"). */
 MOK_API mok_status_t mok_reduce_tree(const float* partials, int64_t num_chunks, int64_t n, float* out);
 
 #ifdef __cplusplus

@@ -1,0 +1,949 @@
+/* mok.c — the `mok` command: `mok info` (version, backends, CPU, GPUs), `mok check`
+ * (determinism D1-D4 on the spot, and the CUDA backend against the CPU backend) and
+ * `mok bench` (step time and FLOP/s on a named shape, plus the CPU GEMM alone). It
+ * drives the library through the problem fixture of tools/problem.h: one random global
+ * batch, run on W CPU ranks or on one GPU.
+ *
+ * Exit status: 0 all good, 1 a check or a run failed, 2 a usage error or a backend
+ * that cannot run here. */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <omp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cpu/gemm.h"
+#include "mok.h"
+#include "problem.h"
+
+#ifdef MOK_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#define MAX_RANK_LIST 8
+#define MAX_VIEWS 16
+
+/* ---- named shapes: tokens per rank, H, F, E, K (DESIGN section 7) ---- */
+
+typedef struct {
+  const char* name;
+  int64_t T, H, F, E, K, Fs;
+  int big; /* slow on the CPU backend: bench defaults to 1 step */
+} shape_t;
+
+static const shape_t kShapes[] = {
+    {"tiny", 512, 256, 128, 8, 2, 0, 0},
+    {"qwen3-30b-a3b", 16384, 2048, 768, 128, 8, 0, 1},
+    {"gpt-oss-120b", 16384, 2880, 2880, 128, 4, 0, 1},
+    {"mixtral-8x7b", 8192, 4096, 14336, 8, 2, 0, 1},
+    {"deepseek-v3", 8192, 7168, 2048, 256, 8, 0, 1},
+};
+#define NUM_SHAPES ((int)(sizeof kShapes / sizeof kShapes[0]))
+
+/* FLOPs of one forward over T tokens: experts 6*T*K*H*F, router 2*T*H*E, shared
+ * expert 6*T*H*Fs. A training step counts 3 x forward. */
+static double forward_flops(const shape_t* s, int64_t T) {
+  return 6.0 * T * s->K * s->H * s->F + 2.0 * T * s->H * s->E + 6.0 * T * s->H * s->Fs;
+}
+
+/* ---- small helpers ---- */
+
+static void usage(FILE* out) {
+  fprintf(out,
+          "usage: mok <command> [options]\n"
+          "\n"
+          "  info                      version, backends, CPU, OpenMP threads, GPUs\n"
+          "  check [options]           determinism D1-D4 on a random problem; on cuda, the\n"
+          "                            GPU against the CPU backend too\n"
+          "      --backend cpu|cuda    backend (default cpu; cuda runs W = 1)\n"
+          "      --shape NAME          named shape (default tiny)\n"
+          "      --ranks W1,W2,...     expert-parallel sizes to compare (default 1,2,4)\n"
+          "      --seed N              random inputs (default: fresh, printed)\n"
+          "      --threads N           threads per rank (default cores / W, at least 1)\n"
+          "  bench [options]           time forward, backward and step; the CPU GEMM alone\n"
+          "      --backend cpu|cuda    backend (default cpu)\n"
+          "      --shape NAME          named shape (default tiny)\n"
+          "      --ranks W             expert-parallel size (default 1)\n"
+          "      --steps N             timed steps (cpu: 5, 1 for the model shapes; cuda: 20)\n"
+          "      --threads N           threads per rank (default cores / W, at least 1)\n"
+          "      --seed N              random inputs (default 1)\n"
+          "      --json FILE           also write the figures as JSON\n"
+          "  help                      this text\n"
+          "\n"
+          "Shapes (tokens per rank, H, F, E, K); a run on W ranks has W x T tokens:\n");
+  for (int i = 0; i < NUM_SHAPES; i++) {
+    const shape_t* s = &kShapes[i];
+    fprintf(out, "  %-14s T %-6lld H %-5lld F %-6lld E %-4lld K %lld\n", s->name,
+            (long long)s->T, (long long)s->H, (long long)s->F, (long long)s->E,
+            (long long)s->K);
+  }
+}
+
+static int usage_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+static int usage_error(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "mok: ");
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, "\n(mok help for usage)\n");
+  va_end(ap);
+  return 2;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int num_cores(void) {
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (int)n : 1;
+}
+
+/* "model name" of /proc/cpuinfo, or "unknown CPU". */
+static void cpu_model(char* out, size_t len) {
+  snprintf(out, len, "unknown CPU");
+  FILE* f = fopen("/proc/cpuinfo", "r");
+  if (!f) return;
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    if (strncmp(line, "model name", 10) != 0) continue;
+    const char* v = strchr(line, ':');
+    if (!v) break;
+    v++;
+    while (*v == ' ' || *v == '\t') v++;
+    snprintf(out, len, "%s", v);
+    out[strcspn(out, "\n")] = 0;
+    for (char* c = out; *c; c++) /* keep it printable and JSON-safe */
+      if (*c == '"' || *c == '\\' || (unsigned char)*c < 32) *c = ' ';
+    break;
+  }
+  fclose(f);
+}
+
+static int parse_i64(const char* s, int64_t lo, int64_t hi, int64_t* out) {
+  char* end;
+  long long v = strtoll(s, &end, 10);
+  if (end == s || *end || v < lo || v > hi) return 0;
+  *out = v;
+  return 1;
+}
+
+/* "1,2,4" -> {1, 2, 4}; returns the count, 0 on a malformed list. */
+static int parse_ranks(const char* s, int* ranks) {
+  int n = 0;
+  const char* p = s;
+  while (*p) {
+    char* end;
+    long v = strtol(p, &end, 10);
+    if (end == p || v < 1 || v > 64 || n == MAX_RANK_LIST) return 0;
+    ranks[n++] = (int)v;
+    if (*end == ',')
+      p = end + 1;
+    else if (*end == 0)
+      p = end;
+    else
+      return 0;
+  }
+  return n;
+}
+
+static const shape_t* find_shape(const char* name) {
+  for (int i = 0; i < NUM_SHAPES; i++)
+    if (strcmp(kShapes[i].name, name) == 0) return &kShapes[i];
+  return NULL;
+}
+
+static int unknown_shape(const char* name) {
+  fprintf(stderr, "mok: unknown shape '%s'; the shapes are:\n", name);
+  for (int i = 0; i < NUM_SHAPES; i++) fprintf(stderr, "  %s\n", kShapes[i].name);
+  return 2;
+}
+
+/* Options shared by check and bench. */
+typedef struct {
+  const char* backend;
+  const char* shape;
+  const char* ranks;
+  const char* json;
+  int64_t seed, steps, threads;
+  int has_seed, has_steps, has_threads;
+} options_t;
+
+/* Parses --name value / --name=value; `allowed` lists the option names the command takes. */
+static int parse_options(int argc, char** argv, const char* allowed, options_t* o) {
+  for (int i = 0; i < argc; i++) {
+    const char* arg = argv[i];
+    if (strncmp(arg, "--", 2) != 0) return usage_error("unexpected argument '%s'", arg);
+    char name[32];
+    const char* value = NULL;
+    const char* eq = strchr(arg, '=');
+    size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
+    if (len - 2 >= sizeof name) return usage_error("unknown option '%s'", arg);
+    memcpy(name, arg + 2, len - 2);
+    name[len - 2] = 0;
+    char key[40];
+    snprintf(key, sizeof key, " %s ", name);
+    if (!strstr(allowed, key)) return usage_error("unknown option '--%s'", name);
+    if (eq)
+      value = eq + 1;
+    else if (i + 1 < argc)
+      value = argv[++i];
+    else
+      return usage_error("option '--%s' needs a value", name);
+    if (strcmp(name, "backend") == 0) {
+      o->backend = value;
+    } else if (strcmp(name, "shape") == 0) {
+      o->shape = value;
+    } else if (strcmp(name, "ranks") == 0) {
+      o->ranks = value;
+    } else if (strcmp(name, "json") == 0) {
+      o->json = value;
+    } else if (strcmp(name, "seed") == 0) {
+      if (!parse_i64(value, 0, INT64_MAX, &o->seed))
+        return usage_error("--seed needs a non-negative integer, not '%s'", value);
+      o->has_seed = 1;
+    } else if (strcmp(name, "steps") == 0) {
+      if (!parse_i64(value, 1, 1000000, &o->steps))
+        return usage_error("--steps needs a positive integer, not '%s'", value);
+      o->has_steps = 1;
+    } else if (strcmp(name, "threads") == 0) {
+      if (!parse_i64(value, 0, 4096, &o->threads))
+        return usage_error("--threads needs an integer >= 0 (0 = all cores), not '%s'", value);
+      o->has_threads = 1;
+    }
+  }
+  return 0;
+}
+
+typedef enum { BACKEND_CPU, BACKEND_CUDA } backend_t;
+
+/* Runs the problem on the chosen backend (CUDA: W = 1, one GPU). */
+static mok_status_t run_problem(backend_t b, mok_problem_t* p, const mok_run_opts_t* o,
+                                char* err, size_t len) {
+  return b == BACKEND_CUDA ? mok_problem_run_cuda(p, o, err, len)
+                           : mok_problem_run(p, o, err, len);
+}
+
+#ifdef MOK_HAVE_CUDA
+/* Asks the library whether its CUDA backend can run here: creates and destroys a small
+ * context on it. On failure writes the library's message to msg. */
+static mok_status_t cuda_probe(char* msg, size_t len) {
+  mok_config_t cfg = MOK_CONFIG_INIT;
+  cfg.T = 64, cfg.H = 64, cfg.F = 64, cfg.E = 8, cfg.K = 2;
+  cfg.backend = MOK_BACKEND_CUDA;
+  mok_context_t* ctx = NULL;
+  mok_status_t s = mok_context_create(&cfg, &ctx);
+  if (s)
+    snprintf(msg, len, "%s", mok_last_create_error());
+  else
+    mok_context_destroy(ctx);
+  return s;
+}
+#endif
+
+/* The device the CUDA backend uses (the current one), e.g. "NVIDIA H200, 132 SMs". */
+static void gpu_name(char* out, size_t len) {
+  snprintf(out, len, "no GPU");
+#ifdef MOK_HAVE_CUDA
+  int dev = 0;
+  struct cudaDeviceProp prop;
+  if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess)
+    snprintf(out, len, "%.200s, %d SMs", prop.name, prop.multiProcessorCount);
+#endif
+}
+
+/* Checks --backend (default cpu); prints what the command runs on. Returns 0, or the
+ * exit status. */
+static int resolve_backend(const options_t* o, const char* command, backend_t* b) {
+  *b = BACKEND_CPU;
+  if (!o->backend || strcmp(o->backend, "cpu") == 0) {
+#ifdef MOK_HAVE_CUDA
+    printf("mok %s: CPU backend%s\n", command, o->backend ? "" : " (--backend cuda for the GPU)");
+#else
+    printf("mok %s: CPU backend%s\n", command,
+           o->backend ? "" : " (no GPU backend is built in this version)");
+#endif
+    return 0;
+  }
+  if (strcmp(o->backend, "cuda") != 0)
+    return usage_error("unknown backend '%s' (cpu or cuda)", o->backend);
+#ifdef MOK_HAVE_CUDA
+  char msg[600] = "";
+  mok_status_t s = cuda_probe(msg, sizeof msg);
+  if (s) {
+    fprintf(stderr, "mok: --backend cuda: %s\n  %s\n", mok_status_string(s), msg);
+    return 2;
+  }
+  char name[256];
+  gpu_name(name, sizeof name);
+  printf("mok %s: CUDA backend, %s\n", command, name);
+  *b = BACKEND_CUDA;
+  return 0;
+#else
+  fprintf(stderr, "mok: --backend cuda: %s: the CUDA backend is not built in this version\n",
+          mok_status_string(MOK_STATUS_BACKEND_UNAVAILABLE));
+  return 2;
+#endif
+}
+
+/* The layer every command runs: fused softmax routing, normalised, both router losses. */
+static mok_config_t layer_config(const shape_t* s) {
+  mok_config_t cfg = MOK_CONFIG_INIT;
+  cfg.H = s->H;
+  cfg.F = s->F;
+  cfg.E = s->E;
+  cfg.K = s->K;
+  cfg.Fs = s->Fs;
+  cfg.routing = MOK_ROUTING_FUSED;
+  cfg.score = MOK_SCORE_SOFTMAX;
+  cfg.normalize = 1;
+  cfg.aux_loss_coef = 1e-2f;
+  cfg.z_loss_coef = 1e-3f;
+  cfg.backend = MOK_BACKEND_CPU;
+  return cfg;
+}
+
+/* "2 threads", "1 thread", "all cores" (0: the library default). */
+static const char* threads_str(int n, char* out, size_t len) {
+  if (n == 0)
+    snprintf(out, len, "all cores");
+  else
+    snprintf(out, len, "%d thread%s", n, n == 1 ? "" : "s");
+  return out;
+}
+
+static int default_threads(int W) {
+  int t = num_cores() / W;
+  return t > 0 ? t : 1;
+}
+
+/* ---- mok info ---- */
+
+static int cmd_info(void) {
+  const int v = mok_version();
+  char model[256];
+  cpu_model(model, sizeof model);
+  printf("mok %d.%d.%d (library), built against mok.h %d.%d.%d\n", v / 10000, v / 100 % 100,
+         v % 100, MOK_VERSION_MAJOR, MOK_VERSION_MINOR, MOK_VERSION_PATCH);
+  printf("backends:\n");
+  printf("  cpu     built: reference backend, C11 + OpenMP\n");
+#ifdef MOK_HAVE_CUDA
+  char msg[600] = "";
+  mok_status_t s = cuda_probe(msg, sizeof msg);
+  if (s)
+    printf("  cuda    built (sm_90a), not usable here: %s\n          %s\n", mok_status_string(s),
+           msg);
+  else
+    printf("  cuda    built (sm_90a), usable (one GPU per context, W = 1 in this version)\n");
+#else
+  printf("  cuda    not built in this version (built without nvcc)\n");
+#endif
+  printf("cpu:      %s, %d cores online\n", model, num_cores());
+  const char* env = getenv("OMP_NUM_THREADS");
+  printf("openmp:   %d threads (OMP_NUM_THREADS %s)\n", omp_get_max_threads(),
+         env ? env : "not set");
+#ifdef MOK_HAVE_CUDA
+  int num_gpus = 0;
+  cudaError_t ce = cudaGetDeviceCount(&num_gpus);
+  if (ce != cudaSuccess) num_gpus = 0;
+  if (ce != cudaSuccess)
+    printf("gpus:     none visible (%s)\n", cudaGetErrorString(ce));
+  else
+    printf("gpus:     %d\n", num_gpus);
+  for (int d = 0; d < num_gpus; d++) {
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) continue;
+    printf("  %d       %s, sm_%d%d, %d SMs, %.0f GiB\n", d, prop.name, prop.major, prop.minor,
+           prop.multiProcessorCount, (double)prop.totalGlobalMem / (1024.0 * 1024.0 * 1024.0));
+  }
+  if (num_gpus > 1) { /* peer access: what mok's exchange over NVLink would need */
+    printf("peers:   ");
+    for (int i = 0; i < num_gpus; i++)
+      for (int j = i + 1; j < num_gpus; j++) {
+        int ok = 0;
+        cudaDeviceCanAccessPeer(&ok, i, j);
+        printf(" %d-%d %s", i, j, ok ? "yes" : "no");
+      }
+    printf("\n");
+  }
+  printf("nccl:     not used in this version (W > 1 runs on the CPU backend only)\n");
+#endif
+  return v == MOK_VERSION_CODE ? 0 : 1;
+}
+
+/* ---- snapshots of a run's outputs, compared bitwise ---- */
+
+typedef struct {
+  int n;
+  mok_tensor_view_t v[MAX_VIEWS];
+} snapshot_t;
+
+static void snapshot_free(snapshot_t* s) {
+  for (int i = 0; i < s->n; i++) free((void*)s->v[i].data);
+  s->n = 0;
+}
+
+static int snapshot_take(const mok_problem_t* p, int with_backward, snapshot_t* s) {
+  mok_tensor_view_t views[MAX_VIEWS];
+  int n = mok_problem_outputs(p, with_backward, views, MAX_VIEWS);
+  s->n = 0;
+  for (int i = 0; i < n; i++) {
+    size_t bytes = (size_t)views[i].count * views[i].elem;
+    void* copy = malloc(bytes ? bytes : 1);
+    if (!copy) {
+      snapshot_free(s);
+      return 0;
+    }
+    memcpy(copy, views[i].data, bytes);
+    s->v[s->n] = views[i];
+    s->v[s->n++].data = copy;
+  }
+  return 1;
+}
+
+/* An element as its bits and its value, e.g. "0x3f80 (1)". */
+static void format_element(const mok_tensor_view_t* v, int64_t i, char* out, size_t len) {
+  const char* d = (const char*)v->data + i * v->elem;
+  switch (v->kind) {
+    case 0: {
+      uint16_t b;
+      memcpy(&b, d, 2);
+      snprintf(out, len, "0x%04x (%.9g)", b, mok_view_get(v, i));
+      break;
+    }
+    case 1: {
+      uint32_t b;
+      memcpy(&b, d, 4);
+      snprintf(out, len, "0x%08x (%.9g)", b, mok_view_get(v, i));
+      break;
+    }
+    case 2: snprintf(out, len, "%.17g", mok_view_get(v, i)); break;
+    default: snprintf(out, len, "%d", (int)mok_view_get(v, i)); break;
+  }
+}
+
+/* Compares every view of `got` with `want` by bytes; on the first difference writes
+ * "tensor[i]: got vs want" to detail and returns 0. */
+static int views_equal(const mok_tensor_view_t* got, const mok_tensor_view_t* want, int n,
+                       char* detail, size_t len) {
+  for (int i = 0; i < n; i++) {
+    int64_t at = mok_first_difference(&got[i], &want[i]);
+    if (at < 0) continue;
+    if (got[i].count != want[i].count) {
+      snprintf(detail, len, "%s: %lld elements vs %lld", want[i].name,
+               (long long)got[i].count, (long long)want[i].count);
+      return 0;
+    }
+    char a[64], b[64];
+    format_element(&got[i], at, a, sizeof a);
+    format_element(&want[i], at, b, sizeof b);
+    snprintf(detail, len, "first difference %s[%lld]: %s vs %s", want[i].name, (long long)at, a,
+             b);
+    return 0;
+  }
+  return 1;
+}
+
+/* ---- mok check ---- */
+
+typedef struct {
+  int num_checks, num_failed;
+} tally_t;
+
+static void report(tally_t* t, const char* label, int ok, const char* detail) {
+  char padded[64];
+  snprintf(padded, sizeof padded, "%s ", label);
+  size_t n = strlen(padded);
+  while (n < 52) padded[n++] = '.';
+  padded[n] = 0;
+  printf("%s %s\n", padded, ok ? "ok" : "FAILED");
+  if (!ok && detail && *detail) printf("    %s\n", detail);
+  fflush(stdout);
+  t->num_checks++;
+  t->num_failed += !ok;
+}
+
+/* Runs p and compares all outputs with ref bitwise; one report line. */
+static void check_run(tally_t* t, const char* label, backend_t b, mok_problem_t* p,
+                      const mok_run_opts_t* o, const snapshot_t* ref) {
+  char err[600] = "";
+  mok_status_t s = run_problem(b, p, o, err, sizeof err);
+  if (s) {
+    char detail[700];
+    snprintf(detail, sizeof detail, "%s: %s", mok_status_string(s), err);
+    report(t, label, 0, detail);
+    return;
+  }
+  snapshot_t cur;
+  if (!snapshot_take(p, o->backward, &cur)) {
+    report(t, label, 0, "out of host memory");
+    return;
+  }
+  char detail[256] = "";
+  int ok = cur.n == ref->n && views_equal(cur.v, ref->v, ref->n, detail, sizeof detail);
+  report(t, label, ok, detail);
+  snapshot_free(&cur);
+}
+
+/* The CUDA backend against the CPU backend (DESIGN section 6): integers exactly, every
+ * other output by ||got - want|| / ||want|| <= tol. Writes the worst error to *worst. */
+static int views_close(const snapshot_t* got, const snapshot_t* want, double tol, double* worst,
+                       char* detail, size_t len) {
+  *worst = 0;
+  if (got->n != want->n) {
+    snprintf(detail, len, "%d outputs vs %d", got->n, want->n);
+    return 0;
+  }
+  for (int i = 0; i < want->n; i++) {
+    if (want->v[i].kind == 3) {
+      if (!views_equal(&got->v[i], &want->v[i], 1, detail, len)) return 0;
+      continue;
+    }
+    double e = mok_relative_error(&got->v[i], &want->v[i]);
+    if (!(e <= tol)) {
+      snprintf(detail, len, "%s: relative error %.3g above %.0e", want->v[i].name, e, tol);
+      *worst = e;
+      return 0;
+    }
+    if (e > *worst) *worst = e;
+  }
+  return 1;
+}
+
+/* Every output finite, and y, dx and the gradients not all zero: a layer that writes
+ * nothing would pass the determinism checks. */
+static int outputs_sane(const snapshot_t* s, char* detail, size_t len) {
+  for (int i = 0; i < s->n; i++) {
+    const mok_tensor_view_t* v = &s->v[i];
+    int any_nonzero = 0;
+    for (int64_t j = 0; j < v->count; j++) {
+      double x = mok_view_get(v, j);
+      if (!isfinite(x)) {
+        char e[64];
+        format_element(v, j, e, sizeof e);
+        snprintf(detail, len, "%s[%lld] = %s", v->name, (long long)j, e);
+        return 0;
+      }
+      any_nonzero |= x != 0;
+    }
+    int must_move = v->name[0] == 'y' || v->name[0] == 'd';
+    if (must_move && !any_nonzero) {
+      snprintf(detail, len, "%s is all zeros", v->name);
+      return 0;
+    }
+  }
+  return 1;
+}
+
+static int cmd_check(int argc, char** argv) {
+  options_t o = {0};
+  int rc = parse_options(argc, argv, " backend shape ranks seed threads ", &o);
+  if (rc) return rc;
+  const shape_t* shape = find_shape(o.shape ? o.shape : "tiny");
+  if (!shape) return unknown_shape(o.shape);
+  int ranks[MAX_RANK_LIST] = {1, 2, 4};
+  int num_ranks = 3;
+  if (o.ranks && !(num_ranks = parse_ranks(o.ranks, ranks)))
+    return usage_error("--ranks needs a list like 1,2,4 (each 1..64, at most %d), not '%s'",
+                       MAX_RANK_LIST, o.ranks);
+  backend_t backend;
+  if ((rc = resolve_backend(&o, "check", &backend))) return rc;
+  const int cuda = backend == BACKEND_CUDA;
+  if (cuda && !o.ranks) num_ranks = 1; /* one GPU: W = 1 */
+  int W_max = 0;
+  for (int i = 0; i < num_ranks; i++) {
+    if (shape->E % ranks[i])
+      return usage_error("W = %d does not divide E = %lld of shape %s", ranks[i],
+                         (long long)shape->E, shape->name);
+    if (ranks[i] > W_max) W_max = ranks[i];
+  }
+  uint64_t seed = o.has_seed ? (uint64_t)o.seed : (uint64_t)(now_s() * 1e6) % 1000000007u;
+
+  /* the reference run: W0 ranks on the CPU, W = 1 on the GPU */
+  const int W0 = cuda ? 1 : ranks[0];
+  const int64_t T_global = shape->T * W_max;
+  const int threads = o.has_threads ? (int)o.threads : default_threads(W0);
+  char tstr[24];
+  printf("shape %s: H %lld, F %lld, E %lld, K %lld; %lld tokens in all (%lld x %d rank%s)\n",
+         shape->name, (long long)shape->H, (long long)shape->F, (long long)shape->E,
+         (long long)shape->K, (long long)T_global, (long long)shape->T, W_max,
+         W_max > 1 ? "s" : "");
+  printf("routing: fused softmax top-%lld, normalised, aux_loss_coef 1e-2, z_loss_coef 1e-3; "
+         "forward + backward\n", (long long)shape->K);
+  if (cuda)
+    printf("seed %llu (--seed %llu repeats it); the GPU runs W = 1; CPU oracle on %s\n",
+           (unsigned long long)seed, (unsigned long long)seed,
+           threads_str(threads, tstr, sizeof tstr));
+  else
+    printf("seed %llu (--seed %llu repeats it); W = %d is the reference; %s per rank%s\n",
+           (unsigned long long)seed, (unsigned long long)seed, W0,
+           threads_str(threads, tstr, sizeof tstr), o.has_threads ? "" : " (cores / W)");
+  fflush(stdout);
+  if (shape->big)
+    fprintf(stderr, "mok: warning: shape %s on the CPU backend is slow (%.0f GFLOP per step)\n",
+            shape->name, 3.0 * forward_flops(shape, T_global) * 1e-9);
+
+  mok_config_t cfg = layer_config(shape);
+  mok_problem_t* p = NULL;
+  mok_status_t s = mok_problem_create(&cfg, T_global, seed, &p);
+  if (s) {
+    fprintf(stderr, "mok: cannot create the problem: %s\n", mok_status_string(s));
+    return 1;
+  }
+  tally_t tally = {0, 0};
+  char label[64], err[600] = "", detail[700] = "";
+  snapshot_t ref = {0}, oracle = {0};
+  mok_run_opts_t ref_opts = MOK_RUN_OPTS_INIT;
+  ref_opts.W = W0;
+  ref_opts.num_threads = threads;
+
+  /* the GPU is checked against the CPU backend first */
+  if (cuda) {
+    s = mok_problem_run(p, &ref_opts, err, sizeof err);
+    if (s) {
+      snprintf(detail, sizeof detail, "%s: %s", mok_status_string(s), err);
+      report(&tally, "CPU oracle run", 0, detail);
+      goto done;
+    }
+    if (!snapshot_take(p, 1, &oracle)) {
+      report(&tally, "CPU oracle run", 0, "out of host memory");
+      goto done;
+    }
+  }
+
+  /* the reference: 3 steps */
+  ref_opts.steps = 3;
+  s = run_problem(backend, p, &ref_opts, err, sizeof err);
+  if (s) {
+    snprintf(detail, sizeof detail, "%s: %s", mok_status_string(s), err);
+    report(&tally, "reference run", 0, detail);
+    goto done;
+  }
+  if (!snapshot_take(p, 1, &ref)) {
+    report(&tally, "reference run", 0, "out of host memory");
+    goto done;
+  }
+  detail[0] = 0;
+  int sane = outputs_sane(&ref, detail, sizeof detail);
+  report(&tally, "outputs finite, y and gradients non-zero", sane, detail);
+  if (cuda) {
+    double worst;
+    detail[0] = 0;
+    int ok = views_close(&ref, &oracle, 1e-2, &worst, detail, sizeof detail);
+    snprintf(label, sizeof label, "CUDA vs CPU (worst relative error %.1e)", worst);
+    report(&tally, label, ok, detail);
+  }
+
+  /* D1: the same run again, and 1 step against 3 */
+  check_run(&tally, "D1 run-to-run (2 runs, 3 steps)", backend, p, &ref_opts, &ref);
+  mok_run_opts_t one = ref_opts;
+  one.steps = 1;
+  check_run(&tally, "D1 step-to-step (1 step vs 3 steps)", backend, p, &one, &ref);
+
+  /* D2: the thread count (CPU) or the grid size (GPU) does not change a bit */
+  {
+    mok_run_opts_t other = one;
+    if (cuda) {
+      other.num_ctas = 17;
+      snprintf(label, sizeof label, "D2 grid (17 CTAs vs one per SM)");
+    } else {
+      other.num_threads = threads == 1 ? 2 : 1;
+      char a[24], b[24];
+      snprintf(label, sizeof label, "D2 threads (%s vs %s per rank)",
+               threads_str(other.num_threads, a, sizeof a), threads_str(threads, b, sizeof b));
+    }
+    check_run(&tally, label, backend, p, &other, &ref);
+  }
+
+  /* D3: the same global batch on every W of the list */
+  if (cuda) {
+    printf("D3 needs W > 1: skipped (the CUDA backend runs W = 1 in this version)\n");
+  } else {
+    for (int i = 1; i < num_ranks; i++) {
+      mok_run_opts_t w = one;
+      w.W = ranks[i];
+      w.num_threads = o.has_threads ? (int)o.threads : default_threads(ranks[i]);
+      snprintf(label, sizeof label, "D3 W=%d vs W=%d (all outputs)", ranks[i], W0);
+      check_run(&tally, label, backend, p, &w, &ref);
+    }
+  }
+
+  /* D4: the first 4 tokens alone give the bits they had in the batch */
+  {
+    const int64_t T4 = T_global < 4 ? T_global : 4;
+    mok_problem_t* p4 = NULL;
+    snprintf(label, sizeof label, "D4 first %lld tokens alone vs in batch (y)", (long long)T4);
+    s = mok_problem_create(&cfg, T4, seed, &p4);
+    if (s) {
+      report(&tally, label, 0, mok_status_string(s));
+      goto done;
+    }
+    const int64_t H = cfg.H, F = cfg.F, E = cfg.E, Fs = cfg.Fs;
+    const size_t a = p->act, r = p->real;
+    memcpy(p4->x, p->x, (size_t)(T4 * H) * a);
+    memcpy(p4->w_router, p->w_router, (size_t)(E * H) * a);
+    memcpy(p4->bias_select, p->bias_select, (size_t)E * r);
+    memcpy(p4->w13, p->w13, (size_t)(E * 2 * F * H) * a);
+    memcpy(p4->w2, p->w2, (size_t)(E * H * F) * a);
+    memcpy(p4->ws13, p->ws13, (size_t)(2 * Fs * H) * a);
+    memcpy(p4->ws2, p->ws2, (size_t)(H * Fs) * a);
+    mok_run_opts_t fwd = one;
+    fwd.backward = 0;
+    s = run_problem(backend, p4, &fwd, err, sizeof err);
+    if (s) {
+      snprintf(detail, sizeof detail, "%s: %s", mok_status_string(s), err);
+      report(&tally, label, 0, detail);
+    } else {
+      mok_tensor_view_t got[MAX_VIEWS];
+      mok_problem_outputs(p4, 0, got, MAX_VIEWS); /* views[0] is y */
+      mok_tensor_view_t want = ref.v[0];
+      want.count = got[0].count;
+      detail[0] = 0;
+      int ok = views_equal(&got[0], &want, 1, detail, sizeof detail);
+      report(&tally, label, ok, detail);
+    }
+    mok_problem_destroy(p4);
+  }
+
+done:
+  snapshot_free(&ref);
+  snapshot_free(&oracle);
+  mok_problem_destroy(p);
+  if (tally.num_failed)
+    printf("%d of %d checks FAILED (seed %llu)\n", tally.num_failed, tally.num_checks,
+           (unsigned long long)seed);
+  else
+    printf("all %d checks ok\n", tally.num_checks);
+  return tally.num_failed ? 1 : 0;
+}
+
+/* ---- mok bench ---- */
+
+static int cmp_double(const void* a, const void* b) {
+  double x = *(const double*)a, y = *(const double*)b;
+  return (x > y) - (x < y);
+}
+static double median(double* v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+typedef struct {
+  int64_t M, N, K;
+  int threads, reps;
+  double ms, gflops;
+} gemm_result_t;
+
+/* The CPU backend's GEMM alone: C[M, N] fp32 = A[M, K] . B[N, K]^T in bf16, the layout
+ * of x . W^T; median of `reps` calls after one warm-up, all threads. */
+static int bench_gemm(gemm_result_t* g) {
+  const int64_t M = g->M, N = g->N, K = g->K;
+  uint16_t* A = aligned_alloc(256, (size_t)(M * K) * 2);
+  uint16_t* B = aligned_alloc(256, (size_t)(N * K) * 2);
+  float* C = aligned_alloc(256, (size_t)(M * N) * 4);
+  void* pack = aligned_alloc(256, (size_t)g->threads * mok_gemm_pack_bytes() / 256 * 256 + 256);
+  double* times = malloc((size_t)g->reps * sizeof *times);
+  int ok = A && B && C && pack && times;
+  if (ok) {
+    uint64_t s = 0x9e3779b97f4a7c15ull;
+    for (int64_t i = 0; i < M * K + N * K; i++) { /* bf16 values in (-1, 1) */
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      float f = (float)((double)(s >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+      uint32_t u;
+      memcpy(&u, &f, 4);
+      (i < M * K ? A : B)[i < M * K ? i : i - M * K] = (uint16_t)(u >> 16);
+    }
+    mok_gemm_t p = {M, N, K, A, K, 1, B, 1, K, C, N};
+    mok_gemm_bf16(&p, pack, g->threads);
+    for (int r = 0; r < g->reps; r++) {
+      double t0 = now_s();
+      mok_gemm_bf16(&p, pack, g->threads);
+      times[r] = now_s() - t0;
+    }
+    double t = median(times, g->reps);
+    g->ms = 1e3 * t;
+    g->gflops = 2.0 * M * N * K / t * 1e-9;
+  }
+  free(A);
+  free(B);
+  free(C);
+  free(pack);
+  free(times);
+  return ok;
+}
+
+static int cmd_bench(int argc, char** argv) {
+  options_t o = {0};
+  int rc = parse_options(argc, argv, " backend shape ranks steps threads seed json ", &o);
+  if (rc) return rc;
+  const shape_t* shape = find_shape(o.shape ? o.shape : "tiny");
+  if (!shape) return unknown_shape(o.shape);
+  int64_t W = 1;
+  if (o.ranks && !parse_i64(o.ranks, 1, 64, &W))
+    return usage_error("--ranks needs one expert-parallel size 1..64, not '%s'", o.ranks);
+  if (shape->E % W)
+    return usage_error("W = %lld does not divide E = %lld of shape %s", (long long)W,
+                       (long long)shape->E, shape->name);
+  backend_t backend;
+  if ((rc = resolve_backend(&o, "bench", &backend))) return rc;
+  const int cuda = backend == BACKEND_CUDA;
+  if (cuda && W != 1) {
+    fprintf(stderr, "mok: --ranks %lld: the CUDA backend runs W = 1 in this version\n",
+            (long long)W);
+    return 2;
+  }
+  /* CPU: 5 steps, 1 for the model shapes (minutes each); GPU: 20, as bench/ does */
+  const int steps = o.has_steps ? (int)o.steps : cuda ? 20 : shape->big ? 1 : 5;
+  const int threads = o.has_threads ? (int)o.threads : default_threads((int)W);
+  const uint64_t seed = o.has_seed ? (uint64_t)o.seed : 1;
+  const int64_t T_global = shape->T * W;
+  const double step_flops = 3.0 * forward_flops(shape, T_global);
+  /* FLOP/s in GFLOP/s on the CPU, TFLOP/s on the GPU */
+  const double unit = cuda ? 1e-12 : 1e-9;
+  const char* unit_name = cuda ? "TFLOP/s" : "GFLOP/s";
+  char device[256], tstr[24];
+  if (cuda)
+    gpu_name(device, sizeof device);
+  else
+    cpu_model(device, sizeof device);
+  printf("shape %s: H %lld, F %lld, E %lld, K %lld; W %lld, %lld tokens per rank (%lld in all)\n",
+         shape->name, (long long)shape->H, (long long)shape->F, (long long)shape->E,
+         (long long)shape->K, (long long)W, (long long)shape->T, (long long)T_global);
+  if (cuda)
+    printf("%s; CUDA events; seed %llu\n", device, (unsigned long long)seed);
+  else
+    printf("%s, %d cores; %s per rank%s; seed %llu\n", device, num_cores(),
+           threads_str(threads, tstr, sizeof tstr), o.has_threads ? "" : " (cores / W)",
+           (unsigned long long)seed);
+  printf("%d timed step%s, each a fresh run: a warm-up step, then the timed step; median\n",
+         steps, steps > 1 ? "s" : "");
+  fflush(stdout);
+  if (shape->big && !cuda)
+    fprintf(stderr,
+            "mok: warning: shape %s on the CPU backend is slow (%.0f GFLOP per step); "
+            "%d step%s after warm-up%s\n",
+            shape->name, step_flops * 1e-9, steps, steps > 1 ? "s" : "",
+            o.has_steps ? "" : " (--steps N for more)");
+
+  mok_config_t cfg = layer_config(shape);
+  mok_problem_t* p = NULL;
+  mok_status_t s = mok_problem_create(&cfg, T_global, seed, &p);
+  if (s) {
+    fprintf(stderr, "mok: cannot create the problem: %s\n", mok_status_string(s));
+    return 1;
+  }
+  double* fwd = malloc((size_t)steps * sizeof *fwd);
+  double* bwd = malloc((size_t)steps * sizeof *bwd);
+  double* step = malloc((size_t)steps * sizeof *step);
+  if (!fwd || !bwd || !step) {
+    fprintf(stderr, "mok: out of host memory\n");
+    rc = 1;
+    goto done;
+  }
+  mok_run_opts_t ro = MOK_RUN_OPTS_INIT;
+  ro.W = (int)W;
+  ro.steps = 2; /* warm-up + the timed step: the fixture times a run's last step */
+  ro.num_threads = threads;
+  for (int i = 0; i < steps; i++) {
+    char err[600] = "";
+    s = run_problem(backend, p, &ro, err, sizeof err);
+    if (s) {
+      fprintf(stderr, "mok: run failed: %s: %s\n", mok_status_string(s), err);
+      rc = 1;
+      goto done;
+    }
+    fwd[i] = p->seconds_forward;
+    bwd[i] = p->seconds_backward;
+    step[i] = fwd[i] + bwd[i];
+  }
+  const double fwd_ms = 1e3 * median(fwd, steps), bwd_ms = 1e3 * median(bwd, steps);
+  const double step_ms = 1e3 * median(step, steps);
+  const double rate = step_flops / (step_ms * 1e-3) * unit;
+  printf("%-10s %10s %10s\n", "", "ms", unit_name);
+  printf("%-10s %10.3f %10.1f\n", "forward", fwd_ms, step_flops / 3.0 / (fwd_ms * 1e-3) * unit);
+  printf("%-10s %10.3f %10.1f\n", "backward", bwd_ms,
+         2.0 * step_flops / 3.0 / (bwd_ms * 1e-3) * unit);
+  printf("%-10s %10.3f %10.1f   (%.3f GFLOP: 3 x forward)\n", "step", step_ms, rate,
+         step_flops * 1e-9);
+  fflush(stdout);
+
+  gemm_result_t g = {1024, 1536, 2048, omp_get_max_threads(), 5, 0, 0};
+  if (!cuda) {
+    if (!bench_gemm(&g)) {
+      fprintf(stderr, "mok: out of host memory for the GEMM benchmark\n");
+      rc = 1;
+      goto done;
+    }
+    printf("gemm       %10.3f %10.1f   (bf16 %lldx%lldx%lld -> fp32, %d threads, median of %d)\n",
+           g.ms, g.gflops, (long long)g.M, (long long)g.N, (long long)g.K, g.threads, g.reps);
+  }
+
+  if (o.json) {
+    FILE* f = fopen(o.json, "w");
+    if (!f) {
+      fprintf(stderr, "mok: cannot write %s\n", o.json);
+      rc = 1;
+      goto done;
+    }
+    const int v = mok_version();
+    fprintf(f,
+            "{\n  \"version\": \"%d.%d.%d\",\n  \"backend\": \"%s\",\n  \"device\": \"%s\",\n"
+            "  \"cores\": %d,\n  \"shape\": {\"name\": \"%s\", \"T_per_rank\": %lld, "
+            "\"H\": %lld, \"F\": %lld, \"E\": %lld, \"K\": %lld, \"Fs\": %lld},\n"
+            "  \"W\": %lld,\n  \"T_global\": %lld,\n  \"threads_per_rank\": %d,\n"
+            "  \"seed\": %llu,\n  \"steps\": %d,\n  \"forward_ms\": %.4f,\n"
+            "  \"backward_ms\": %.4f,\n  \"step_ms\": %.4f,\n  \"step_gflop\": %.6f,\n"
+            "  \"step_gflops\": %.3f,\n",
+            v / 10000, v / 100 % 100, v % 100, cuda ? "cuda" : "cpu", device, num_cores(),
+            shape->name, (long long)shape->T, (long long)shape->H, (long long)shape->F,
+            (long long)shape->E, (long long)shape->K, (long long)shape->Fs, (long long)W,
+            (long long)T_global, cuda ? 0 : threads, (unsigned long long)seed, steps, fwd_ms,
+            bwd_ms, step_ms, step_flops * 1e-9, step_flops / (step_ms * 1e-3) * 1e-9);
+    if (cuda)
+      fprintf(f, "  \"gemm\": null\n}\n");
+    else
+      fprintf(f,
+              "  \"gemm\": {\"M\": %lld, \"N\": %lld, \"K\": %lld, \"threads\": %d, "
+              "\"ms\": %.4f, \"gflops\": %.3f}\n}\n",
+              (long long)g.M, (long long)g.N, (long long)g.K, g.threads, g.ms, g.gflops);
+    if (fclose(f) != 0) {
+      fprintf(stderr, "mok: cannot write %s\n", o.json);
+      rc = 1;
+      goto done;
+    }
+    printf("wrote %s\n", o.json);
+  }
+
+done:
+  free(fwd);
+  free(bwd);
+  free(step);
+  mok_problem_destroy(p);
+  return rc;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  if (strcmp(argv[1], "help") == 0 || strcmp(argv[1], "--help") == 0 ||
+      strcmp(argv[1], "-h") == 0) {
+    usage(stdout);
+    return 0;
+  }
+  const char* cmd = argv[1];
+  if (strcmp(cmd, "info") == 0) {
+    if (argc > 2) return usage_error("info takes no options");
+    return cmd_info();
+  }
+  if (strcmp(cmd, "check") == 0) return cmd_check(argc - 2, argv + 2);
+  if (strcmp(cmd, "bench") == 0) return cmd_bench(argc - 2, argv + 2);
+  return usage_error("unknown command '%s'", cmd);
+}
