@@ -1,15 +1,13 @@
 // sm90_common.cuh — what the forward and backward megakernels share: the persistent
 // task loop's shared memory, bounded dependency waits, and the TMA + wgmma tile GEMM.
 //
-// A CTA is 256 threads, two warpgroups: in GEMM tasks each computes 64 rows of the
-// tile with wgmma, and thread 0 also issues the TMA loads, kStages - 1 K blocks ahead;
-// non-GEMM tasks use all 256. Two warpgroups leave 255 registers per thread for the 128
-// fp32 accumulators of a 64 x 256 wgmma (a third, producer warpgroup would cap them at
-// 168 without register reallocation). Tasks come from one integer ticket in a fixed topological order, so
+// A CTA is 384 threads: warpgroup 0 (warp 0, lane 0) is the TMA producer of GEMM tasks,
+// warpgroups 1 and 2 are the wgmma consumers (64 output rows each); non-GEMM tasks use
+// all 384 threads. Tasks come from one integer ticket in a fixed topological order, so
 // a task only waits for tasks already taken (no deadlock with one CTA per SM).
 //
-// GEMM tile: C[128 x 256] = A[128 x K] B[K x 256], fp32 accumulators. Each K block of 64
-// is six 64 x 64 bf16 TMA boxes (two of A, four of B; 128-byte swizzle) in a ring of
+// GEMM tile: C[128 x 128] = A[128 x K] B[K x 128], fp32 accumulators. Each K block of 64
+// is four 64 x 64 bf16 TMA boxes (two of A, two of B; 128-byte swizzle) in a ring of
 // kStages stages with full/empty mbarriers. An operand is K-major (box = 64 rows x 64 k,
 // k contiguous) or MN-major (box = 64 k rows x 64 mn, mn contiguous); wgmma reads either
 // through its descriptor (the transpose bits). Within a tile each output element is one
@@ -21,13 +19,12 @@
 
 namespace mok {
 
-constexpr int kThreads = 256;
-constexpr int BM = 128, BN = 256, BK = 64;
-constexpr int kStages = 3;
+constexpr int kThreads = 384;
+constexpr int BM = 128, BN = 128, BK = 64;
+constexpr int kStages = 4;
 constexpr int kBoxBytes = 64 * 64 * 2;
-constexpr int kStageBytes = 6 * kBoxBytes;  // A boxes 0-1, B boxes 0-3
-constexpr int kEpiCols = 128;               // columns staged per epilogue pass
-constexpr int kEpiStride = kEpiCols * 4 + 16;  // bytes per staged row (fp32, padded)
+constexpr int kStageBytes = 4 * kBoxBytes;  // A box 0, A box 1, B box 0, B box 1
+constexpr int kEpiStride = BN * 4 + 16;     // bytes per row of the epilogue tile (fp32, padded)
 
 struct alignas(1024) Smem {
   uint8_t stage[kStages][kStageBytes];
@@ -46,14 +43,9 @@ static_assert(sizeof(Smem) <= 227 * 1024, "shared memory");
 // (MN-major); k0 is the first k (inner coordinate for K-major, outer for MN-major).
 struct Operand {
   const CUtensorMap* map;
-  int pos[4];  // A uses boxes 0-1, B boxes 0-3
+  int pos[2];
   int k0;
 };
-
-// The usual operand: boxes at start, start + 64, ... (rows, or mn for MN-major).
-__device__ __forceinline__ Operand span(const CUtensorMap* map, int start, int k0) {
-  return Operand{map, {start, start + 64, start + 128, start + 192}, k0};
-}
 
 __device__ __forceinline__ void smem_init(Smem& sm) {
   if (threadIdx.x == 0) {
@@ -166,93 +158,90 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 // TA / TB = 1 when that operand is MN-major. k_valid_last < 64 zeroes the k rows past
 // it in the last block (MN-major operands whose k are rows of several experts).
 // Epilogue rows: wg*64 + warp*16 + lane/4 (+8); columns 8*i + 2*(lane%4) (+1) for
-// acc[4i..4i+3], i < 32.
+// acc[4i..4i+3].
 template <int TA, int TB, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
-  const int tid = threadIdx.x, wg = tid / 128;
-  uint32_t it = sm.ring_it;  // ring position of the next K block to consume
-  // thread 0's load cursor: block lkb of tile lt (lnk blocks), at ring position ld_it
-  int lt = 0, lkb = 0, lnk = 0;
-  uint32_t ld_it = it;
-  if (tid == 0 && num_tiles > 0) {
-    Operand a, b;
-    int kv;
-    setup(0, a, b, lnk, kv);
+  const int tid = threadIdx.x;
+  uint32_t it = sm.ring_it;
+  if (tid == 0) {
+    for (int tile = 0; tile < num_tiles; tile++) {
+      Operand A, B;
+      int num_kb, k_valid_last;
+      setup(tile, A, B, num_kb, k_valid_last);
+      for (int kb = 0; kb < num_kb; kb++, it++) {
+        const uint32_t s = it % kStages, ph = (it / kStages) & 1;
+        while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
+        }
+        mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
+        uint8_t* dst = sm.stage[s];
+        const int k = kb * BK;
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+          if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.pos[b], A.k0 + k);
+          else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.k0 + k, A.pos[b]);
+          if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + k);
+          else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.k0 + k, B.pos[b]);
+        }
+      }
+    }
+  } else if (tid >= 128) {
+    const int wg = tid / 128 - 1, ct = tid - 128;
+    for (int tile = 0; tile < num_tiles; tile++) {
+      Operand A, B;
+      int num_kb, k_valid_last;
+      setup(tile, A, B, num_kb, k_valid_last);
+      float acc[64];
+#pragma unroll
+      for (int i = 0; i < 64; i++) acc[i] = 0.f;
+      for (int kb = 0; kb < num_kb; kb++, it++) {
+        const uint32_t s = it % kStages, ph = (it / kStages) & 1;
+        while (!mbar_try_wait(&sm.full[s], ph)) {
+        }
+        uint8_t* stage = sm.stage[s];
+        if (kb == num_kb - 1 && k_valid_last < BK) {
+          // zero k rows [k_valid_last, 64) of all four boxes (MN-major: a k row = 128 B)
+          const int rows = BK - k_valid_last, chunks = 4 * rows * 8;
+          for (int i = ct; i < chunks; i += 256) {
+            const int box = i / (rows * 8), r = k_valid_last + (i / 8) % rows, c = i % 8;
+            *reinterpret_cast<uint4*>(stage + box * kBoxBytes + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
+          }
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          asm volatile("bar.sync 1, 256;" ::: "memory");
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ks++) {
+          const uint8_t* a = stage + wg * kBoxBytes;
+          const uint8_t* b = stage + 2 * kBoxBytes;
+          const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
+          const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
+          wgmma_m64n128k16<TA, TB>(acc, da, db, 1);
+        }
+        wgmma_commit();
+        // keep this block's wgmmas in flight; the previous block's are done: free its stage
+        wgmma_wait<1>();
+        if (kb > 0 && ct % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
+      }
+      wgmma_wait<0>();
+      if (num_kb > 0 && ct % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
+      epi(tile, acc, wg, (ct % 128) / 32, ct % 32);
+    }
+  } else {
+    for (int tile = 0; tile < num_tiles; tile++) {
+      Operand A, B;
+      int num_kb, k_valid_last;
+      setup(tile, A, B, num_kb, k_valid_last);
+      it += num_kb;
+    }
   }
-  auto issue = [&]() {  // thread 0: load the run's next K block, if any
-    Operand LA, LB;
-    int kv;
-    while (lt < num_tiles && lkb == lnk)
-      if (++lt < num_tiles) setup(lt, LA, LB, lnk, kv), lkb = 0;
-    if (lt >= num_tiles) return;
-    setup(lt, LA, LB, lnk, kv);
-    const uint32_t s = ld_it % kStages, ph = (ld_it / kStages) & 1;
-    while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
-    }
-    mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
-    uint8_t* dst = sm.stage[s];
-    const int k = lkb * BK;
-#pragma unroll
-    for (int b = 0; b < 2; b++) {
-      if (TA) tma_load_2d(dst + b * kBoxBytes, LA.map, &sm.full[s], LA.pos[b], LA.k0 + k);
-      else tma_load_2d(dst + b * kBoxBytes, LA.map, &sm.full[s], LA.k0 + k, LA.pos[b]);
-    }
-#pragma unroll
-    for (int b = 0; b < 4; b++) {
-      if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, LB.map, &sm.full[s], LB.pos[b], LB.k0 + k);
-      else tma_load_2d(dst + (2 + b) * kBoxBytes, LB.map, &sm.full[s], LB.k0 + k, LB.pos[b]);
-    }
-    lkb++, ld_it++;
-  };
-  if (tid == 0)
-    for (int i = 0; i < kStages - 1; i++) issue();
-  for (int tile = 0; tile < num_tiles; tile++) {
-    Operand A, B;
-    int num_kb, k_valid_last;
-    setup(tile, A, B, num_kb, k_valid_last);
-    float acc[128];
-#pragma unroll
-    for (int i = 0; i < 128; i++) acc[i] = 0.f;
-    for (int kb = 0; kb < num_kb; kb++, it++) {
-      const uint32_t s = it % kStages, ph = (it / kStages) & 1;
-      while (!mbar_try_wait(&sm.full[s], ph)) {
-      }
-      uint8_t* stage = sm.stage[s];
-      if (kb == num_kb - 1 && k_valid_last < BK) {
-        // zero k rows [k_valid_last, 64) of all six boxes (MN-major: a k row = 128 B)
-        for (int r = k_valid_last + tid / 8; r < BK; r += kThreads / 8)
-#pragma unroll
-          for (int box = 0; box < 6; box++)
-            *reinterpret_cast<uint4*>(stage + box * kBoxBytes + r * 128 + (tid % 8) * 16) = make_uint4(0, 0, 0, 0);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BK / 16; ks++) {
-        const uint8_t* a = stage + wg * kBoxBytes;
-        const uint8_t* b = stage + 2 * kBoxBytes;
-        const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
-        const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
-        wgmma_m64n256k16<TA, TB>(acc, da, db);
-      }
-      wgmma_commit();
-      // keep this block's wgmmas in flight; the previous block's are done: free its stage
-      wgmma_wait<1>();
-      if (kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
-      if (tid == 0) issue();
-    }
-    wgmma_wait<0>();
-    if (num_kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
-    epi(tile, acc, wg, (tid % 128) / 32, tid % 32);
-  }
+  // every thread counted the same K blocks; thread 0's count is the CTA's
   __syncthreads();
   if (tid == 0) sm.ring_it = it;
   __syncthreads();
 }
 
 // GEMM tasks own a group of up to kGroup output tiles of one row tile (one pipeline).
-constexpr int kGroup = 4;
+constexpr int kGroup = 8;
 __host__ __device__ constexpr int groups(int n) { return (n + kGroup - 1) / kGroup; }
 
 // Group g of the n column tiles: setup(nt, A, B) and epi(nt, acc, wg, warp, lane) per
@@ -265,7 +254,7 @@ __device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, S
         setup(g * kGroup + t, A, B);
         nk = num_kb, kv = BK;
       },
-      [&](int t, float(&acc)[128], int wg, int w, int l) { epi(g * kGroup + t, acc, wg, w, l); });
+      [&](int t, float(&acc)[64], int wg, int w, int l) { epi(g * kGroup + t, acc, wg, w, l); });
 }
 
 // One tile: gemm_tiles with a single tile.
@@ -275,7 +264,7 @@ __device__ __forceinline__ void gemm_tile(Smem& sm, const Operand& A, const Oper
   gemm_tiles<TA, TB>(
       sm, 1,
       [&](int, Operand& a, Operand& b, int& nk, int& kv) { a = A, b = B, nk = num_kb, kv = k_valid_last; },
-      [&](int, float(&acc)[128], int wg, int w, int l) { epi(acc, wg, w, l); });
+      [&](int, float(&acc)[64], int wg, int w, int l) { epi(acc, wg, w, l); });
 }
 
 // Output coordinates of accumulator pair i (acc[4i + 2h], acc[4i + 2h + 1]).
@@ -286,44 +275,39 @@ __device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v
 __device__ __forceinline__ __nv_bfloat16 to_bf(float v) { return __float2bfloat16_rn(v); }
 __device__ __forceinline__ float silu(float g) { return __fdiv_rn(g, __fadd_rn(1.f, __expf(-g))); }
 
-// Epilogue of a 128 x 256 tile through shared memory, 128 columns per pass: the consumer
-// threads put the accumulators in sm.epi, then write rows [row0, row_end) x columns
-// [c0, ncols) of out (ld elements per row) in 16-byte pieces: bf16 written, fp32
-// written, or fp32 added (one add per element: out = out + acc). ncols, c0 multiples of 8.
+// Epilogue of a 128 x 128 tile through shared memory: the consumer threads put the
+// accumulators in sm.epi, then write rows [row0, row_end) x columns [c0, ncols) of out
+// (ld elements per row) in 16-byte pieces: bf16 written, fp32 written, or fp32 added
+// (one add per element: out = out + acc). ncols and c0 multiples of 8.
 enum { kStoreBf16, kStoreF32, kAddF32 };
 template <int kMode>
-__device__ __forceinline__ void store_tile(Smem& sm, float (&acc)[128], int wg, int w, int l, int row0, int row_end,
+__device__ __forceinline__ void store_tile(Smem& sm, float (&acc)[64], int wg, int w, int l, int row0, int row_end,
                                            int c0, int ncols, void* out, int64_t ld) {
-  constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kPer16 = 16 / kElem, kChunks = kEpiCols / kPer16;
-  const int ct = threadIdx.x;
+  constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kPer16 = 16 / kElem, kChunks = BN / kPer16;
+  const int ct = threadIdx.x - 128;
+  asm volatile("bar.sync 1, 256;" ::: "memory");  // the previous tile has left sm.epi
 #pragma unroll
-  for (int half = 0; half < 2; half++) {
-    const int cc = c0 + half * kEpiCols;
-    if (cc >= ncols) break;
-    __syncthreads();  // the previous pass has left sm.epi
+  for (int i = 0; i < 16; i++)
 #pragma unroll
-    for (int i = 0; i < 16; i++)
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-        const float v0 = acc[64 * half + 4 * i + 2 * h], v1 = acc[64 * half + 4 * i + 2 * h + 1];
-        uint8_t* dst = sm.epi + acc_row(wg, w, l, h) * kEpiStride + acc_col(l, i) * kElem;
-        if (kMode == kStoreBf16) *reinterpret_cast<__nv_bfloat162*>(dst) = __halves2bfloat162(to_bf(v0), to_bf(v1));
-        else *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-      }
-    __syncthreads();
-    for (int q = ct; q < BM * kChunks; q += kThreads) {
-      const int r = q / kChunks, c = (q % kChunks) * kPer16;
-      if (row0 + r >= row_end || cc + c >= ncols) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(sm.epi + r * kEpiStride + c * kElem);
-      uint4* g = reinterpret_cast<uint4*>(static_cast<uint8_t*>(out) + ((int64_t)(row0 + r) * ld + cc + c) * kElem);
-      if (kMode == kAddF32) {
-        const float4 o = *reinterpret_cast<const float4*>(g);
-        const float4 a = *reinterpret_cast<const float4*>(&v);
-        *reinterpret_cast<float4*>(g) =
-            make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
-      } else {
-        *g = v;
-      }
+    for (int h = 0; h < 2; h++) {
+      uint8_t* dst = sm.epi + acc_row(wg, w, l, h) * kEpiStride + acc_col(l, i) * kElem;
+      if (kMode == kStoreBf16)
+        *reinterpret_cast<__nv_bfloat162*>(dst) = __halves2bfloat162(to_bf(acc[4 * i + 2 * h]), to_bf(acc[4 * i + 2 * h + 1]));
+      else
+        *reinterpret_cast<float2*>(dst) = make_float2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]);
+    }
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  for (int q = ct; q < BM * kChunks; q += 256) {
+    const int r = q / kChunks, c = (q % kChunks) * kPer16;
+    if (row0 + r >= row_end || c0 + c >= ncols) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(sm.epi + r * kEpiStride + c * kElem);
+    uint4* g = reinterpret_cast<uint4*>(static_cast<uint8_t*>(out) + ((int64_t)(row0 + r) * ld + c0 + c) * kElem);
+    if (kMode == kAddF32) {
+      const float4 o = *reinterpret_cast<const float4*>(g);
+      const float4 a = *reinterpret_cast<const float4*>(&v);
+      *reinterpret_cast<float4*>(g) = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+    } else {
+      *g = v;
     }
   }
 }

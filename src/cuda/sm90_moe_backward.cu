@@ -138,11 +138,11 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   signal_counter(&p.st.sync->counter[B_DG]);
 }
 
-// d_a = bf16(SwiGLU derivative) for a tile of dh (columns f0.., 256 wide) given a = gate|up.
-__device__ __forceinline__ void swiglu_bwd_epilogue(float (&acc)[128], int wg, int w, int l, int row0, int row_end,
+// d_a = bf16(SwiGLU derivative) for a tile of dh (columns f0.., 128 wide) given a = gate|up.
+__device__ __forceinline__ void swiglu_bwd_epilogue(float (&acc)[64], int wg, int w, int l, int row0, int row_end,
                                                     int f0, int F, const bf16* a_rows, bf16* d_a) {
 #pragma unroll
-  for (int i = 0; i < 32; i++)
+  for (int i = 0; i < 16; i++)
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       const int r = row0 + acc_row(wg, w, l, h), f = f0 + acc_col(l, i);
@@ -159,6 +159,13 @@ __device__ __forceinline__ void swiglu_bwd_epilogue(float (&acc)[128], int wg, i
         dr[F + f + x] = to_bf(__fmul_rn(dh, si));
       }
     }
+}
+
+// Weight-gradient tile out: bf16 written, or added into fp32 buffers.
+__device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float (&acc)[64], int wg, int w, int l, int r0,
+                                            int rows, int c0, int cols, void* out) {
+  if (p.wgrad_fp32) store_tile<kAddF32>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
+  else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
 }
 
 // Expert m-tile of the expert rows: (expert, first row, end row) from the saved offsets.
@@ -184,10 +191,10 @@ __device__ __noinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int 
   gemm_group<0, 1>(
       sm, g, cdivb(s.Fs, BN), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = span(&p.m_dy, t0, 0);
-        B = span(&p.m_ws2, nt * BN, 0);
+        A = Operand{&p.m_dy, {t0, t0 + 64}, 0};
+        B = Operand{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
       },
-      [&](int nt, float(&acc)[128], int wg, int w, int l) {
+      [&](int nt, float(&acc)[64], int wg, int w, int l) {
         swiglu_bwd_epilogue(acc, wg, w, l, t0, s.T, nt * BN, s.Fs, p.sv.sa, p.d_a_s);
       });
   signal_counter(&p.st.sync->counter[B_FIXED + s.max_mt + mt]);
@@ -202,10 +209,10 @@ __device__ __noinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g
     gemm_group<0, 1>(
         sm, g, cdivb(s.F, BN), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = span(&p.m_dyrows, row0, 0);
-          B = span(&p.m_w2, nt * BN, e * s.H);
+          A = Operand{&p.m_dyrows, {row0, row0 + 64}, 0};
+          B = Operand{&p.m_w2, {nt * BN, nt * BN + 64}, e * s.H};
         },
-        [&](int nt, float(&acc)[128], int wg, int w, int l) {
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
           swiglu_bwd_epilogue(acc, wg, w, l, row0, row_end, nt * BN, s.F, p.sv.a_rows, p.d_a);
         });
   signal_counter(&p.st.sync->counter[B_FIXED + mt]);
@@ -219,10 +226,10 @@ __device__ __noinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int g
   gemm_group<0, 1>(
       sm, g, cdivb(s.H, BN), cdivb(s.E, BK),
       [&](int nt, Operand& A, Operand& B) {
-        A = span(&p.m_dlog, t0, 0);
-        B = span(&p.m_wr, nt * BN, 0);
+        A = Operand{&p.m_dlog, {t0, t0 + 64}, 0};
+        B = Operand{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
       },
-      [&](int nt, float(&acc)[128], int wg, int w, int l) {
+      [&](int nt, float(&acc)[64], int wg, int w, int l) {
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_router, s.H);
       });
   signal_counter(&p.st.sync->counter[B_DXR]);
@@ -235,10 +242,10 @@ __device__ __noinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, int 
   gemm_group<0, 1>(
       sm, g, cdivb(s.H, BN), 2 * s.Fs / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = span(&p.m_das, t0, 0);
-        B = span(&p.m_ws13, nt * BN, 0);
+        A = Operand{&p.m_das, {t0, t0 + 64}, 0};
+        B = Operand{&p.m_ws13, {nt * BN, nt * BN + 64}, 0};
       },
-      [&](int nt, float(&acc)[128], int wg, int w, int l) {
+      [&](int nt, float(&acc)[64], int wg, int w, int l) {
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_shared, s.H);
       });
   signal_counter(&p.st.sync->counter[B_DXS]);
@@ -252,41 +259,49 @@ __device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g
     gemm_group<0, 1>(
         sm, g, cdivb(s.H, BN), 2 * s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = span(&p.m_da, row0, 0);
-          B = span(&p.m_w13, nt * BN, e * 2 * s.F);
+          A = Operand{&p.m_da, {row0, row0 + 64}, 0};
+          B = Operand{&p.m_w13, {nt * BN, nt * BN + 64}, e * 2 * s.F};
         },
-        [&](int nt, float(&acc)[128], int wg, int w, int l) {
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H);
         });
   signal_counter(&p.st.sync->counter[B_DX]);
 }
 
-// dW[e] rows [mt*128, +128): every column tile in one pipeline; each tile sums over the
-// expert's rows in order, 64 per K block (the rows past the expert zeroed).
-// kWhich 2: dw2[e] [H, F] = dy_rows^T h_rows; 13: dw13[e] [2F, H] = d_a^T x_rows.
-// kMode: kStoreBf16 (bf16 written) or kAddF32 (added into fp32 buffers).
-template <int kWhich, int kMode>
-__device__ __noinline__ void wgrad_task(Smem& sm, const BwdParams& p, int e, int mt) {
+// dW[e] rows [mt*128, +128): every 128-wide column tile in one pipeline; each tile sums
+// over the expert's rows in order, 64 per K block.
+__device__ __noinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt) {
   const Shape& s = p.s;
-  const uint32_t* dep = kWhich == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
-  const uint32_t target = kWhich == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN)));
+  const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
+  const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN)));
   if (!wait_counter(sm, dep, target, p.st, 20)) return;
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;
-  const int rows = kWhich == 2 ? s.H : 2 * s.F, cols = kWhich == 2 ? s.F : s.H;
-  const CUtensorMap* ma = kWhich == 2 ? &p.m_dyrows : &p.m_da;
-  const CUtensorMap* mb = kWhich == 2 ? &p.m_hrows : &p.m_xrows;
-  char* out = (char*)(kWhich == 2 ? p.d_w2 : p.d_w13) + (int64_t)e * rows * cols * (p.wgrad_fp32 ? 4 : 2);
-  gemm_tiles<1, 1>(
-      sm, cdivb(cols, BN),
-      [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
-        A = span(ma, mt * BM, off);
-        B = span(mb, nt * BN, off);
-        num_kb = nk, kv = valid_last;
-      },
-      [&](int nt, float(&acc)[128], int wg, int w, int l) {
-        store_tile<kMode>(sm, acc, wg, w, l, mt * BM, rows, nt * BN, cols, out, cols);
-      });
+  const size_t esize = p.wgrad_fp32 ? 4 : 2;
+  if (which == 2) {  // dw2[e] [H, F] = dy_rows^T h_rows
+    gemm_tiles<1, 1>(
+        sm, cdivb(s.F, BN),
+        [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
+          A = Operand{&p.m_dyrows, {mt * BM, mt * BM + 64}, off};
+          B = Operand{&p.m_hrows, {nt * BN, nt * BN + 64}, off};
+          num_kb = nk, kv = valid_last;
+        },
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+          store_wgrad(sm, p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize);
+        });
+  } else {  // dw13[e] [2F, H] = d_a^T x_rows
+    gemm_tiles<1, 1>(
+        sm, cdivb(s.H, BN),
+        [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
+          A = Operand{&p.m_da, {mt * BM, mt * BM + 64}, off};
+          B = Operand{&p.m_xrows, {nt * BN, nt * BN + 64}, off};
+          num_kb = nk, kv = valid_last;
+        },
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+          store_wgrad(sm, p, acc, wg, w, l, mt * BM, 2 * s.F, nt * BN, s.H,
+                      (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize);
+        });
+  }
 }
 
 // Replicated gradients of chunk c: every 128 x 128 tile of [dW_router | dws13 | dws2]
@@ -306,19 +321,19 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
         num_kb = 1, kv = BK;  // tokens past T are out of bounds: zeros
         if (tile < tr) {
           const int mt = tile / nH, nt = tile % nH;
-          A = span(&p.m_dlog, mt * BM, k0);
-          B = span(&p.m_x, nt * BN, k0);
+          A = Operand{&p.m_dlog, {mt * BM, mt * BM + 64}, k0};
+          B = Operand{&p.m_x, {nt * BN, nt * BN + 64}, k0};
         } else if (tile < tr + t13) {
           const int mt = (tile - tr) / nH, nt = (tile - tr) % nH;
-          A = span(&p.m_das, mt * BM, k0);
-          B = span(&p.m_x, nt * BN, k0);
+          A = Operand{&p.m_das, {mt * BM, mt * BM + 64}, k0};
+          B = Operand{&p.m_x, {nt * BN, nt * BN + 64}, k0};
         } else {
           const int mt = (tile - tr - t13) / nFs, nt = (tile - tr - t13) % nFs;
-          A = span(&p.m_dy, mt * BM, k0);
-          B = span(&p.m_sh, nt * BN, k0);
+          A = Operand{&p.m_dy, {mt * BM, mt * BM + 64}, k0};
+          B = Operand{&p.m_sh, {nt * BN, nt * BN + 64}, k0};
         }
       },
-      [&](int tile, float(&acc)[128], int wg, int w, int l) {
+      [&](int tile, float(&acc)[64], int wg, int w, int l) {
         if (tile < tr) {
           const int mt = tile / nH, nt = tile % nH;
           store_tile<kStoreF32>(sm, acc, wg, w, l, mt * BM, s.E, nt * BN, s.H, part, s.H);
@@ -376,7 +391,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, 
   __syncthreads();
 }
 
-__device__ __forceinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
+__device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   const Shape& s = p.s;
   const int nH = groups(cdivb(s.H, BN));
   if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * nH), p.st, 20)) return;
@@ -441,13 +456,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     } else if ((task -= n_dxs) < n_dx) {
       kind = 13, dx_task(sm, p, task / nH, task % nH);
     } else if ((task -= n_dx) < n_wg2) {
-      kind = 14;
-      if (p.wgrad_fp32) wgrad_task<2, kAddF32>(sm, p, task / w2_tiles, task % w2_tiles);
-      else wgrad_task<2, kStoreBf16>(sm, p, task / w2_tiles, task % w2_tiles);
+      kind = 14, wgrad_task(sm, p, 2, task / w2_tiles, task % w2_tiles);
     } else if ((task -= n_wg2) < n_wg13) {
-      kind = 15;
-      if (p.wgrad_fp32) wgrad_task<13, kAddF32>(sm, p, task / w13_tiles, task % w13_tiles);
-      else wgrad_task<13, kStoreBf16>(sm, p, task / w13_tiles, task % w13_tiles);
+      kind = 15, wgrad_task(sm, p, 13, task / w13_tiles, task % w13_tiles);
     } else if ((task -= n_wg13) < n_rw) {
       kind = 16, rw_task(sm, p, task);
     } else if ((task -= n_rw) < n_tree) {

@@ -10,8 +10,7 @@
 //                 expert m-tile table, tokens_per_expert, aux and z losses (fixed tree)
 //   DISPATCH[b]   x rows of 32-token block b to their expert rows at pos = expert_off[e] +
 //                 block_off[b, e] + rank (written through the rank's peer pointer)
-//   GEMM1[m,n]    expert m-tile: a = x_rows w13[e]^T (128 gate and 128 up columns per
-//                 tile), epilogue h = silu(gate) * up
+//   GEMM1[m,n]    expert m-tile: a = x_rows w13[e]^T, epilogue h = silu(gate) * up
 //   SHARED2[m,n]  shared expert down projection
 //   GEMM2[m,n]    o = h w2[e]^T
 //   COMBINE[b]    (32 tokens) y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order
@@ -40,10 +39,11 @@ __device__ __noinline__ void route_task(Smem& sm, const FwdParams& p, int b) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (s.fused) {
     for (int nt = 0; nt < cdiv(E, BN); nt++) {
-      gemm_tile<0, 0>(sm, span(&p.m_x, t0, 0), span(&p.m_wr, nt * BN, 0), s.H / BK, BK,
-                      [&](float(&acc)[128], int wg, int w, int l) {
+      Operand A{&p.m_x, {t0, t0 + 64}, 0};
+      Operand B{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
+      gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
 #pragma unroll
-        for (int i = 0; i < 32; i++)
+        for (int i = 0; i < 16; i++)
 #pragma unroll
           for (int h = 0; h < 2; h++) {
             const int t = t0 + acc_row(wg, w, l, h), e = nt * BN + acc_col(l, i);
@@ -230,18 +230,18 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   signal_counter(&p.st.sync->counter[C_DISPATCH]);
 }
 
-// SwiGLU epilogue of a gate|up tile: columns 0..127 gate f0.., 128..255 up f0.. .
+// SwiGLU epilogue of a gate|up tile: columns 0..63 gate f0.., 64..127 up f0.. .
 // Writes a (bf16 gate, up) and h = bf16(silu(gate) * up) for rows < row_end.
-__device__ __forceinline__ void swiglu_epilogue(float (&acc)[128], int wg, int w, int l, int row0, int row_end, int f0,
+__device__ __forceinline__ void swiglu_epilogue(float (&acc)[64], int wg, int w, int l, int row0, int row_end, int f0,
                                                 int F, bf16* a_rows, bf16* h_rows) {
 #pragma unroll
-  for (int i = 0; i < 16; i++)
+  for (int i = 0; i < 8; i++)
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       const int r = row0 + acc_row(wg, w, l, h), f = f0 + acc_col(l, i);
       if (r >= row_end || f >= F) continue;
       const bf16 g0 = to_bf(acc[4 * i + 2 * h]), g1 = to_bf(acc[4 * i + 2 * h + 1]);
-      const bf16 u0 = to_bf(acc[4 * (i + 16) + 2 * h]), u1 = to_bf(acc[4 * (i + 16) + 2 * h + 1]);
+      const bf16 u0 = to_bf(acc[4 * (i + 8) + 2 * h]), u1 = to_bf(acc[4 * (i + 8) + 2 * h + 1]);
       bf16* ar = a_rows + (int64_t)r * 2 * F;
       *reinterpret_cast<__nv_bfloat162*>(ar + f) = __halves2bfloat162(g0, g1);
       *reinterpret_cast<__nv_bfloat162*>(ar + F + f) = __halves2bfloat162(u0, u1);
@@ -257,13 +257,13 @@ __device__ __noinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, in
   if (mt < *p.num_tiles) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
     gemm_group<0, 0>(
-        sm, g, cdiv(F, 128), s.H / BK,
+        sm, g, F / 64, s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = span(&p.m_xrows, row0, 0);
-          B = Operand{&p.m_w13, {e * 2 * F + nt * 128, e * 2 * F + nt * 128 + 64, e * 2 * F + F + nt * 128, e * 2 * F + F + nt * 128 + 64}, 0};
+          A = Operand{&p.m_xrows, {row0, row0 + 64}, 0};
+          B = Operand{&p.m_w13, {e * 2 * F + nt * 64, e * 2 * F + F + nt * 64}, 0};
         },
-        [&](int nt, float(&acc)[128], int wg, int w, int l) {
-          swiglu_epilogue(acc, wg, w, l, row0, row_end, nt * 128, F, p.sv.a_rows, p.sv.h_rows);
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+          swiglu_epilogue(acc, wg, w, l, row0, row_end, nt * 64, F, p.sv.a_rows, p.sv.h_rows);
         });
   }
   signal_counter(&p.st.sync->counter[C_FIXED + mt]);
@@ -273,29 +273,29 @@ __device__ __noinline__ void shared1_task(Smem& sm, const FwdParams& p, int mt, 
   const Shape& s = p.s;
   const int t0 = mt * BM, Fs = s.Fs;
   gemm_group<0, 0>(
-      sm, g, cdiv(Fs, 128), s.H / BK,
+      sm, g, Fs / 64, s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = span(&p.m_x, t0, 0);
-        B = Operand{&p.m_ws13, {nt * 128, nt * 128 + 64, Fs + nt * 128, Fs + nt * 128 + 64}, 0};
+        A = Operand{&p.m_x, {t0, t0 + 64}, 0};
+        B = Operand{&p.m_ws13, {nt * 64, Fs + nt * 64}, 0};
       },
-      [&](int nt, float(&acc)[128], int wg, int w, int l) {
-        swiglu_epilogue(acc, wg, w, l, t0, s.T, nt * 128, Fs, p.sv.sa, p.sv.sh);
+      [&](int nt, float(&acc)[64], int wg, int w, int l) {
+        swiglu_epilogue(acc, wg, w, l, t0, s.T, nt * 64, Fs, p.sv.sa, p.sv.sh);
       });
   signal_counter(&p.st.sync->counter[C_FIXED + s.max_mt + mt]);
 }
 
 __device__ __noinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(cdiv(s.F, 128)), p.st, 19)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(s.F / 64), p.st, 19)) return;
   if (mt < *p.num_tiles) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
     gemm_group<0, 0>(
         sm, g, cdiv(s.H, BN), s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = span(&p.m_hrows, row0, 0);
-          B = span(&p.m_w2, e * s.H + nt * BN, 0);
+          A = Operand{&p.m_hrows, {row0, row0 + 64}, 0};
+          B = Operand{&p.m_w2, {e * s.H + nt * BN, e * s.H + nt * BN + 64}, 0};
         },
-        [&](int nt, float(&acc)[128], int wg, int w, int l) {
+        [&](int nt, float(&acc)[64], int wg, int w, int l) {
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H);
         });
   }
@@ -304,15 +304,15 @@ __device__ __noinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, in
 
 __device__ __noinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], groups(cdiv(s.Fs, 128)), p.st, 19)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], groups(s.Fs / 64), p.st, 19)) return;
   const int t0 = mt * BM;
   gemm_group<0, 0>(
       sm, g, cdiv(s.H, BN), s.Fs / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = span(&p.m_sh, t0, 0);
-        B = span(&p.m_ws2, nt * BN, 0);
+        A = Operand{&p.m_sh, {t0, t0 + 64}, 0};
+        B = Operand{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
       },
-      [&](int nt, float(&acc)[128], int wg, int w, int l) {
+      [&](int nt, float(&acc)[64], int wg, int w, int l) {
         store_tile<kStoreBf16>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H);
       });
   signal_counter(&p.st.sync->counter[C_S2]);
@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   smem_init(sm);
   const Shape& s = p.s;
-  const int nF1 = groups(cdiv(s.F, 128)), nS1 = groups(cdiv(s.Fs, 128)), nH = groups(cdiv(s.H, BN));  // task groups
+  const int nF1 = groups(s.F / 64), nS1 = groups(s.Fs / 64), nH = groups(cdiv(s.H, BN));  // task groups
   const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
   const int n_sh2 = s.Fs ? s.smt * nH : 0, n_g2 = s.max_mt * nH;
   const int num_tasks = n_route + n_sh1 + 1 + s.ns + n_g1 + n_sh2 + n_g2 + s.ns;
