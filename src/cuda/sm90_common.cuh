@@ -47,7 +47,11 @@ struct Operand {
   int k0;
 };
 
-__device__ __forceinline__ void smem_init(Smem& sm) {
+// The kernel's shared memory (dynamic, aligned here to 1024 B for the 128-byte swizzle),
+// its mbarriers initialised.
+__device__ __forceinline__ Smem& kernel_smem() {
+  extern __shared__ uint8_t smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; s++) {
       mbar_init(&sm.full[s], 1);
@@ -58,6 +62,7 @@ __device__ __forceinline__ void smem_init(Smem& sm) {
     fence_mbar_init();
   }
   __syncthreads();
+  return sm;
 }
 
 // ---- dependencies ----
@@ -273,6 +278,21 @@ __device__ __forceinline__ int acc_col(int lane, int i) { return 8 * i + 2 * (la
 
 __device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ __nv_bfloat16 to_bf(float v) { return __float2bfloat16_rn(v); }
+// 8 bf16 (16 bytes) to fp32 and back.
+__device__ __forceinline__ void load_bf16x8(const bf16* src, float (&v)[8]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const bf16* b = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 8; k++) v[k] = bf(b[k]);
+}
+__device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
+  uint4 raw;
+  bf16* b = reinterpret_cast<bf16*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 8; k++) b[k] = to_bf(v[k]);
+  *reinterpret_cast<uint4*>(dst) = raw;
+}
+
 __device__ __forceinline__ float silu(float g) { return __fdiv_rn(g, __fadd_rn(1.f, __expf(-g))); }
 
 // Epilogue of a 128 x 128 tile through shared memory: the consumer threads put the

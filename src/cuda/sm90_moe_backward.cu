@@ -403,29 +403,23 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
     for (int v = lane; v < H / 8; v += 32) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int j = 0; j < K; j++) {  // slots in order, then router, then shared
-        const uint4 raw = reinterpret_cast<const uint4*>(p.dx_rows + (int64_t)p.sv.pos[(int64_t)t * K + j] * H)[v];
-        const bf16* d = reinterpret_cast<const bf16*>(&raw);
+        float d[8];
+        load_bf16x8(p.dx_rows + (int64_t)p.sv.pos[(int64_t)t * K + j] * H + v * 8, d);
 #pragma unroll
-        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], bf(d[k]));
+        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], d[k]);
       }
 #pragma unroll
       for (int k = 0; k < 8; k++) {
         if (s.fused) acc[k] = __fadd_rn(acc[k], p.dx_router[(int64_t)t * H + v * 8 + k]);
         if (s.Fs) acc[k] = __fadd_rn(acc[k], p.dx_shared[(int64_t)t * H + v * 8 + k]);
       }
-      uint4 out;
-      bf16* o = reinterpret_cast<bf16*>(&out);
-#pragma unroll
-      for (int k = 0; k < 8; k++) o[k] = to_bf(acc[k]);
-      reinterpret_cast<uint4*>(p.dx + (int64_t)t * H)[v] = out;
+      store_bf16x8(p.dx + (int64_t)t * H + v * 8, acc);
     }
   __syncthreads();
 }
 
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
-  extern __shared__ uint8_t smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  smem_init(sm);
+  Smem& sm = kernel_smem();
   const Shape& s = p.s;
   if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
                            p.sv.header[2] != (uint64_t)s.T))

@@ -332,30 +332,24 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
       for (int j = 0; j < K; j++) {  // slots in order
         const int64_t i = (int64_t)t * K + j;
         const float g = p.sv.g[i];
-        const uint4 raw = reinterpret_cast<const uint4*>(p.sv.o_rows + (int64_t)p.sv.pos[i] * H)[v];
-        const bf16* o = reinterpret_cast<const bf16*>(&raw);
+        float o[8];
+        load_bf16x8(p.sv.o_rows + (int64_t)p.sv.pos[i] * H + v * 8, o);
 #pragma unroll
-        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], __fmul_rn(g, bf(o[k])));
+        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], __fmul_rn(g, o[k]));
       }
       if (s.Fs > 0) {
-        const uint4 raw = reinterpret_cast<const uint4*>(p.shared_o + (int64_t)t * H)[v];
-        const bf16* o = reinterpret_cast<const bf16*>(&raw);
+        float o[8];
+        load_bf16x8(p.shared_o + (int64_t)t * H + v * 8, o);
 #pragma unroll
-        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], bf(o[k]));
+        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], o[k]);
       }
-      uint4 out;
-      bf16* y = reinterpret_cast<bf16*>(&out);
-#pragma unroll
-      for (int k = 0; k < 8; k++) y[k] = to_bf(acc[k]);
-      reinterpret_cast<uint4*>(p.y + (int64_t)t * H)[v] = out;
+      store_bf16x8(p.y + (int64_t)t * H + v * 8, acc);
     }
   __syncthreads();
 }
 
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
-  extern __shared__ uint8_t smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  smem_init(sm);
+  Smem& sm = kernel_smem();
   const Shape& s = p.s;
   const int nF1 = groups(s.F / 64), nS1 = groups(s.Fs / 64), nH = groups(cdiv(s.H, BN));  // task groups
   const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
