@@ -108,6 +108,7 @@ def profile_shape(name, skewed):
     layer(x).backward(dy)
     mok.synchronize()
     del layer, x, dy
+    mok.clear_cache()
     torch.cuda.empty_cache()
 
 
@@ -180,6 +181,7 @@ def bench_shape(name, skewed, steps, ceiling):
         result["peer"] = {"error": repr(e)[:300]}
     result["ceiling_tflops"] = ceiling
     del layer, x, dy, params
+    mok.clear_cache()  # the layer's contexts and workspaces: the next shape starts empty
     torch.cuda.empty_cache()
     return result
 
@@ -191,6 +193,7 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--uniform-only", action="store_true")
     ap.add_argument("--profile", action="store_true", help="mok only: CTA time per task kind (MOK_PROFILE=1)")
+    ap.add_argument("--commit", default="", help="commit to print when the tree has no .git")
     args = ap.parse_args()
     if args.profile:
         for name in args.shapes.split(","):
@@ -198,7 +201,7 @@ def main():
                 profile_shape(name, skewed)
         return
     ceiling = ceiling_tflops()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s")
     hdr = f"{'shape':15} {'routing':8} | {'mok ms':>8} {'TFLOP/s':>8} {'fwd TF/s':>8} {'ceil%':>6} {'GiB':>6} {'det':>4} | {'peer ms':>8} {'TFLOP/s':>8} {'GiB':>6} {'det':>4} | {'x peer':>6}"
     print(hdr)
