@@ -11,7 +11,8 @@ bias to both); "skewed" routing makes E/32 experts (at least one) hot: every tok
 selects them. Times: CUDA events, median of --steps steps after warm-up. TFLOP/s
 counts 3 x the forward FLOPs (6 T K H F + 2 T H E), DESIGN.md section 7. Peak memory:
 torch.cuda.max_memory_allocated over a step, weights and inputs included.
-Determinism: two steps on the same inputs give bitwise equal y, dx and weight grads.
+Determinism: two steps on the same inputs give equal y, dx and weight grads (compared
+by two integer sums over their bits, so that no gradient is held twice).
 """
 import argparse
 import json
@@ -83,12 +84,20 @@ def peer_forward(x, w_router, bias, w13, w2, K):
     return torch.zeros_like(x).index_add_(0, token, o)
 
 
-def grads_of(tensors):
-    return [t.grad.clone() for t in tensors]
+def fingerprint(t, chunk=1 << 26):
+    """Two integer sums over the bits of t (chunked: no full-size temporary), enough to
+    tell two runs apart without keeping a copy of every gradient."""
+    bits = t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32).flatten()
+    out = []
+    for i in range(0, bits.numel(), chunk):
+        c = bits[i : i + chunk].to(torch.int64)
+        w = torch.arange(1, c.numel() + 1, device=c.device, dtype=torch.int64) % 65521
+        out += [int(c.sum()), int((c * w).sum())]
+    return out
 
 
-def same_bits(a, b):
-    return all(torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x, y.view(torch.int16) if y.dtype == torch.bfloat16 else y) for x, y in zip(a, b))
+def step_fingerprint(y, x, params):
+    return [fingerprint(y), fingerprint(x.grad)] + [fingerprint(p.grad) for p in params]
 
 
 def profile_shape(name, skewed):
@@ -148,12 +157,13 @@ def bench_shape(name, skewed, steps, ceiling):
     ms = time_ms(mok_step, steps)
     mem = torch.cuda.max_memory_allocated()
     ms_fwd = time_ms(mok_forward, steps)
-    y1 = mok_step().detach().clone()
-    r1 = [y1, x.grad.clone()] + grads_of(params)
-    y2 = mok_step().detach().clone()
-    r2 = [y2, x.grad.clone()] + grads_of(params)
+    y1 = mok_step().detach()
+    ref = [y1.float(), x.grad.float()]  # for the peer's difference to mok
+    f1 = step_fingerprint(y1, x, params)
+    f2 = step_fingerprint(mok_step(), x, params)
     result["mok"] = {"ms": ms, "forward_ms": ms_fwd, "tflops": fl / ms / 1e9, "forward_tflops": fl / 3 / ms_fwd / 1e9,
-                     "peak_gib": mem / 2**30, "deterministic": same_bits(r1, r2)}
+                     "peak_gib": mem / 2**30, "deterministic": f1 == f2}
+    zero()
 
     # ---- PyTorch peer ----
     bias = layer.bias_select.detach().float()
@@ -169,18 +179,16 @@ def bench_shape(name, skewed, steps, ceiling):
         torch.cuda.reset_peak_memory_stats()
         ms_p = time_ms(peer_step, steps)
         mem_p = torch.cuda.max_memory_allocated()
-        y1 = peer_step().detach().clone()
-        p1 = [y1, x.grad.clone()] + grads_of(params)
-        y2 = peer_step().detach().clone()
-        p2 = [y2, x.grad.clone()] + grads_of(params)
-        ref = [r1[0].float(), r1[1].float()]
-        err = [float((a.float() - b).norm() / b.norm()) for a, b in zip(p1[:2], ref)]
+        y1 = peer_step().detach()
+        err = [float((a.float() - b).norm() / b.norm()) for a, b in zip([y1, x.grad], ref)]
+        f1 = step_fingerprint(y1, x, params)
+        f2 = step_fingerprint(peer_step(), x, params)
         result["peer"] = {"ms": ms_p, "tflops": fl / ms_p / 1e9, "peak_gib": mem_p / 2**30,
-                          "deterministic": same_bits(p1, p2), "rel_diff_y_dx_vs_mok": err}
+                          "deterministic": f1 == f2, "rel_diff_y_dx_vs_mok": err}
     except Exception as e:  # report, do not hide
         result["peer"] = {"error": repr(e)[:300]}
     result["ceiling_tflops"] = ceiling
-    del layer, x, dy, params
+    del layer, x, dy, params, ref
     mok.clear_cache()  # the layer's contexts and workspaces: the next shape starts empty
     torch.cuda.empty_cache()
     return result
