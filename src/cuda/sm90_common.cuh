@@ -245,21 +245,26 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
   __syncthreads();
 }
 
-// GEMM tasks own a group of up to kGroup output tiles of one row tile (one pipeline).
-constexpr int kGroup = 8;
-__host__ __device__ constexpr int groups(int n) { return (n + kGroup - 1) / kGroup; }
+// GEMM tasks own a group of column tiles of one row tile (one pipeline): about 128 K
+// blocks of work per task, at most 8 tiles, so that tasks with a long K stay short at
+// the tails of phases. Fixed by the shape, never by T or the routing.
+__host__ __device__ constexpr int group_size(int num_kb) {
+  return num_kb >= 128 ? 1 : (128 / (num_kb > 0 ? num_kb : 1) < 8 ? 128 / (num_kb > 0 ? num_kb : 1) : 8);
+}
+__host__ __device__ constexpr int groups(int n, int num_kb) { return (n + group_size(num_kb) - 1) / group_size(num_kb); }
 
 // Group g of the n column tiles: setup(nt, A, B) and epi(nt, acc, wg, warp, lane) per
 // column tile nt; every tile runs num_kb K blocks.
 template <int TA, int TB, class Setup, class Epi>
 __device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, Setup setup, Epi epi) {
+  const int size = group_size(num_kb);
   gemm_tiles<TA, TB>(
-      sm, min(kGroup, n - g * kGroup),
+      sm, min(size, n - g * size),
       [&](int t, Operand& A, Operand& B, int& nk, int& kv) {
-        setup(g * kGroup + t, A, B);
+        setup(g * size + t, A, B);
         nk = num_kb, kv = BK;
       },
-      [&](int t, float(&acc)[64], int wg, int w, int l) { epi(g * kGroup + t, acc, wg, w, l); });
+      [&](int t, float(&acc)[64], int wg, int w, int l) { epi(g * size + t, acc, wg, w, l); });
 }
 
 // One tile: gemm_tiles with a single tile.

@@ -237,7 +237,7 @@ __device__ __noinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int g
 
 __device__ __noinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], groups(cdivb(s.Fs, BN)), p.st, 20)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], groups(cdivb(s.Fs, BN), s.H / BK), p.st, 20)) return;
   const int t0 = mt * BM;
   gemm_group<0, 1>(
       sm, g, cdivb(s.H, BN), 2 * s.Fs / BK,
@@ -253,7 +253,7 @@ __device__ __noinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, int 
 
 __device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN)), p.st, 20)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN), s.H / BK), p.st, 20)) return;
   int e, row0, row_end;
   if (expert_tile(p, mt, &e, &row0, &row_end))
     gemm_group<0, 1>(
@@ -273,7 +273,7 @@ __device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g
 __device__ __noinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
-  const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN)));
+  const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
   if (!wait_counter(sm, dep, target, p.st, 20)) return;
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;
@@ -312,7 +312,7 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
   const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
   const int t2 = s.Fs ? nH * nFs : 0;
   if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
-  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(nFs)), p.st, 20)) return;
+  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(nFs, s.H / BK)), p.st, 20)) return;
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
   float* part = p.partials + (int64_t)c * p.partial_len;
   gemm_tiles<1, 1>(
@@ -393,10 +393,12 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, 
 
 __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   const Shape& s = p.s;
-  const int nH = groups(cdivb(s.H, BN));
-  if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * nH), p.st, 20)) return;
-  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DXR], (uint32_t)(s.nb * nH), p.st, 20)) return;
-  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DXS], (uint32_t)(s.smt * nH), p.st, 20)) return;
+  const int nH = cdivb(s.H, BN);
+  if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * groups(nH, 2 * s.F / BK)), p.st, 20)) return;
+  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DXR], (uint32_t)(s.nb * groups(nH, cdivb(s.E, BK))), p.st, 20))
+    return;
+  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DXS], (uint32_t)(s.smt * groups(nH, 2 * s.Fs / BK)), p.st, 20))
+    return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = t0 + warp; t < t1; t += kThreads / 32)
@@ -425,9 +427,11 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
                            p.sv.header[2] != (uint64_t)s.T))
     raise_error(p.st, MOK_STATUS_INVALID_SAVED);
   // GEMM tasks: a row tile and a group of its column tiles
-  const int nH = groups(cdivb(s.H, BN)), nF = groups(cdivb(s.F, BN)), nFs = groups(cdivb(s.Fs, BN));
-  const int n_dhs = s.Fs ? s.smt * nFs : 0, n_dh = s.max_mt * nF, n_dxr = s.fused ? s.nb * nH : 0;
-  const int n_dxs = s.Fs ? s.smt * nH : 0, n_dx = s.max_mt * nH;
+  const int nH = cdivb(s.H, BN);
+  const int nF = groups(cdivb(s.F, BN), s.H / BK), nFs = groups(cdivb(s.Fs, BN), s.H / BK);
+  const int nHr = groups(nH, cdivb(s.E, BK)), nHs = groups(nH, 2 * s.Fs / BK), nHx = groups(nH, 2 * s.F / BK);
+  const int n_dhs = s.Fs ? s.smt * nFs : 0, n_dh = s.max_mt * nF, n_dxr = s.fused ? s.nb * nHr : 0;
+  const int n_dxs = s.Fs ? s.smt * nHs : 0, n_dx = s.max_mt * nHx;
   const int w2_tiles = cdivb(s.H, BM), w13_tiles = cdivb(2 * s.F, BM);  // row tiles per expert
   const int n_wg2 = s.E * w2_tiles, n_wg13 = s.E * w13_tiles;
   const int rwt = rw_tiles(s), n_rw = rwt ? s.chunks : 0;
@@ -444,11 +448,11 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     } else if ((task -= n_dhs) < n_dh) {
       kind = 10, dh_task(sm, p, task / nF, task % nF);
     } else if ((task -= n_dh) < n_dxr) {
-      kind = 11, dxr_task(sm, p, task / nH, task % nH);
+      kind = 11, dxr_task(sm, p, task / nHr, task % nHr);
     } else if ((task -= n_dxr) < n_dxs) {
-      kind = 12, dxs_task(sm, p, task / nH, task % nH);
+      kind = 12, dxs_task(sm, p, task / nHs, task % nHs);
     } else if ((task -= n_dxs) < n_dx) {
-      kind = 13, dx_task(sm, p, task / nH, task % nH);
+      kind = 13, dx_task(sm, p, task / nHx, task % nHx);
     } else if ((task -= n_dx) < n_wg2) {
       kind = 14, wgrad_task(sm, p, 2, task / w2_tiles, task % w2_tiles);
     } else if ((task -= n_wg2) < n_wg13) {

@@ -286,7 +286,7 @@ __device__ __noinline__ void shared1_task(Smem& sm, const FwdParams& p, int mt, 
 
 __device__ __noinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(s.F / 64), p.st, 19)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(s.F / 64, s.H / BK), p.st, 19)) return;
   if (mt < *p.num_tiles) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
     gemm_group<0, 0>(
@@ -304,7 +304,7 @@ __device__ __noinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, in
 
 __device__ __noinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], groups(s.Fs / 64), p.st, 19)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], groups(s.Fs / 64, s.H / BK), p.st, 19)) return;
   const int t0 = mt * BM;
   gemm_group<0, 0>(
       sm, g, cdiv(s.H, BN), s.Fs / BK,
@@ -321,9 +321,9 @@ __device__ __noinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, 
 // ---- COMBINE ----
 __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) {
   const Shape& s = p.s;
-  const int nH = groups(cdiv(s.H, BN));
-  if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH), p.st, 19)) return;
-  if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nH), p.st, 19)) return;
+  const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
+  if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH2), p.st, 19)) return;
+  if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nHs), p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = t0 + warp; t < t1; t += kThreads / 32)
@@ -351,9 +351,11 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   Smem& sm = kernel_smem();
   const Shape& s = p.s;
-  const int nF1 = groups(s.F / 64), nS1 = groups(s.Fs / 64), nH = groups(cdiv(s.H, BN));  // task groups
+  // GEMM tasks per row tile (column-tile groups)
+  const int nF1 = groups(s.F / 64, s.H / BK), nS1 = groups(s.Fs / 64, s.H / BK);
+  const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
   const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
-  const int n_sh2 = s.Fs ? s.smt * nH : 0, n_g2 = s.max_mt * nH;
+  const int n_sh2 = s.Fs ? s.smt * nHs : 0, n_g2 = s.max_mt * nH2;
   const int num_tasks = n_route + n_sh1 + 1 + s.ns + n_g1 + n_sh2 + n_g2 + s.ns;
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
@@ -370,9 +372,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
     } else if ((task -= s.ns) < n_g1) {
       kind = 4, gemm1_task(sm, p, task / nF1, task % nF1);
     } else if ((task -= n_g1) < n_sh2) {
-      kind = 5, shared2_task(sm, p, task / nH, task % nH);
+      kind = 5, shared2_task(sm, p, task / nHs, task % nHs);
     } else if ((task -= n_sh2) < n_g2) {
-      kind = 6, gemm2_task(sm, p, task / nH, task % nH);
+      kind = 6, gemm2_task(sm, p, task / nH2, task % nH2);
     } else {
       kind = 7, combine_task(sm, p, task - n_g2);
     }
