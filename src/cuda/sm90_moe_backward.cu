@@ -426,45 +426,50 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
                            p.sv.header[2] != (uint64_t)s.T))
     raise_error(p.st, MOK_STATUS_INVALID_SAVED);
-  // GEMM tasks: a row tile and a group of its column tiles
-  const int nH = cdivb(s.H, BN);
-  const int nF = groups(cdivb(s.F, BN), s.H / BK), nFs = groups(cdivb(s.Fs, BN), s.H / BK);
-  const int nHr = groups(nH, cdivb(s.E, BK)), nHs = groups(nH, 2 * s.Fs / BK), nHx = groups(nH, 2 * s.F / BK);
-  const int n_dhs = s.Fs ? s.smt * nFs : 0, n_dh = s.max_mt * nF, n_dxr = s.fused ? s.nb * nHr : 0;
-  const int n_dxs = s.Fs ? s.smt * nHs : 0, n_dx = s.max_mt * nHx;
-  const int w2_tiles = cdivb(s.H, BM), w13_tiles = cdivb(2 * s.F, BM);  // row tiles per expert
-  const int n_wg2 = s.E * w2_tiles, n_wg13 = s.E * w13_tiles;
-  const int rwt = rw_tiles(s), n_rw = rwt ? s.chunks : 0;
-  const int n_tree = rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0;
-  const int num_tasks = s.ns + n_dhs + n_dh + n_dxr + n_dxs + n_dx + n_wg2 + n_wg13 + n_rw + n_tree + s.ns;
+  // The phases in ticket order: tasks in each and, for 2-D phases, the tasks per row
+  // (GEMM tasks: a row tile and a group of its column tiles). Kept in shared memory so
+  // that the dispatch loop holds few registers across the task calls.
+  __shared__ int phase_end[11], phase_cols[11];
+  if (threadIdx.x == 0) {
+    const int nH = cdivb(s.H, BN), rwt = rw_tiles(s);
+    const int count[11] = {s.ns,
+                           s.Fs ? s.smt * groups(cdivb(s.Fs, BN), s.H / BK) : 0,
+                           s.max_mt * groups(cdivb(s.F, BN), s.H / BK),
+                           s.fused ? s.nb * groups(nH, cdivb(s.E, BK)) : 0,
+                           s.Fs ? s.smt * groups(nH, 2 * s.Fs / BK) : 0,
+                           s.max_mt * groups(nH, 2 * s.F / BK),
+                           s.E * cdivb(s.H, BM),
+                           s.E * cdivb(2 * s.F, BM),
+                           rwt ? s.chunks : 0,
+                           rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0,
+                           s.ns};
+    const int cols[11] = {1, groups(cdivb(s.Fs, BN), s.H / BK), groups(cdivb(s.F, BN), s.H / BK),
+                          groups(nH, cdivb(s.E, BK)), groups(nH, 2 * s.Fs / BK), groups(nH, 2 * s.F / BK),
+                          cdivb(s.H, BM), cdivb(2 * s.F, BM), 1, 1, 1};
+    int end = 0;
+    for (int k = 0; k < 11; k++) phase_end[k] = end += count[k], phase_cols[k] = cols[k] > 0 ? cols[k] : 1;
+  }
+  __syncthreads();
   int task;
-  while (next_task(sm, p.st, num_tasks, &task)) {
+  while (next_task(sm, p.st, phase_end[10], &task)) {
     const long long c0 = clock64();
-    int kind = 8;
-    if (task < s.ns) {
-      dg_task(sm, p, task);
-    } else if ((task -= s.ns) < n_dhs) {
-      kind = 9, dhs_task(sm, p, task / nFs, task % nFs);
-    } else if ((task -= n_dhs) < n_dh) {
-      kind = 10, dh_task(sm, p, task / nF, task % nF);
-    } else if ((task -= n_dh) < n_dxr) {
-      kind = 11, dxr_task(sm, p, task / nHr, task % nHr);
-    } else if ((task -= n_dxr) < n_dxs) {
-      kind = 12, dxs_task(sm, p, task / nHs, task % nHs);
-    } else if ((task -= n_dxs) < n_dx) {
-      kind = 13, dx_task(sm, p, task / nHx, task % nHx);
-    } else if ((task -= n_dx) < n_wg2) {
-      kind = 14, wgrad_task(sm, p, 2, task / w2_tiles, task % w2_tiles);
-    } else if ((task -= n_wg2) < n_wg13) {
-      kind = 15, wgrad_task(sm, p, 13, task / w13_tiles, task % w13_tiles);
-    } else if ((task -= n_wg13) < n_rw) {
-      kind = 16, rw_task(sm, p, task);
-    } else if ((task -= n_rw) < n_tree) {
-      kind = 17, tree_task(sm, p, task, (uint32_t)n_rw);
-    } else {
-      kind = 18, dxsum_task(sm, p, task - n_tree);
+    int k = 0;
+    while (task >= phase_end[k]) k++;
+    const int local = task - (k ? phase_end[k - 1] : 0), row = local / phase_cols[k], col = local % phase_cols[k];
+    switch (k) {
+      case 0: dg_task(sm, p, local); break;
+      case 1: dhs_task(sm, p, row, col); break;
+      case 2: dh_task(sm, p, row, col); break;
+      case 3: dxr_task(sm, p, row, col); break;
+      case 4: dxs_task(sm, p, row, col); break;
+      case 5: dx_task(sm, p, row, col); break;
+      case 6: wgrad_task(sm, p, 2, row, col); break;
+      case 7: wgrad_task(sm, p, 13, row, col); break;
+      case 8: rw_task(sm, p, local); break;
+      case 9: tree_task(sm, p, local, (uint32_t)(phase_end[8] - phase_end[7])); break;
+      default: dxsum_task(sm, p, local); break;
     }
-    profile_task(p.st, kind, c0);
+    profile_task(p.st, 8 + k, c0);
   }
   finish_step(sm, p.st);
 }
