@@ -283,6 +283,35 @@ __device__ __forceinline__ int acc_col(int lane, int i) { return 8 * i + 2 * (la
 
 __device__ __forceinline__ float bf(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ __nv_bfloat16 to_bf(float v) { return __float2bfloat16_rn(v); }
+// One token's router scores, in a warp: lane holds experts lane + 32 i (i < 8, E <= 256).
+// prob = softmax of the logits, score = the router score (softmax or sigmoid), both 0
+// past E; returns logsumexp. Sums: a lane's experts in increasing i, then the warp's
+// fixed butterfly. Forward and backward call this one function: the same bits.
+__device__ __forceinline__ float token_scores(const float* logits, int E, int score, float (&prob)[8],
+                                              float (&sc)[8]) {
+  const int lane = threadIdx.x % 32;
+  float l[8], m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < 8; i++) {
+    l[i] = lane + 32 * i < E ? logits[lane + 32 * i] : -INFINITY;
+    m = fmaxf(m, l[i]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; i++) sum = __fadd_rn(sum, lane + 32 * i < E ? __expf(__fsub_rn(l[i], m)) : 0.f);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(~0u, sum, o));
+#pragma unroll
+  for (int i = 0; i < 8; i++) {
+    const bool in = lane + 32 * i < E;
+    prob[i] = in ? __fdiv_rn(__expf(__fsub_rn(l[i], m)), sum) : 0.f;
+    sc[i] = score == MOK_SCORE_SOFTMAX ? prob[i] : (in ? __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-l[i]))) : 0.f);
+  }
+  return __fadd_rn(m, __logf(sum));
+}
+
 // 8 bf16 (16 bytes) to fp32 and back.
 __device__ __forceinline__ void load_bf16x8(const bf16* src, float (&v)[8]) {
   const uint4 raw = *reinterpret_cast<const uint4*>(src);

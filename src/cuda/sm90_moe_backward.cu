@@ -66,27 +66,11 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
     const float TK = (float)s.T * (float)K;
     for (int t = t0 + warp; t < t1; t += kThreads / 32) {
-      const float* lt = p.sv.logits + (int64_t)t * E;
-      float l[8], sc[8], pz[8], ds[8];
-      float m = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < 8; i++) {
-        l[i] = lane + 32 * i < E ? lt[lane + 32 * i] : -INFINITY;
-        m = fmaxf(m, l[i]);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; i++) sum = __fadd_rn(sum, lane + 32 * i < E ? __expf(__fsub_rn(l[i], m)) : 0.f);
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(~0u, sum, o));
-      const float lse = __fadd_rn(m, __logf(sum));
+      float sc[8], pz[8], ds[8];
+      const float lse = token_scores(p.sv.logits + (int64_t)t * E, E, s.score, pz, sc);
 #pragma unroll
       for (int i = 0; i < 8; i++) {
         const int e = lane + 32 * i;
-        pz[i] = e < E ? __fdiv_rn(__expf(__fsub_rn(l[i], m)), sum) : 0.f;
-        sc[i] = s.score == MOK_SCORE_SOFTMAX ? pz[i] : (e < E ? __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-l[i]))) : 0.f);
         ds[i] = 0.f;
         if (e < E && s.aux_coef != 0.f)  // d aux / d s[t, e] = d_aux alpha E f_e / T
           ds[i] = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),

@@ -55,34 +55,17 @@ __device__ __noinline__ void route_task(Smem& sm, const FwdParams& p, int b) {
     __syncthreads();
     // a warp per token: lanes hold experts lane, lane + 32, ... (E <= 256)
     for (int t = t0 + warp; t < t1; t += kThreads / 32) {
-      float l[8], sc[8];
-      const float* lt = p.logits + (int64_t)t * E;
-      float m = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < 8; i++) {
-        const int e = lane + 32 * i;
-        l[i] = e < E ? lt[e] : -INFINITY;
-        m = fmaxf(m, l[i]);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; i++) sum = __fadd_rn(sum, lane + 32 * i < E ? __expf(__fsub_rn(l[i], m)) : 0.f);
-#pragma unroll
-      for (int o = 16; o > 0; o /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(~0u, sum, o));
+      float prob[8], sc[8], key[8];
+      const float lse = token_scores(p.logits + (int64_t)t * E, E, s.score, prob, sc);
       uint32_t chosen = 0;
-      float key[8];
 #pragma unroll
       for (int i = 0; i < 8; i++) {
         const int e = lane + 32 * i;
-        sc[i] = s.score == MOK_SCORE_SOFTMAX ? __fdiv_rn(__expf(__fsub_rn(l[i], m)), sum)
-                                             : __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-l[i])));
         key[i] = (s.use_bias && e < E) ? __fadd_rn(sc[i], p.bias[e]) : sc[i];
         if (e < E) p.scores[(int64_t)t * E + e] = sc[i];
         else chosen |= 1u << i;  // not an expert
       }
-      if (lane == 0) p.lse[t] = __fadd_rn(m, __logf(sum));
+      if (lane == 0) p.lse[t] = lse;
       // K rounds of a warp argmax; lane j keeps slot j (K <= 32)
       float gsum = 0.f, my_g = 0.f;
       int my_e = 0;
