@@ -238,7 +238,7 @@ mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** out) {
   ctx->real_size = c->numerics == MOK_NUMERICS_EXACT ? 8 : 4;
 #ifdef MOK_HAVE_CUDA
   if (c->backend == MOK_BACKEND_CUDA) {
-    ctx->T_all[0] = ctx->T_global_max = c->T;
+    ctx->T_all[0] = c->T;
     c->capacity = c->T * c->K; /* W = 1: every routed row stays here */
     s = mok_cuda_create(ctx);
     if (s || !registry_add(ctx)) {
@@ -267,14 +267,14 @@ mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** out) {
     context_free(ctx);
     return s;
   }
-  for (int r = 0; r < c->W; r++) ctx->T_global_max += ctx->T_all[r];
+  int64_t T_global = 0;
+  for (int r = 0; r < c->W; r++) T_global += ctx->T_all[r];
   if (c->capacity == 0) /* safe: every token of every rank sends min(K, E/W) rows here */
-    c->capacity = ctx->T_global_max * (c->K < ctx->E_loc ? c->K : ctx->E_loc);
+    c->capacity = T_global * (c->K < ctx->E_loc ? c->K : ctx->E_loc);
   const size_t row_bytes = (size_t)c->H * (size_t)ctx->act_size;
   ctx->recv_rows = alloc_aligned((size_t)c->capacity * row_bytes);
   ctx->ret_rows = alloc_aligned((size_t)c->capacity * row_bytes);
-  ctx->pack_bytes_per_thread = mok_gemm_pack_bytes();
-  ctx->pack = alloc_aligned(ctx->pack_bytes_per_thread * (size_t)c->num_threads);
+  ctx->pack = alloc_aligned(mok_gemm_pack_bytes() * (size_t)c->num_threads);
   if (!ctx->recv_rows || !ctx->ret_rows || !ctx->pack || !registry_add(ctx)) {
     CFG_ERR(MOK_STATUS_OUT_OF_MEMORY,
             "no host memory for the exchange buffers (capacity = %lld rows of H = %lld)",

@@ -24,7 +24,6 @@ struct mok_context {
   mok_config_t cfg;        /* validated copy; capacity and num_threads resolved */
   int64_t E_loc;           /* experts of this rank, E / W */
   int64_t T_all[MOK_MAX_RANKS]; /* config T of every rank (exchanged at create) */
-  int64_t T_global_max;    /* sum of T_all */
   int64_t act_size;        /* bytes of a bf16 tensor element: 2, or 8 in EXACT numerics */
   int64_t real_size;       /* bytes of an fp32 element: 4, or 8 in EXACT numerics */
   /* CPU backend: the rank's exchange buffers, reached by peers through comm (the
@@ -33,8 +32,7 @@ struct mok_context {
   int owns_comm;
   void* recv_rows;         /* [capacity, H] act: rows sent to this rank's experts */
   void* ret_rows;          /* [capacity, H] act: expert results, read back by token ranks */
-  void* pack;              /* GEMM packing scratch, per thread */
-  size_t pack_bytes_per_thread;
+  void* pack;              /* GEMM packing scratch, mok_gemm_pack_bytes() per thread */
   void* gpu;               /* CUDA backend state (src/cuda/cuda_backend.cu), or NULL */
   uint64_t forward_serial; /* counts forwards; written into saved to tie it to this context */
   char last_error[MOK_ERROR_LEN];
@@ -82,7 +80,6 @@ typedef struct {
   uint64_t serial;         /* forward_serial of the writing forward */
   int64_t T;               /* num_tokens of that forward */
   int64_t T_all[MOK_MAX_RANKS]; /* num_tokens of every rank in that step */
-  int64_t rows_recv;       /* rows this rank's experts received */
 } mok_saved_header_t;
 #define MOK_SAVED_MAGIC 0x6d6f6b2d73617664ull
 

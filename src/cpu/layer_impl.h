@@ -431,7 +431,6 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
   st->hdr->serial = ++ctx->forward_serial;
   st->hdr->T = T;
   memcpy(st->hdr->T_all, T_all, (size_t)W * sizeof(int64_t));
-  st->hdr->rows_recv = rows_recv;
   /* peers read this rank's ret_rows in their combine: nobody may start writing them in
    * a next call before all are done, which that call's first barrier guarantees */
   return MOK_STATUS_SUCCESS;
