@@ -62,7 +62,8 @@ $(BUILD)/mok_tests: $(TEST_OBJ) $(TOOL_OBJ) $(BUILD)/libmok.a
 test: $(BUILD)/mok_tests
 	$(BUILD)/mok_tests
 
-# GPU suite (an H200 or H100): the same runner built with the gpu suite only.
+# GPU suite (an H200 or H100): mok.MoE on the GPU (pytest), then the same runner built
+# with the gpu suite only (its line "N passed, M failed" last).
 $(BUILD)/tests/gpu/runner.o: tests/runner.c $(wildcard include/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -DMOK_GPU_TESTS -Isrc -Itools -c $< -o $@
@@ -70,7 +71,8 @@ $(BUILD)/tests/gpu/runner.o: tests/runner.c $(wildcard include/*.h tools/*.h tes
 $(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(BUILD)/tests/gpu/test_gpu.o $(BUILD)/tests/reference.o $(TOOL_OBJ) $(BUILD)/libmok.a
 	$(CC) -o $@ $^ $(LDLIBS)
 
-test-gpu: $(BUILD)/mok_gpu_tests
+test-gpu: $(BUILD)/mok_gpu_tests $(BUILD)/libmok.so
+	MOK_LIBRARY=$(abspath $(BUILD))/libmok.so $(PYTHON) -m pytest -q python/tests/test_cuda.py
 	$(BUILD)/mok_gpu_tests
 
 run: $(BUILD)/mok
