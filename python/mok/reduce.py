@@ -34,8 +34,25 @@ def _tree_mid(lo: int, hi: int) -> int:
     return lo + half
 
 
+def _reduce_pairwise(partials: Tensor) -> Tensor:
+    """The same tree on any device with torch ops, level by level: node i of level l+1
+    = node 2i + node 2i+1 of level l (one fp32 add per element), a lone last node
+    passed up. tests check it against mok_reduce_tree bit for bit."""
+    p = partials
+    if p.shape[0] == 0:
+        return torch.zeros(p.shape[1], dtype=torch.float32, device=p.device)
+    while p.shape[0] > 1:
+        half = p.shape[0] // 2
+        s = p[0 : 2 * half : 2] + p[1 : 2 * half : 2]
+        p = torch.cat([s, p[2 * half :]]) if p.shape[0] % 2 else s
+    return p[0].clone()
+
+
 def _reduce_local(partials: Tensor) -> Tensor:
-    """mok_reduce_tree over partials [N, n] (fp32, CPU) -> [n]."""
+    """The tree over partials [N, n] (fp32) -> [n]: mok_reduce_tree for host tensors,
+    the same tree in torch ops on a GPU."""
+    if partials.device.type != "cpu":
+        return _reduce_pairwise(partials)
     N, n = partials.shape
     p = partials.contiguous()
     out = torch.empty(n, dtype=torch.float32)
@@ -51,11 +68,6 @@ def _check_partials(partials) -> Tuple[Tensor, Tuple[int, ...]]:
         raise ValueError("mok: partials must be [num_chunks, ...]: one partial per chunk along dim 0")
     if partials.dtype != torch.float32:
         raise TypeError(f"mok: partials has dtype {partials.dtype}, expected torch.float32")
-    if partials.device.type != "cpu":
-        raise ValueError(
-            f"mok: partials is on {partials.device}: mok_reduce_tree runs on host memory "
-            "(the CUDA backend is not built yet)"
-        )
     shape = tuple(partials.shape[1:])
     n = 1
     for d in shape:
@@ -99,8 +111,9 @@ def reduce_replicated(partials: Tensor, *, group=None, distributed: Optional[boo
     alignment rule on n_r: the ranks' runs need not line up with the tree's nodes (a
     rank whose run straddles a node sends its pieces, and the node is formed from
     them by the same tree); only the order of the chunks (rank-major) and N fix the
-    bits. The partials and the exchange are on the CPU, so the process group needs a
-    backend that takes CPU tensors (gloo).
+    bits. The exchange runs on the partials' device: CPU tensors need a backend that
+    takes them (gloo), CUDA tensors NCCL. On a GPU the tree is evaluated level by level
+    with torch ops, the same bits as mok_reduce_tree on the host.
     """
     flat, shape = _check_partials(partials)
     if distributed is None:
@@ -116,8 +129,9 @@ def reduce_replicated(partials: Tensor, *, group=None, distributed: Optional[boo
     me = dist.get_rank(group)
     n = flat.shape[1]
     # 1. every rank's chunk count -> the global chunk list
-    counts = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
-    dist.all_gather(counts, torch.tensor([flat.shape[0], n], dtype=torch.int64), group=group)
+    dev = flat.device
+    counts = [torch.zeros(2, dtype=torch.int64, device=dev) for _ in range(W)]
+    dist.all_gather(counts, torch.tensor([flat.shape[0], n], dtype=torch.int64, device=dev), group=group)
     if any(int(c[1]) != n for c in counts):
         raise ValueError(
             "mok: reduce_replicated: the ranks passed partials of different sizes per chunk: "
@@ -128,7 +142,7 @@ def reduce_replicated(partials: Tensor, *, group=None, distributed: Optional[boo
         chunk_lo.append(chunk_lo[-1] + int(c[0]))
     N = chunk_lo[-1]
     if N == 0:
-        return torch.zeros(shape, dtype=torch.float32)
+        return torch.zeros(shape, dtype=torch.float32, device=dev)
     # 2. every rank's maximal subtrees (known to all ranks from the counts)
     nodes: List[List[Tuple[int, int]]] = []
     for r in range(W):
@@ -136,7 +150,7 @@ def reduce_replicated(partials: Tensor, *, group=None, distributed: Optional[boo
         _rank_nodes(chunk_lo, r, 0, N, lst)
         nodes.append(lst)
     max_nodes = max(len(l) for l in nodes)
-    mine = torch.zeros(max_nodes, n, dtype=torch.float32)
+    mine = torch.zeros(max_nodes, n, dtype=torch.float32, device=dev)
     for i, (lo, hi) in enumerate(nodes[me]):
         mine[i] = _reduce_local(flat[lo - chunk_lo[me] : hi - chunk_lo[me]])
     # 3. exchange the subtree sums, 4. combine them by the same tree

@@ -112,6 +112,13 @@ def test_reduce_replicated_is_the_fixed_tree(N):
     assert torch.equal(out, tree_sum(p, 0, N))
 
 
+@pytest.mark.parametrize("N", [0, 1, 2, 3, 5, 7, 12, 16, 37, 100, 129])
+def test_pairwise_torch_tree_is_the_library_tree(N):
+    """The torch-op evaluation (used for GPU partials) gives mok_reduce_tree's bits."""
+    p = torch.randn(N, 7) * torch.logspace(-3, 3, max(N, 1))[:N, None]
+    assert torch.equal(mok.reduce._reduce_pairwise(p), mok.reduce._reduce_local(p))
+
+
 def test_reduce_replicated_errors_and_empty():
     assert torch.equal(mok.reduce_replicated(torch.zeros(0, 4)), torch.zeros(4))
     with pytest.raises(TypeError, match="float32"):

@@ -1,6 +1,7 @@
 """mok.MoE on the CUDA backend (skipped without a GPU; `make test-gpu` runs it on the
 H200): the GPU layer against the CPU layer with the same weights, bitwise repeatable
-steps, replay routing, and torch.compile(fullgraph=True) against eager."""
+steps, replay routing, torch.compile(fullgraph=True) against eager, and
+reduce_replicated on GPU partials against the host's bits."""
 import copy
 
 import pytest
@@ -104,3 +105,8 @@ def test_cuda_compile_fullgraph_matches_eager():
     x2 = x.detach().clone().requires_grad_(True)
     m2(x2).backward(dy)
     assert torch.equal(xc.grad, x2.grad)
+
+
+def test_cuda_reduce_replicated_matches_host():
+    p = torch.randn(77, 33) * torch.logspace(-3, 3, 77)[:, None]
+    assert torch.equal(mok.reduce_replicated(p.cuda()).cpu(), mok.reduce_replicated(p))

@@ -296,8 +296,8 @@ def test_bad_configs():
 
 
 def test_cuda_is_a_clear_error_not_a_copy():
-    """The CUDA backend is not built yet: a context for CUDA tensors fails with the
-    library's MOK_STATUS_BACKEND_UNAVAILABLE (mok never copies to the CPU)."""
+    """Without a GPU, a context for CUDA tensors fails with the library's
+    MOK_STATUS_BACKEND_UNAVAILABLE (mok never copies to the CPU)."""
     from mok._context import Config, Context
 
     if not torch.cuda.is_available():
