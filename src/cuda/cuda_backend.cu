@@ -46,6 +46,7 @@ static int cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 static Shape make_shape(const mok_config_t& c, int64_t T) {
   Shape s{};
   s.T = (int)T, s.H = (int)c.H, s.F = (int)c.F, s.E = (int)c.E, s.K = (int)c.K, s.Fs = (int)c.Fs;
+  s.e_loc = (int)(c.E / c.W);
   s.fused = c.routing == MOK_ROUTING_FUSED;
   s.score = c.score;
   s.normalize = c.normalize != 0;
@@ -308,6 +309,8 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   MAP_TRY(make_map(ctx, &p.m_ws13, Fs ? a->ws13 : nullptr, 2 * Fs, H, "ws13"));
   MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
   MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
+  p.peer_x_rows.rows[0] = p.sv.x_rows;  // W = 1: this rank owns every expert
+  p.peer_o_rows.rows[0] = p.sv.o_rows;
   p.x = static_cast<const bf16*>(a->x);
   p.bias = c.use_bias_select ? a->bias_select : nullptr;
   p.in_idx = a->topk_idx;
@@ -373,6 +376,9 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
   MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
   MAP_TRY(make_map(ctx, &p.m_das, Fs ? p.d_a_s : nullptr, T, 2 * Fs, "d_a_s"));
+  p.peer_o_rows.rows[0] = p.sv.o_rows;  // W = 1: this rank owns every expert
+  p.peer_dy_rows.rows[0] = p.dy_rows;
+  p.peer_dx_rows.rows[0] = p.dx_rows;
   p.dy = static_cast<const bf16*>(a->dy);
   p.d_aux = a->d_aux_loss;
   p.d_z = a->d_z_loss;

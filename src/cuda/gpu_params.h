@@ -53,8 +53,17 @@ struct SavedView {
   bf16* sh;           // [T, Fs]
 };
 
+// Row buffers of every rank, indexed by the rank that owns an expert (e / e_loc):
+// dispatch and combine go through this table, so expert parallelism changes who owns a
+// buffer, not the kernels' structure. With W = 1 only entry 0 (this rank) is used.
+constexpr int kMaxPeers = 8;
+struct PeerRows {
+  bf16* rows[kMaxPeers];
+};
+
 struct Shape {
   int T, H, F, E, K, Fs;
+  int e_loc;    // experts per rank (E / W)
   int fused, score, normalize, use_bias;
   float route_scale, aux_coef, z_coef;
   int nb;       // token blocks of 128 (routing, shared-expert m-tiles)
@@ -77,6 +86,8 @@ struct FwdParams {
   GpuStep st;
   Shape s;
   uint64_t context_id, serial;
+  PeerRows peer_x_rows;       // dispatch target: [R, H] rows of each rank's experts
+  PeerRows peer_o_rows;       // combine source: [R, H] expert outputs of each rank
   const bf16* x;
   const float* bias;          // [E] or null
   const int32_t* in_idx;      // replay [T, K]
@@ -122,6 +133,9 @@ struct BwdParams {
   Shape s;
   uint64_t context_id;
   int wgrad_fp32;       // add into fp32 buffers instead of writing bf16
+  PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
+  PeerRows peer_dy_rows;  // dispatch target of dy_j
+  PeerRows peer_dx_rows;  // combine source of dx_j
   const bf16* dy;
   const float* d_aux;   // or null (1)
   const float* d_z;     // or null (1)

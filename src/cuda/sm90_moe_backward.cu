@@ -39,8 +39,9 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     const int t = i / K, pos = p.sv.pos[i];
     const float g = p.sv.g[i];
     const uint4* dyv = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
-    const uint4* ov = reinterpret_cast<const uint4*>(p.sv.o_rows + (int64_t)pos * H);
-    uint4* dst = reinterpret_cast<uint4*>(p.dy_rows + (int64_t)pos * H);
+    const int owner = p.sv.idx[i] / s.e_loc;
+    const uint4* ov = reinterpret_cast<const uint4*>(p.peer_o_rows.rows[owner] + (int64_t)pos * H);
+    uint4* dst = reinterpret_cast<uint4*>(p.peer_dy_rows.rows[owner] + (int64_t)pos * H);
     float part = 0.f;  // lane's h in increasing order, then the warp's fixed tree
     for (int v = lane; v < H / 8; v += 32) {
       const uint4 dr = dyv[v], orw = ov[v];
@@ -390,7 +391,8 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int j = 0; j < K; j++) {  // slots in order, then router, then shared
         float d[8];
-        load_bf16x8(p.dx_rows + (int64_t)p.sv.pos[(int64_t)t * K + j] * H + v * 8, d);
+        const int64_t i = (int64_t)t * K + j;
+        load_bf16x8(p.peer_dx_rows.rows[p.sv.idx[i] / s.e_loc] + (int64_t)p.sv.pos[i] * H + v * 8, d);
 #pragma unroll
         for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], d[k]);
       }

@@ -207,7 +207,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
     if (lane == 0) p.sv.pos[i] = pos;
     const uint4* src = reinterpret_cast<const uint4*>(p.x + (int64_t)t * H);
-    uint4* dst = reinterpret_cast<uint4*>(p.sv.x_rows + (int64_t)pos * H);
+    uint4* dst = reinterpret_cast<uint4*>(p.peer_x_rows.rows[e / s.e_loc] + (int64_t)pos * H);
     for (int v = lane; v < H / 8; v += 32) dst[v] = src[v];
   }
   signal_counter(&p.st.sync->counter[C_DISPATCH]);
@@ -316,7 +316,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
         const int64_t i = (int64_t)t * K + j;
         const float g = p.sv.g[i];
         float o[8];
-        load_bf16x8(p.sv.o_rows + (int64_t)p.sv.pos[i] * H + v * 8, o);
+        load_bf16x8(p.peer_o_rows.rows[p.sv.idx[i] / s.e_loc] + (int64_t)p.sv.pos[i] * H + v * 8, o);
 #pragma unroll
         for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], __fmul_rn(g, o[k]));
       }
