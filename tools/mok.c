@@ -469,22 +469,30 @@ static void report(tally_t* t, const char* label, int ok, const char* detail) {
   t->num_failed += !ok;
 }
 
-/* Runs p and compares all outputs with ref bitwise; one report line. */
-static void check_run(tally_t* t, const char* label, backend_t b, mok_problem_t* p,
-                      const mok_run_opts_t* o, const snapshot_t* ref) {
+/* Runs p and keeps its outputs in *snap; on failure reports the label as FAILED with
+ * the reason and returns 0. */
+static int run_snapshot(tally_t* t, const char* label, backend_t b, mok_problem_t* p,
+                        const mok_run_opts_t* o, snapshot_t* snap) {
   char err[600] = "";
   mok_status_t s = run_problem(b, p, o, err, sizeof err);
   if (s) {
     char detail[700];
     snprintf(detail, sizeof detail, "%s: %s", mok_status_string(s), err);
     report(t, label, 0, detail);
-    return;
+    return 0;
   }
-  snapshot_t cur;
-  if (!snapshot_take(p, o->backward, &cur)) {
+  if (!snapshot_take(p, o->backward, snap)) {
     report(t, label, 0, "out of host memory");
-    return;
+    return 0;
   }
+  return 1;
+}
+
+/* Runs p and compares all outputs with ref bitwise; one report line. */
+static void check_run(tally_t* t, const char* label, backend_t b, mok_problem_t* p,
+                      const mok_run_opts_t* o, const snapshot_t* ref) {
+  snapshot_t cur;
+  if (!run_snapshot(t, label, b, p, o, &cur)) return;
   char detail[256] = "";
   int ok = cur.n == ref->n && views_equal(cur.v, ref->v, ref->n, detail, sizeof detail);
   report(t, label, ok, detail);
@@ -604,32 +612,11 @@ static int cmd_check(int argc, char** argv) {
   ref_opts.num_threads = threads;
 
   /* the GPU is checked against the CPU backend first */
-  if (cuda) {
-    s = mok_problem_run(p, &ref_opts, err, sizeof err);
-    if (s) {
-      snprintf(detail, sizeof detail, "%s: %s", mok_status_string(s), err);
-      report(&tally, "CPU oracle run", 0, detail);
-      goto done;
-    }
-    if (!snapshot_take(p, 1, &oracle)) {
-      report(&tally, "CPU oracle run", 0, "out of host memory");
-      goto done;
-    }
-  }
+  if (cuda && !run_snapshot(&tally, "CPU oracle run", BACKEND_CPU, p, &ref_opts, &oracle)) goto done;
 
   /* the reference: 3 steps */
   ref_opts.steps = 3;
-  s = run_problem(backend, p, &ref_opts, err, sizeof err);
-  if (s) {
-    snprintf(detail, sizeof detail, "%s: %s", mok_status_string(s), err);
-    report(&tally, "reference run", 0, detail);
-    goto done;
-  }
-  if (!snapshot_take(p, 1, &ref)) {
-    report(&tally, "reference run", 0, "out of host memory");
-    goto done;
-  }
-  detail[0] = 0;
+  if (!run_snapshot(&tally, "reference run", backend, p, &ref_opts, &ref)) goto done;
   int sane = outputs_sane(&ref, detail, sizeof detail);
   report(&tally, "outputs finite, y and gradients non-zero", sane, detail);
   if (cuda) {
