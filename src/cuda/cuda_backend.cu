@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include "cuda_backend.h"
 #include "gpu_params.h"
@@ -20,6 +21,8 @@ __global__ void sm90_moe_backward_kernel(const __grid_constant__ BwdParams p);
 
 using namespace mok;
 
+constexpr uint32_t kTraceCap = 1u << 20;  // MOK_TRACE: task records kept per sync
+
 struct GpuContext {
   int device;
   int num_sms;
@@ -27,8 +30,10 @@ struct GpuContext {
   uint32_t* status;       // device: status of the last launch
   uint32_t sync_words;    // counters available
   cudaStream_t last_stream;
-  unsigned long long* prof;  // MOK_PROFILE=1: per task kind cycles and counts (gpu_params.h)
-  int clock_khz;
+  unsigned long long* prof;  // MOK_PROFILE=1 or MOK_TRACE: per task kind ns and counts (gpu_params.h)
+  TraceRecord* trace;        // MOK_TRACE=file: per task records, appended to the file at each sync
+  uint32_t* trace_len;
+  int syncs;
   PFN_cuTensorMapEncodeTiled_v12000 encode;
 };
 
@@ -175,10 +180,15 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   g.sync_words = (uint32_t)(8 + s.max_mt + s.smt);
   CUDA_TRY(ctx, cudaMalloc(&g.sync, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   CUDA_TRY(ctx, cudaMemset(g.sync, 0, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
-  if (getenv("MOK_PROFILE") && atoi(getenv("MOK_PROFILE")) > 0) {
+  const char* trace = getenv("MOK_TRACE");
+  if ((getenv("MOK_PROFILE") && atoi(getenv("MOK_PROFILE")) > 0) || (trace && *trace)) {
     CUDA_TRY(ctx, cudaMalloc(&g.prof, sizeof(unsigned long long) * 2 * kProfSlots));
     CUDA_TRY(ctx, cudaMemset(g.prof, 0, sizeof(unsigned long long) * 2 * kProfSlots));
-    CUDA_TRY(ctx, cudaDeviceGetAttribute(&g.clock_khz, cudaDevAttrClockRate, g.device));
+  }
+  if (trace && *trace) {
+    CUDA_TRY(ctx, cudaMalloc(&g.trace, sizeof(TraceRecord) * kTraceCap));
+    CUDA_TRY(ctx, cudaMalloc(&g.trace_len, sizeof(uint32_t)));
+    CUDA_TRY(ctx, cudaMemset(g.trace_len, 0, sizeof(uint32_t)));
   }
   CUDA_TRY(ctx, cudaMalloc(&g.status, sizeof(uint32_t)));
   CUDA_TRY(ctx, cudaMemset(g.status, 0, sizeof(uint32_t)));
@@ -195,12 +205,16 @@ void mok_cuda_destroy(mok_context_t* ctx) {
   cudaFree(g->sync);
   cudaFree(g->status);
   cudaFree(g->prof);
+  cudaFree(g->trace);
+  cudaFree(g->trace_len);
   delete g;
   ctx->gpu = nullptr;
 }
 
-// MOK_PROFILE=1: CTA time per task kind since the last sync, summed over CTAs (ms at the
-// SM clock), to stderr; a measurement aid for choosing what to speed up next.
+// MOK_PROFILE=1: CTA time per task kind since the last sync, summed over CTAs (wall-clock
+// ms from %globaltimer), to stderr; a measurement aid for choosing what to speed up next.
+// MOK_TRACE=file: also appends every task of those launches to the file, one line each:
+// "sync kind cta start_ns end_ns wait_ns" (bench/trace_report.py reads it).
 static mok_status_t print_profile(mok_context_t* ctx) {
   static const char* names[kProfSlots] = {"route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2",
                                           "combine", "dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13",
@@ -211,8 +225,25 @@ static mok_status_t print_profile(mok_context_t* ctx) {
   CUDA_TRY(ctx, cudaMemset(g->prof, 0, sizeof h));
   fprintf(stderr, "mok profile (CTA-ms summed over CTAs; / %d SMs for wall share):", g->num_sms);
   for (int i = 0; i < kProfSlots; i++)
-    if (h[2 * i]) fprintf(stderr, " %s %.2f (%llu)", names[i], (double)h[2 * i] / g->clock_khz, h[2 * i + 1]);
+    if (h[2 * i]) fprintf(stderr, " %s %.2f (%llu)", names[i], (double)h[2 * i] * 1e-6, h[2 * i + 1]);
   fprintf(stderr, "\n");
+  if (!g->trace) return MOK_STATUS_SUCCESS;
+  uint32_t n = 0;
+  CUDA_TRY(ctx, cudaMemcpy(&n, g->trace_len, sizeof n, cudaMemcpyDeviceToHost));
+  CUDA_TRY(ctx, cudaMemset(g->trace_len, 0, sizeof n));
+  if (n > kTraceCap) {
+    fprintf(stderr, "mok trace: %u tasks, only the first %u kept\n", n, kTraceCap);
+    n = kTraceCap;
+  }
+  std::vector<TraceRecord> r(n);
+  CUDA_TRY(ctx, cudaMemcpy(r.data(), g->trace, sizeof(TraceRecord) * n, cudaMemcpyDeviceToHost));
+  FILE* f = fopen(getenv("MOK_TRACE"), "a");
+  if (!f) return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT, "MOK_TRACE=%s: cannot open for appending", getenv("MOK_TRACE"));
+  for (const TraceRecord& t : r)
+    fprintf(f, "%d %d %d %llu %llu %u\n", g->syncs, (int)t.kind, (int)t.cta, (unsigned long long)t.start,
+            (unsigned long long)t.end, t.wait_ns);
+  fclose(f);
+  g->syncs++;
   return MOK_STATUS_SUCCESS;
 }
 
@@ -281,6 +312,9 @@ static GpuStep make_step(const mok_context_t* ctx) {
   st.num_counters = g->sync_words;
   st.timeout_ns = (uint64_t)(ctx->cfg.comm_timeout_s * 1e9);
   st.prof = gpu(ctx)->prof;
+  st.trace = gpu(ctx)->trace;
+  st.trace_len = gpu(ctx)->trace_len;
+  st.trace_cap = kTraceCap;
   return st;
 }
 

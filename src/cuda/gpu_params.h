@@ -30,10 +30,23 @@ struct GpuStep {
   uint32_t* status;      // first error of the launches since mok_context_sync last read it
   uint32_t num_counters;
   uint64_t timeout_ns;
-  unsigned long long* prof;  // MOK_PROFILE=1: [kProfSlots][2] cycles and count per task kind, or null
+  unsigned long long* prof;  // MOK_PROFILE=1: [kProfSlots][2] ns and count per task kind, or null
+  struct TraceRecord* trace; // MOK_TRACE=file: one record per task, or null
+  uint32_t* trace_len;       // records written (may pass trace_cap: the rest are dropped)
+  uint32_t trace_cap;
+};
+
+// MOK_TRACE: a task's wall-clock span (%globaltimer, ns) on one CTA, and the part of it
+// spent waiting for dependencies; kind is the profile slot.
+struct TraceRecord {
+  uint64_t start, end;
+  uint32_t wait_ns;
+  uint16_t cta;
+  uint16_t kind;
 };
 
 // Profile slots: forward task kinds 0..7, backward 8..18, waits 19 (forward) and 20.
+// Times are %globaltimer ns (wall clock), not SM cycles: the clock drops under load.
 constexpr int kProfSlots = 21;
 
 // The saved buffer (forward -> backward), device pointers.

@@ -36,6 +36,7 @@ struct alignas(1024) Smem {
   int task;
   int abort;
   int last_cta;
+  uint32_t wait_ns;  // MOK_PROFILE: this task's time in wait_counter
 };
 static_assert(sizeof(Smem) <= 227 * 1024, "shared memory");
 
@@ -75,7 +76,6 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
                                           const GpuStep& st, int prof_slot) {
   if (threadIdx.x == 0) {
     const uint64_t t0 = globaltimer_ns();
-    const long long c0 = clock64();
     while (ld_acquire(counter) < target) {
       if (*(volatile uint32_t*)&st.sync->error != 0) {
         sm.abort = 1;
@@ -89,17 +89,32 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
       __nanosleep(128);
     }
     fence_proxy_async();
-    if (st.prof) atomicAdd(&st.prof[2 * prof_slot], (unsigned long long)(clock64() - c0));
+    if (st.prof) {
+      const uint64_t waited = globaltimer_ns() - t0;
+      atomicAdd(&st.prof[2 * prof_slot], (unsigned long long)waited);
+      sm.wait_ns += (uint32_t)waited;
+    }
   }
   __syncthreads();
   return sm.abort == 0;
 }
 
-// MOK_PROFILE: adds a task's cycles (thread 0's view) to its kind's slot.
-__device__ __forceinline__ void profile_task(const GpuStep& st, int slot, long long c0) {
-  if (st.prof && threadIdx.x == 0) {
-    atomicAdd(&st.prof[2 * slot], (unsigned long long)(clock64() - c0));
-    atomicAdd(&st.prof[2 * slot + 1], 1ull);
+// MOK_PROFILE: a task's start (thread 0's view; 0 when not profiling).
+__device__ __forceinline__ uint64_t profile_start(Smem& sm, const GpuStep& st) {
+  if (!st.prof || threadIdx.x != 0) return 0;
+  sm.wait_ns = 0;
+  return globaltimer_ns();
+}
+
+// MOK_PROFILE: adds the task's wall time to its kind's slot; MOK_TRACE: records it.
+__device__ __forceinline__ void profile_task(Smem& sm, const GpuStep& st, int slot, uint64_t t0) {
+  if (!st.prof || threadIdx.x != 0) return;
+  const uint64_t t1 = globaltimer_ns();
+  atomicAdd(&st.prof[2 * slot], (unsigned long long)(t1 - t0));
+  atomicAdd(&st.prof[2 * slot + 1], 1ull);
+  if (st.trace) {
+    const uint32_t i = atomicAdd(st.trace_len, 1u);
+    if (i < st.trace_cap) st.trace[i] = TraceRecord{t0, t1, sm.wait_ns, (uint16_t)blockIdx.x, (uint16_t)slot};
   }
 }
 

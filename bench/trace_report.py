@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Where a step's time goes, from a MOK_TRACE file (one line per task:
+"sync kind cta start_ns end_ns wait_ns", wall clock from %globaltimer).
+
+    MOK_TRACE=/tmp/t.txt python3 bench/bench_moe.py --profile --shapes mixtral-8x7b
+    python3 bench/trace_report.py /tmp/t.txt --shape mixtral-8x7b [--sync N]
+
+For the forward and the backward launch of one sync it prints: the launch's span (first
+task start to last task end), per task kind the CTA time working and waiting for
+dependencies, the GEMM rate while working (TFLOP/s if every SM ran that kind at that
+pace), the CTAs' idle time (before their first task, between tasks, after their last),
+and a timeline: per time bin, how many CTAs run each kind.
+"""
+import argparse
+import collections
+import sys
+
+FWD = ["route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2", "combine"]
+BWD = ["dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13", "rw", "tree", "dxsum"]
+NAMES = FWD + BWD
+
+# named shapes: T, H, F, E, K (bench/bench_moe.py)
+SHAPES = {
+    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),
+    "gpt-oss-120b": (16384, 2880, 2880, 128, 4),
+    "mixtral-8x7b": (8192, 4096, 14336, 8, 2),
+    "deepseek-v3": (8192, 7168, 2048, 256, 8),
+}
+
+
+def gemm_flops(shape):
+    """FLOPs of each GEMM task kind over a whole step (no shared expert)."""
+    T, H, F, E, K = shape
+    R = T * K
+    return {"route": 2 * T * H * E, "gemm1": 2 * R * H * 2 * F, "gemm2": 2 * R * F * H,
+            "dh": 2 * R * H * F, "dxr": 2 * T * E * H, "dx": 2 * R * 2 * F * H,
+            "wgrad2": 2 * R * H * F, "wgrad13": 2 * R * 2 * F * H}
+
+
+def report(recs, kinds, label, flops, num_sms, bins=60):
+    recs = [r for r in recs if NAMES[r[0]] in kinds]
+    if not recs:
+        return
+    t0 = min(r[2] for r in recs)
+    t1 = max(r[3] for r in recs)
+    span = t1 - t0
+    ctas = sorted({r[1] for r in recs})
+    n = max(num_sms, len(ctas))
+    print(f"\n{label}: span {span / 1e6:.3f} ms over {len(ctas)} CTAs, {len(recs)} tasks")
+    work = collections.Counter()
+    wait = collections.Counter()
+    count = collections.Counter()
+    for k, c, s, e, w in recs:
+        work[NAMES[k]] += e - s - w
+        wait[NAMES[k]] += w
+        count[NAMES[k]] += 1
+    print(f"  {'kind':9} {'tasks':>6} {'work ms':>8} {'wait ms':>8}  (CTA-ms / {n}; work rate)")
+    for k in kinds:
+        if count[k] == 0:
+            continue
+        line = f"  {k:9} {count[k]:6d} {work[k] / 1e6 / n:8.3f} {wait[k] / 1e6 / n:8.3f}"
+        if k in flops and work[k] > 0:
+            line += f"  {flops[k] / (work[k] / n) / 1e3:6.0f} TFLOP/s"
+        print(line)
+    head = gaps = tail = 0
+    by_cta = collections.defaultdict(list)
+    for k, c, s, e, w in recs:
+        by_cta[c].append((s, e))
+    for c, iv in by_cta.items():
+        iv.sort()
+        head += iv[0][0] - t0
+        tail += t1 - iv[-1][1]
+        gaps += sum(max(0, b[0] - a[1]) for a, b in zip(iv, iv[1:]))
+    total_work = sum(work.values()) / 1e6 / n
+    total_wait = sum(wait.values()) / 1e6 / n
+    print(f"  per SM: work {total_work:.3f} ms, waits {total_wait:.3f}, idle before the first task "
+          f"{head / 1e6 / n:.3f}, between tasks {gaps / 1e6 / n:.3f}, after the last {tail / 1e6 / n:.3f}")
+    # timeline: CTAs running each kind per bin (time-weighted)
+    width = span / bins
+    grid = collections.defaultdict(lambda: [0.0] * bins)
+    for k, c, s, e, w in recs:
+        b0 = int((s - t0) / width)
+        b1 = min(bins - 1, int((e - t0) / width))
+        for b in range(b0, b1 + 1):
+            lo = max(s, t0 + b * width)
+            hi = min(e, t0 + (b + 1) * width)
+            if hi > lo:
+                grid[NAMES[k]][b] += (hi - lo) / width
+    shades = " .:-=+*#%@"
+    print(f"  timeline, {width / 1e3:.0f} us a column; shade = share of the {n} SMs on that kind")
+    for k in kinds:
+        if k in grid:
+            row = "".join(shades[min(9, int(round(9 * v / n)))] for v in grid[k])
+            print(f"  {k:9} |{row}|")
+    busy = [sum(grid[k][b] for k in grid) / n for b in range(bins)]
+    print(f"  {'all':9} |{''.join(shades[min(9, int(round(9 * v)))] for v in busy)}|")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--shape", help="named shape, for GEMM rates")
+    ap.add_argument("--sync", type=int, help="which sync (default: the last)")
+    ap.add_argument("--sms", type=int, default=132)
+    args = ap.parse_args()
+    by_sync = collections.defaultdict(list)
+    with open(args.trace) as f:
+        for line in f:
+            sy, k, c, s, e, w = map(int, line.split())
+            by_sync[sy].append((k, c, s, e, w))
+    if not by_sync:
+        sys.exit("empty trace")
+    sy = args.sync if args.sync is not None else max(by_sync)
+    flops = gemm_flops(SHAPES[args.shape]) if args.shape else {}
+    print(f"trace {args.trace}, sync {sy}" + (f", shape {args.shape}" if args.shape else ""))
+    report(by_sync[sy], FWD, "forward", flops, args.sms)
+    report(by_sync[sy], BWD, "backward", flops, args.sms)
+
+
+if __name__ == "__main__":
+    main()
