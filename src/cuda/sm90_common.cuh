@@ -1,30 +1,36 @@
 // sm90_common.cuh — what the forward and backward megakernels share: the persistent
 // task loop's shared memory, bounded dependency waits, and the TMA + wgmma tile GEMM.
 //
-// A CTA is 384 threads: warpgroup 0 (warp 0, lane 0) is the TMA producer of GEMM tasks,
-// warpgroups 1 and 2 are the wgmma consumers (64 output rows each); non-GEMM tasks use
-// all 384 threads. Tasks come from one integer ticket in a fixed topological order, so
-// a task only waits for tasks already taken (no deadlock with one CTA per SM).
+// A CTA is 256 threads, two warpgroups: in GEMM tasks each computes 64 output rows and
+// thread 0 also issues the TMA loads; non-GEMM tasks use all 256 threads. Eight warps
+// (two per SM quadrant) leave 255 registers a thread: room for 128 accumulators (with a
+// third, producer warpgroup, a quadrant holds three warps and 168 registers each).
+// Tasks come from one integer ticket in a fixed topological order, so a task only waits
+// for tasks already taken (no deadlock with one CTA per SM).
 //
-// GEMM tile: C[128 x 128] = A[128 x K] B[K x 128], fp32 accumulators. Each K block of 64
-// is four 64 x 64 bf16 TMA boxes (two of A, two of B; 128-byte swizzle) in a ring of
+// GEMM tile: C[128 x 256] = A[128 x K] B[K x 256], fp32 accumulators. Each K block of 64
+// is six 64 x 64 bf16 TMA boxes (two of A, four of B; 128-byte swizzle) in a ring of
 // kStages stages with full/empty mbarriers. An operand is K-major (box = 64 rows x 64 k,
 // k contiguous) or MN-major (box = 64 k rows x 64 mn, mn contiguous); wgmma reads either
 // through its descriptor (the transpose bits). Within a tile each output element is one
 // accumulator summed over K blocks in increasing order; inside a block the order is the
 // tensor core's, the same on every SM and for every M (one tile shape for everything).
+// 128 x 256 rather than 128 x 128: 87 instead of 64 FLOPs per byte brought from L2, which
+// bounded the 128 x 128 tile near 400 TFLOP/s (docs/PERF.md).
 #pragma once
 #include "gpu_params.h"
 #include "ptx.cuh"
 
 namespace mok {
 
-constexpr int kThreads = 384;
-constexpr int BM = 128, BN = 128, BK = 64;
-constexpr int kStages = 4;
+constexpr int kThreads = 256;
+constexpr int BM = 128, BN = 256, BK = 64;
+constexpr int BF = BN / 2;       // f per SwiGLU tile: 128 gate columns, then 128 up columns
+constexpr int kAcc = BM * BN / kThreads;  // fp32 accumulators a thread
+constexpr int kStages = 3;
 constexpr int kBoxBytes = 64 * 64 * 2;
-constexpr int kStageBytes = 4 * kBoxBytes;  // A box 0, A box 1, B box 0, B box 1
-constexpr int kEpiStride = BN * 4 + 16;     // bytes per row of the epilogue tile (fp32, padded)
+constexpr int kStageBytes = 6 * kBoxBytes;  // A boxes 0-1, then B boxes 0-3
+constexpr int kEpiStride = 512 + 16;        // bytes per epilogue row: 256 bf16 or 128 fp32, padded
 
 struct alignas(1024) Smem {
   uint8_t stage[kStages][kStageBytes];
@@ -41,12 +47,22 @@ struct alignas(1024) Smem {
 static_assert(sizeof(Smem) <= 227 * 1024, "shared memory");
 
 // One operand of a tile: the tensor map and, per box, the row (K-major) or the mn start
-// (MN-major); k0 is the first k (inner coordinate for K-major, outer for MN-major).
+// (MN-major): two boxes for A, four for B; k0 is the first k (inner coordinate for
+// K-major, outer for MN-major).
 struct Operand {
   const CUtensorMap* map;
-  int pos[2];
+  int pos[4];
   int k0;
 };
+
+// B boxes of a 256-wide column tile starting at n0 (4 consecutive 64-wide boxes).
+__device__ __forceinline__ Operand wide(const CUtensorMap* map, int n0, int k0) {
+  return Operand{map, {n0, n0 + 64, n0 + 128, n0 + 192}, k0};
+}
+// A boxes of a 128-row tile starting at m0.
+__device__ __forceinline__ Operand rows128(const CUtensorMap* map, int m0, int k0) {
+  return Operand{map, {m0, m0 + 64, 0, 0}, k0};
+}
 
 // The kernel's shared memory (dynamic, aligned here to 1024 B for the 128-byte swizzle),
 // its mbarriers initialised.
@@ -56,7 +72,7 @@ __device__ __forceinline__ Smem& kernel_smem() {
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; s++) {
       mbar_init(&sm.full[s], 1);
-      mbar_init(&sm.empty[s], 2);  // one arrival per consumer warpgroup
+      mbar_init(&sm.empty[s], 2);  // one arrival per warpgroup
     }
     sm.abort = 0;
     sm.ring_it = 0;
@@ -172,89 +188,97 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 // ---- the tile GEMM ----
 
 // A run of output tiles through one continuous pipeline: for tile i, setup(i, A, B,
-// num_kb, k_valid_last) names its operands, then acc (per consumer thread: 64 floats) =
-// A[128 x K] B[K x 128] over num_kb K blocks of 64, then epi(i, acc, wg, warp, lane).
-// The producer runs ahead into the next tile while the consumers finish this one.
+// num_kb, k_valid_last) names its operands, then acc (per thread: kAcc floats) =
+// A[128 x K] B[K x 256] over num_kb K blocks of 64, then epi(i, acc, wg, warp, lane).
+// Thread 0 loads kStages - 1 K blocks ahead of the wgmmas, across tile boundaries, so
+// the next tile's first blocks arrive during this tile's epilogue.
 // TA / TB = 1 when that operand is MN-major. k_valid_last < 64 zeroes the k rows past
 // it in the last block (MN-major operands whose k are rows of several experts).
 // Epilogue rows: wg*64 + warp*16 + lane/4 (+8); columns 8*i + 2*(lane%4) (+1) for
-// acc[4i..4i+3].
+// acc[4i..4i+3], i < 32.
 template <int TA, int TB, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
-  const int tid = threadIdx.x;
-  uint32_t it = sm.ring_it;
-  if (tid == 0) {
-    for (int tile = 0; tile < num_tiles; tile++) {
-      Operand A, B;
-      int num_kb, k_valid_last;
-      setup(tile, A, B, num_kb, k_valid_last);
-      for (int kb = 0; kb < num_kb; kb++, it++) {
-        const uint32_t s = it % kStages, ph = (it / kStages) & 1;
-        while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
-        }
-        mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
-        uint8_t* dst = sm.stage[s];
-        const int k = kb * BK;
-#pragma unroll
-        for (int b = 0; b < 2; b++) {
-          if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.pos[b], A.k0 + k);
-          else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.k0 + k, A.pos[b]);
-          if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + k);
-          else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.k0 + k, B.pos[b]);
-        }
-      }
+  const int tid = threadIdx.x, wg = tid / 128;
+  uint32_t it = sm.ring_it;  // ring position of the next K block to multiply
+  // Thread 0's load cursor: K block lkb of tile lt (lnk blocks), ring position lit; it
+  // always rests on a block still to load, or on lt == num_tiles.
+  uint32_t lit = it;
+  int lt = 0, lkb = 0, lnk = 0, lkv;
+  Operand LA, LB;
+  auto settle = [&]() {
+    while (lt < num_tiles && lkb >= lnk) {
+      lkb = 0;
+      if (++lt < num_tiles) setup(lt, LA, LB, lnk, lkv);
     }
-  } else if (tid >= 128) {
-    const int wg = tid / 128 - 1, ct = tid - 128;
-    for (int tile = 0; tile < num_tiles; tile++) {
-      Operand A, B;
-      int num_kb, k_valid_last;
-      setup(tile, A, B, num_kb, k_valid_last);
-      float acc[64];
-#pragma unroll
-      for (int i = 0; i < 64; i++) acc[i] = 0.f;
-      for (int kb = 0; kb < num_kb; kb++, it++) {
-        const uint32_t s = it % kStages, ph = (it / kStages) & 1;
-        while (!mbar_try_wait(&sm.full[s], ph)) {
-        }
-        uint8_t* stage = sm.stage[s];
-        if (kb == num_kb - 1 && k_valid_last < BK) {
-          // zero k rows [k_valid_last, 64) of all four boxes (MN-major: a k row = 128 B)
-          const int rows = BK - k_valid_last, chunks = 4 * rows * 8;
-          for (int i = ct; i < chunks; i += 256) {
-            const int box = i / (rows * 8), r = k_valid_last + (i / 8) % rows, c = i % 8;
-            *reinterpret_cast<uint4*>(stage + box * kBoxBytes + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
-          }
-          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-          asm volatile("bar.sync 1, 256;" ::: "memory");
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < BK / 16; ks++) {
-          const uint8_t* a = stage + wg * kBoxBytes;
-          const uint8_t* b = stage + 2 * kBoxBytes;
-          const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
-          const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
-          wgmma_m64n128k16<TA, TB>(acc, da, db, 1);
-        }
-        wgmma_commit();
-        // keep this block's wgmmas in flight; the previous block's are done: free its stage
-        wgmma_wait<1>();
-        if (kb > 0 && ct % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
-      }
-      wgmma_wait<0>();
-      if (num_kb > 0 && ct % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
-      epi(tile, acc, wg, (ct % 128) / 32, ct % 32);
+  };
+  auto load_next = [&]() {
+    if (lt >= num_tiles) return;
+    const uint32_t s = lit % kStages, ph = (lit / kStages) & 1;
+    while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
     }
-  } else {
-    for (int tile = 0; tile < num_tiles; tile++) {
-      Operand A, B;
-      int num_kb, k_valid_last;
-      setup(tile, A, B, num_kb, k_valid_last);
-      it += num_kb;
+    mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
+    uint8_t* dst = sm.stage[s];
+    const int k = lkb * BK;
+#pragma unroll
+    for (int b = 0; b < 2; b++) {
+      if (TA) tma_load_2d(dst + b * kBoxBytes, LA.map, &sm.full[s], LA.pos[b], LA.k0 + k);
+      else tma_load_2d(dst + b * kBoxBytes, LA.map, &sm.full[s], LA.k0 + k, LA.pos[b]);
     }
+#pragma unroll
+    for (int b = 0; b < 4; b++) {
+      if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, LB.map, &sm.full[s], LB.pos[b], LB.k0 + k);
+      else tma_load_2d(dst + (2 + b) * kBoxBytes, LB.map, &sm.full[s], LB.k0 + k, LB.pos[b]);
+    }
+    lit++, lkb++;
+    settle();
+  };
+  if (tid == 0 && num_tiles > 0) {
+    setup(0, LA, LB, lnk, lkv);
+    settle();
+    for (int i = 0; i < kStages - 1; i++) load_next();
   }
-  // every thread counted the same K blocks; thread 0's count is the CTA's
+  for (int tile = 0; tile < num_tiles; tile++) {
+    Operand A, B;
+    int num_kb, k_valid_last;
+    setup(tile, A, B, num_kb, k_valid_last);
+    float acc[kAcc];
+#pragma unroll
+    for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
+    for (int kb = 0; kb < num_kb; kb++, it++) {
+      const uint32_t s = it % kStages, ph = (it / kStages) & 1;
+      while (!mbar_try_wait(&sm.full[s], ph)) {
+      }
+      uint8_t* stage = sm.stage[s];
+      if (kb == num_kb - 1 && k_valid_last < BK) {
+        // zero k rows [k_valid_last, 64) of all six boxes (MN-major: a k row = 128 B)
+        const int rows = BK - k_valid_last, chunks = 6 * rows * 8;
+        for (int i = tid; i < chunks; i += kThreads) {
+          const int box = i / (rows * 8), r = k_valid_last + (i / 8) % rows, c = i % 8;
+          *reinterpret_cast<uint4*>(stage + box * kBoxBytes + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ks++) {
+        const uint8_t* a = stage + wg * kBoxBytes;
+        const uint8_t* b = stage + 2 * kBoxBytes;
+        const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
+        const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
+        wgmma_m64n256k16<TA, TB>(acc, da, db, 1);
+      }
+      wgmma_commit();
+      // keep this block's wgmmas in flight; the previous block's are done: free its
+      // stage, then (thread 0) refill the ring kStages - 1 blocks ahead
+      wgmma_wait<1>();
+      if (kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
+      if (tid == 0) load_next();
+    }
+    wgmma_wait<0>();
+    if (num_kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
+    epi(tile, acc, wg, (tid % 128) / 32, tid % 32);
+  }
   __syncthreads();
   if (tid == 0) sm.ring_it = it;
   __syncthreads();
@@ -279,7 +303,7 @@ __device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, S
         setup(g * size + t, A, B);
         nk = num_kb, kv = BK;
       },
-      [&](int t, float(&acc)[64], int wg, int w, int l) { epi(g * size + t, acc, wg, w, l); });
+      [&](int t, float(&acc)[kAcc], int wg, int w, int l) { epi(g * size + t, acc, wg, w, l); });
 }
 
 // One tile: gemm_tiles with a single tile.
@@ -289,7 +313,7 @@ __device__ __forceinline__ void gemm_tile(Smem& sm, const Operand& A, const Oper
   gemm_tiles<TA, TB>(
       sm, 1,
       [&](int, Operand& a, Operand& b, int& nk, int& kv) { a = A, b = B, nk = num_kb, kv = k_valid_last; },
-      [&](int, float(&acc)[64], int wg, int w, int l) { epi(acc, wg, w, l); });
+      [&](int, float(&acc)[kAcc], int wg, int w, int l) { epi(acc, wg, w, l); });
 }
 
 // Output coordinates of accumulator pair i (acc[4i + 2h], acc[4i + 2h + 1]).
@@ -344,41 +368,131 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
 
 __device__ __forceinline__ float silu(float g) { return __fdiv_rn(g, __fadd_rn(1.f, __expf(-g))); }
 
-// Epilogue of a 128 x 128 tile through shared memory: the consumer threads put the
-// accumulators in sm.epi, then write rows [row0, row_end) x columns [c0, ncols) of out
-// (ld elements per row) in 16-byte pieces: bf16 written, fp32 written, or fp32 added
-// (one add per element: out = out + acc). ncols and c0 multiples of 8.
-enum { kStoreBf16, kStoreF32, kAddF32 };
-template <int kMode>
-__device__ __forceinline__ void store_tile(Smem& sm, float (&acc)[64], int wg, int w, int l, int row0, int row_end,
-                                           int c0, int ncols, void* out, int64_t ld) {
-  constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kPer16 = 16 / kElem, kChunks = BN / kPer16;
-  const int ct = threadIdx.x - 128;
-  asm volatile("bar.sync 1, 256;" ::: "memory");  // the previous tile has left sm.epi
+// ---- epilogues: accumulators -> sm.epi -> 16-byte global stores ----
+// A tile row in sm.epi is 256 bf16 or 128 fp32 (kEpiStride bytes with padding, so that
+// the 8 rows a warp writes at once fall in different banks).
+
+
+// Accumulator pairs [i0, i0 + n) into sm.epi: bf16 at their tile column, or fp32 at
+// their column minus 8 * i0 (half a tile of fp32 at a time). Waits first until the
+// previous contents have been copied out.
+template <bool kBf16>
+__device__ __forceinline__ void epi_put(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int i0, int n) {
+  __syncthreads();
 #pragma unroll
-  for (int i = 0; i < 16; i++)
+  for (int i = 0; i < kAcc / 4; i++) {
+    if (i < i0 || i >= i0 + n) continue;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-      uint8_t* dst = sm.epi + acc_row(wg, w, l, h) * kEpiStride + acc_col(l, i) * kElem;
-      if (kMode == kStoreBf16)
-        *reinterpret_cast<__nv_bfloat162*>(dst) = __halves2bfloat162(to_bf(acc[4 * i + 2 * h]), to_bf(acc[4 * i + 2 * h + 1]));
-      else
-        *reinterpret_cast<float2*>(dst) = make_float2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]);
-    }
-  asm volatile("bar.sync 1, 256;" ::: "memory");
-  for (int q = ct; q < BM * kChunks; q += 256) {
-    const int r = q / kChunks, c = (q % kChunks) * kPer16;
-    if (row0 + r >= row_end || c0 + c >= ncols) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(sm.epi + r * kEpiStride + c * kElem);
-    uint4* g = reinterpret_cast<uint4*>(static_cast<uint8_t*>(out) + ((int64_t)(row0 + r) * ld + c0 + c) * kElem);
-    if (kMode == kAddF32) {
-      const float4 o = *reinterpret_cast<const float4*>(g);
-      const float4 a = *reinterpret_cast<const float4*>(&v);
-      *reinterpret_cast<float4*>(g) = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
-    } else {
-      *g = v;
+      const float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
+      uint8_t* row = sm.epi + acc_row(wg, w, l, h) * kEpiStride;
+      if (kBf16) *reinterpret_cast<__nv_bfloat162*>(row + acc_col(l, i) * 2) = __floats2bfloat162_rn(v0, v1);
+      else *reinterpret_cast<float2*>(row + (acc_col(l, i) - 8 * i0) * 4) = make_float2(v0, v1);
     }
   }
+  __syncthreads();
+}
+
+// 16-byte piece c of tile row r of sm.epi.
+__device__ __forceinline__ uint4 epi_piece(const Smem& sm, int r, int c) {
+  return *reinterpret_cast<const uint4*>(sm.epi + r * kEpiStride + c * 16);
+}
+
+// Writes rows [row0, row_end) x columns [c0, ncols) of out (ld elements a row) from the
+// 128 x 256 accumulator tile whose first column is c0: bf16 written, fp32 written, or
+// fp32 added (one add per element: out = out + acc). ncols and c0 multiples of 8.
+enum { kStoreBf16, kStoreF32, kAddF32 };
+template <int kMode>
+__device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int row0,
+                                           int row_end, int c0, int ncols, void* out, int64_t ld) {
+  constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kCols = 512 / kElem, kPer16 = 16 / kElem;
+  constexpr int kPieces = kCols / kPer16;  // 32 a row
+  for (int part = 0; part < BN / kCols; part++) {
+    epi_put<kMode == kStoreBf16>(sm, acc, wg, w, l, part * kCols / 8, kCols / 8);
+    const int cb = c0 + part * kCols;
+    for (int q = threadIdx.x; q < BM * kPieces; q += kThreads) {
+      const int r = q / kPieces, c = (q % kPieces) * kPer16;
+      if (row0 + r >= row_end || cb + c >= ncols) continue;
+      const uint4 v = epi_piece(sm, r, q % kPieces);
+      uint4* g = reinterpret_cast<uint4*>(static_cast<uint8_t*>(out) + ((int64_t)(row0 + r) * ld + cb + c) * kElem);
+      if (kMode == kAddF32) {
+        const float4 o = *reinterpret_cast<const float4*>(g);
+        const float4 a = *reinterpret_cast<const float4*>(&v);
+        *reinterpret_cast<float4*>(g) = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+      } else {
+        *g = v;
+      }
+    }
+  }
+}
+
+// SwiGLU forward epilogue of a gate|up tile (columns 0..127 gate f0.., 128..255 up f0..):
+// a = bf16(gate | up) into a_rows [.., 2F] and h = bf16(silu(a_gate) * a_up) into h_rows
+// [.., F], rows [row0, row_end), f < F.
+__device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0, int row_end,
+                                             int f0, int F, bf16* a_rows, bf16* h_rows) {
+  epi_put<true>(sm, acc, wg, w, l, 0, kAcc / 4);
+  for (int q = threadIdx.x; q < BM * 32; q += kThreads) {  // a: 32 pieces of 8 a row
+    const int r = q / 32, c = q % 32, f = f0 + 8 * (c % 16);
+    if (row0 + r >= row_end || f >= F) continue;
+    *reinterpret_cast<uint4*>(a_rows + (int64_t)(row0 + r) * 2 * F + (c < 16 ? 0 : F) + f) = epi_piece(sm, r, c);
+  }
+  for (int q = threadIdx.x; q < BM * 16; q += kThreads) {  // h: 16 pieces a row, from a
+    const int r = q / 16, c = q % 16, f = f0 + 8 * c;
+    if (row0 + r >= row_end || f >= F) continue;
+    const uint4 gr = epi_piece(sm, r, c), ur = epi_piece(sm, r, c + 16);
+    const bf16* gv = reinterpret_cast<const bf16*>(&gr);
+    const bf16* uv = reinterpret_cast<const bf16*>(&ur);
+    uint4 hr;
+    bf16* hv = reinterpret_cast<bf16*>(&hr);
+#pragma unroll
+    for (int k = 0; k < 8; k++) hv[k] = to_bf(__fmul_rn(silu(bf(gv[k])), bf(uv[k])));
+    *reinterpret_cast<uint4*>(h_rows + (int64_t)(row0 + r) * F + f) = hr;
+  }
+}
+
+// SwiGLU backward epilogue of a dh tile (columns f0 .. f0 + 255), given a = gate|up:
+// d_a = bf16(dh up silu'(gate) | dh silu(gate)) into d_a [.., 2F], rows [row0, row_end).
+__device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0,
+                                                 int row_end, int f0, int F, const bf16* a_rows, bf16* d_a) {
+  for (int part = 0; part < 2; part++) {  // 128 columns of fp32 at a time
+    epi_put<false>(sm, acc, wg, w, l, 16 * part, 16);
+    for (int q = threadIdx.x; q < BM * 16; q += kThreads) {
+      const int r = q / 16, c = q % 16, f = f0 + 128 * part + 8 * c;
+      if (row0 + r >= row_end || f >= F) continue;
+      const bf16* ar = a_rows + (int64_t)(row0 + r) * 2 * F;
+      float gate[8], up[8], dh[8], dg[8], du[8];
+      load_bf16x8(ar + f, gate);
+      load_bf16x8(ar + F + f, up);
+      const uint4 d0 = epi_piece(sm, r, 2 * c), d1 = epi_piece(sm, r, 2 * c + 1);
+      const float* p0 = reinterpret_cast<const float*>(&d0);
+      const float* p1 = reinterpret_cast<const float*>(&d1);
+#pragma unroll
+      for (int k = 0; k < 4; k++) dh[k] = p0[k], dh[4 + k] = p1[k];
+#pragma unroll
+      for (int k = 0; k < 8; k++) {
+        const float sg = __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-gate[k])));
+        const float si = __fmul_rn(gate[k], sg);
+        const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate[k], __fsub_rn(1.f, sg))));
+        dg[k] = __fmul_rn(__fmul_rn(dh[k], up[k]), dsi);
+        du[k] = __fmul_rn(dh[k], si);
+      }
+      bf16* dr = d_a + (int64_t)(row0 + r) * 2 * F;
+      store_bf16x8(dr + f, dg);
+      store_bf16x8(dr + F + f, du);
+    }
+  }
+}
+
+// GEMM phases over (m-tile, column group): the ticket order visits kBand m-tiles for each
+// column group before the next, so the tasks running at once share the weight columns
+// they read (in L2) instead of each m-tile streaming all of an expert's weights.
+constexpr int kBand = 8;
+__device__ __forceinline__ void band_order(int task, int num_mt, int num_g, int* mt, int* g) {
+  const int band = task / (kBand * num_g), in = task % (kBand * num_g);
+  const int rows = min(kBand, num_mt - band * kBand);
+  *g = in / rows;
+  *mt = band * kBand + in % rows;
 }
 
 }  // namespace mok

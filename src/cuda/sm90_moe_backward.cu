@@ -123,31 +123,8 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   signal_counter(&p.st.sync->counter[B_DG]);
 }
 
-// d_a = bf16(SwiGLU derivative) for a tile of dh (columns f0.., 128 wide) given a = gate|up.
-__device__ __forceinline__ void swiglu_bwd_epilogue(float (&acc)[64], int wg, int w, int l, int row0, int row_end,
-                                                    int f0, int F, const bf16* a_rows, bf16* d_a) {
-#pragma unroll
-  for (int i = 0; i < 16; i++)
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const int r = row0 + acc_row(wg, w, l, h), f = f0 + acc_col(l, i);
-      if (r >= row_end || f >= F) continue;
-      const bf16* ar = a_rows + (int64_t)r * 2 * F;
-      bf16* dr = d_a + (int64_t)r * 2 * F;
-#pragma unroll
-      for (int x = 0; x < 2; x++) {
-        const float gate = bf(ar[f + x]), up = bf(ar[F + f + x]), dh = acc[4 * i + 2 * h + x];
-        const float sg = __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-gate)));
-        const float si = __fmul_rn(gate, sg);
-        const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
-        dr[f + x] = to_bf(__fmul_rn(__fmul_rn(dh, up), dsi));
-        dr[F + f + x] = to_bf(__fmul_rn(dh, si));
-      }
-    }
-}
-
 // Weight-gradient tile out: bf16 written, or added into fp32 buffers.
-__device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float (&acc)[64], int wg, int w, int l, int r0,
+__device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float (&acc)[kAcc], int wg, int w, int l, int r0,
                                             int rows, int c0, int cols, void* out) {
   if (p.wgrad_fp32) store_tile<kAddF32>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
   else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
@@ -170,23 +147,23 @@ __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, 
   return false;
 }
 
-__device__ __noinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int g) {
+__device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   const int t0 = mt * BM;
   gemm_group<0, 1>(
       sm, g, cdivb(s.Fs, BN), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = Operand{&p.m_dy, {t0, t0 + 64}, 0};
-        B = Operand{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
+        A = rows128(&p.m_dy, t0, 0);
+        B = wide(&p.m_ws2, nt * BN, 0);
       },
-      [&](int nt, float(&acc)[64], int wg, int w, int l) {
-        swiglu_bwd_epilogue(acc, wg, w, l, t0, s.T, nt * BN, s.Fs, p.sv.sa, p.d_a_s);
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+        swiglu_bwd_store(sm, acc, wg, w, l, t0, s.T, nt * BN, s.Fs, p.sv.sa, p.d_a_s);
       });
   signal_counter(&p.st.sync->counter[B_FIXED + s.max_mt + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DHS_ALL], 1);
 }
 
-__device__ __noinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g) {
+__device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
   int e, row0, row_end;
@@ -194,49 +171,49 @@ __device__ __noinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g
     gemm_group<0, 1>(
         sm, g, cdivb(s.F, BN), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = Operand{&p.m_dyrows, {row0, row0 + 64}, 0};
-          B = Operand{&p.m_w2, {nt * BN, nt * BN + 64}, e * s.H};
+          A = rows128(&p.m_dyrows, row0, 0);
+          B = wide(&p.m_w2, nt * BN, e * s.H);
         },
-        [&](int nt, float(&acc)[64], int wg, int w, int l) {
-          swiglu_bwd_epilogue(acc, wg, w, l, row0, row_end, nt * BN, s.F, p.sv.a_rows, p.d_a);
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+          swiglu_bwd_store(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, p.sv.a_rows, p.d_a);
         });
   signal_counter(&p.st.sync->counter[B_FIXED + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
 }
 
-__device__ __noinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int g) {
+__device__ __forceinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int g) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
   const int t0 = b * BM;
   gemm_group<0, 1>(
       sm, g, cdivb(s.H, BN), cdivb(s.E, BK),
       [&](int nt, Operand& A, Operand& B) {
-        A = Operand{&p.m_dlog, {t0, t0 + 64}, 0};
-        B = Operand{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
+        A = rows128(&p.m_dlog, t0, 0);
+        B = wide(&p.m_wr, nt * BN, 0);
       },
-      [&](int nt, float(&acc)[64], int wg, int w, int l) {
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_router, s.H);
       });
   signal_counter(&p.st.sync->counter[B_DXR]);
 }
 
-__device__ __noinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, int g) {
+__device__ __forceinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], groups(cdivb(s.Fs, BN), s.H / BK), p.st, 20)) return;
   const int t0 = mt * BM;
   gemm_group<0, 1>(
       sm, g, cdivb(s.H, BN), 2 * s.Fs / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = Operand{&p.m_das, {t0, t0 + 64}, 0};
-        B = Operand{&p.m_ws13, {nt * BN, nt * BN + 64}, 0};
+        A = rows128(&p.m_das, t0, 0);
+        B = wide(&p.m_ws13, nt * BN, 0);
       },
-      [&](int nt, float(&acc)[64], int wg, int w, int l) {
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_shared, s.H);
       });
   signal_counter(&p.st.sync->counter[B_DXS]);
 }
 
-__device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g) {
+__device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN), s.H / BK), p.st, 20)) return;
   int e, row0, row_end;
@@ -244,10 +221,10 @@ __device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g
     gemm_group<0, 1>(
         sm, g, cdivb(s.H, BN), 2 * s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = Operand{&p.m_da, {row0, row0 + 64}, 0};
-          B = Operand{&p.m_w13, {nt * BN, nt * BN + 64}, e * 2 * s.F};
+          A = rows128(&p.m_da, row0, 0);
+          B = wide(&p.m_w13, nt * BN, e * 2 * s.F);
         },
-        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H);
         });
   signal_counter(&p.st.sync->counter[B_DX]);
@@ -255,7 +232,7 @@ __device__ __noinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g
 
 // dW[e] rows [mt*128, +128): every 128-wide column tile in one pipeline; each tile sums
 // over the expert's rows in order, 64 per K block.
-__device__ __noinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt) {
+__device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
   const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
@@ -267,35 +244,35 @@ __device__ __noinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which,
     gemm_tiles<1, 1>(
         sm, cdivb(s.F, BN),
         [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
-          A = Operand{&p.m_dyrows, {mt * BM, mt * BM + 64}, off};
-          B = Operand{&p.m_hrows, {nt * BN, nt * BN + 64}, off};
+          A = rows128(&p.m_dyrows, mt * BM, off);
+          B = wide(&p.m_hrows, nt * BN, off);
           num_kb = nk, kv = valid_last;
         },
-        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
           store_wgrad(sm, p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize);
         });
   } else {  // dw13[e] [2F, H] = d_a^T x_rows
     gemm_tiles<1, 1>(
         sm, cdivb(s.H, BN),
         [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
-          A = Operand{&p.m_da, {mt * BM, mt * BM + 64}, off};
-          B = Operand{&p.m_xrows, {nt * BN, nt * BN + 64}, off};
+          A = rows128(&p.m_da, mt * BM, off);
+          B = wide(&p.m_xrows, nt * BN, off);
           num_kb = nk, kv = valid_last;
         },
-        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
           store_wgrad(sm, p, acc, wg, w, l, mt * BM, 2 * s.F, nt * BN, s.H,
                       (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize);
         });
   }
 }
 
-// Replicated gradients of chunk c: every 128 x 128 tile of [dW_router | dws13 | dws2]
+// Replicated gradients of chunk c: every 128 x 256 tile of [dW_router | dws13 | dws2]
 // in one pipeline, each the sum over the chunk's 64 tokens (one K block).
-__device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
+__device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
   const Shape& s = p.s;
   const int nH = cdivb(s.H, BN), nFs = cdivb(s.Fs, BN);
   const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
-  const int t2 = s.Fs ? nH * nFs : 0;
+  const int t2 = s.Fs ? cdivb(s.H, BM) * nFs : 0;  // dws2 [H, Fs]: H / 128 row tiles
   if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
   if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(nFs, s.H / BK)), p.st, 20)) return;
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
@@ -306,19 +283,19 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
         num_kb = 1, kv = BK;  // tokens past T are out of bounds: zeros
         if (tile < tr) {
           const int mt = tile / nH, nt = tile % nH;
-          A = Operand{&p.m_dlog, {mt * BM, mt * BM + 64}, k0};
-          B = Operand{&p.m_x, {nt * BN, nt * BN + 64}, k0};
+          A = rows128(&p.m_dlog, mt * BM, k0);
+          B = wide(&p.m_x, nt * BN, k0);
         } else if (tile < tr + t13) {
           const int mt = (tile - tr) / nH, nt = (tile - tr) % nH;
-          A = Operand{&p.m_das, {mt * BM, mt * BM + 64}, k0};
-          B = Operand{&p.m_x, {nt * BN, nt * BN + 64}, k0};
+          A = rows128(&p.m_das, mt * BM, k0);
+          B = wide(&p.m_x, nt * BN, k0);
         } else {
           const int mt = (tile - tr - t13) / nFs, nt = (tile - tr - t13) % nFs;
-          A = Operand{&p.m_dy, {mt * BM, mt * BM + 64}, k0};
-          B = Operand{&p.m_sh, {nt * BN, nt * BN + 64}, k0};
+          A = rows128(&p.m_dy, mt * BM, k0);
+          B = wide(&p.m_sh, nt * BN, k0);
         }
       },
-      [&](int tile, float(&acc)[64], int wg, int w, int l) {
+      [&](int tile, float(&acc)[kAcc], int wg, int w, int l) {
         if (tile < tr) {
           const int mt = tile / nH, nt = tile % nH;
           store_tile<kStoreF32>(sm, acc, wg, w, l, mt * BM, s.E, nt * BN, s.H, part, s.H);
@@ -336,7 +313,7 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
 
 __device__ int rw_tiles(const Shape& s) {
   const int nH = cdivb(s.H, BN);
-  return (s.fused ? cdivb(s.E, BM) * nH : 0) + (s.Fs ? cdivb(2 * s.Fs, BM) * nH + nH * cdivb(s.Fs, BN) : 0);
+  return (s.fused ? cdivb(s.E, BM) * nH : 0) + (s.Fs ? cdivb(2 * s.Fs, BM) * nH + cdivb(s.H, BM) * cdivb(s.Fs, BN) : 0);
 }
 
 // The fixed pairwise tree over the chunks for a slice of elements, then written out.
@@ -441,14 +418,15 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     const uint64_t t0 = profile_start(sm, p.st);
     int k = 0;
     while (task >= phase_end[k]) k++;
-    const int local = task - (k ? phase_end[k - 1] : 0), row = local / phase_cols[k], col = local % phase_cols[k];
+    const int local = task - (k ? phase_end[k - 1] : 0);
+    int row = local / phase_cols[k], col = local % phase_cols[k];
     switch (k) {
       case 0: dg_task(sm, p, local); break;
       case 1: dhs_task(sm, p, row, col); break;
-      case 2: dh_task(sm, p, row, col); break;
+      case 2: band_order(local, s.max_mt, phase_cols[2], &row, &col), dh_task(sm, p, row, col); break;
       case 3: dxr_task(sm, p, row, col); break;
       case 4: dxs_task(sm, p, row, col); break;
-      case 5: dx_task(sm, p, row, col); break;
+      case 5: band_order(local, s.max_mt, phase_cols[5], &row, &col), dx_task(sm, p, row, col); break;
       case 6: wgrad_task(sm, p, 2, row, col); break;
       case 7: wgrad_task(sm, p, 13, row, col); break;
       case 8: rw_task(sm, p, local); break;

@@ -33,23 +33,15 @@ __device__ __forceinline__ bool ahead(float a, int ia, float b, int ib) {
 }
 
 // ---- ROUTE ----
-__device__ __noinline__ void route_task(Smem& sm, const FwdParams& p, int b) {
+__device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) {
   const Shape& s = p.s;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), E = s.E, K = s.K;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (s.fused) {
     for (int nt = 0; nt < cdiv(E, BN); nt++) {
-      Operand A{&p.m_x, {t0, t0 + 64}, 0};
-      Operand B{&p.m_wr, {nt * BN, nt * BN + 64}, 0};
-      gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[64], int wg, int w, int l) {
-#pragma unroll
-        for (int i = 0; i < 16; i++)
-#pragma unroll
-          for (int h = 0; h < 2; h++) {
-            const int t = t0 + acc_row(wg, w, l, h), e = nt * BN + acc_col(l, i);
-            if (t < t1 && e < E) p.logits[(int64_t)t * E + e] = acc[4 * i + 2 * h];
-            if (t < t1 && e + 1 < E) p.logits[(int64_t)t * E + e + 1] = acc[4 * i + 2 * h + 1];
-          }
+      const Operand A = rows128(&p.m_x, t0, 0), B = wide(&p.m_wr, nt * BN, 0);
+      gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[kAcc], int wg, int w, int l) {
+        store_tile<kStoreF32>(sm, acc, wg, w, l, t0, t1, nt * BN, E, p.logits, E);
       });
     }
     __syncthreads();
@@ -213,89 +205,70 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   signal_counter(&p.st.sync->counter[C_DISPATCH]);
 }
 
-// SwiGLU epilogue of a gate|up tile: columns 0..63 gate f0.., 64..127 up f0.. .
-// Writes a (bf16 gate, up) and h = bf16(silu(gate) * up) for rows < row_end.
-__device__ __forceinline__ void swiglu_epilogue(float (&acc)[64], int wg, int w, int l, int row0, int row_end, int f0,
-                                                int F, bf16* a_rows, bf16* h_rows) {
-#pragma unroll
-  for (int i = 0; i < 8; i++)
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const int r = row0 + acc_row(wg, w, l, h), f = f0 + acc_col(l, i);
-      if (r >= row_end || f >= F) continue;
-      const bf16 g0 = to_bf(acc[4 * i + 2 * h]), g1 = to_bf(acc[4 * i + 2 * h + 1]);
-      const bf16 u0 = to_bf(acc[4 * (i + 8) + 2 * h]), u1 = to_bf(acc[4 * (i + 8) + 2 * h + 1]);
-      bf16* ar = a_rows + (int64_t)r * 2 * F;
-      *reinterpret_cast<__nv_bfloat162*>(ar + f) = __halves2bfloat162(g0, g1);
-      *reinterpret_cast<__nv_bfloat162*>(ar + F + f) = __halves2bfloat162(u0, u1);
-      const bf16 h0 = to_bf(__fmul_rn(silu(bf(g0)), bf(u0))), h1 = to_bf(__fmul_rn(silu(bf(g1)), bf(u1)));
-      *reinterpret_cast<__nv_bfloat162*>(h_rows + (int64_t)r * F + f) = __halves2bfloat162(h0, h1);
-    }
-}
-
 // ---- expert and shared GEMMs ----
-__device__ __noinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g) {
+__device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19)) return;
   if (mt < *p.num_tiles) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
     gemm_group<0, 0>(
-        sm, g, F / 64, s.H / BK,
+        sm, g, cdiv(F, BF), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = Operand{&p.m_xrows, {row0, row0 + 64}, 0};
-          B = Operand{&p.m_w13, {e * 2 * F + nt * 64, e * 2 * F + F + nt * 64}, 0};
+          const int gate = e * 2 * F + nt * BF, up = gate + F;
+          A = rows128(&p.m_xrows, row0, 0);
+          B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
-        [&](int nt, float(&acc)[64], int wg, int w, int l) {
-          swiglu_epilogue(acc, wg, w, l, row0, row_end, nt * 64, F, p.sv.a_rows, p.sv.h_rows);
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+          swiglu_store(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows);
         });
   }
   signal_counter(&p.st.sync->counter[C_FIXED + mt]);
 }
 
-__device__ __noinline__ void shared1_task(Smem& sm, const FwdParams& p, int mt, int g) {
+__device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   const int t0 = mt * BM, Fs = s.Fs;
   gemm_group<0, 0>(
-      sm, g, Fs / 64, s.H / BK,
+      sm, g, cdiv(Fs, BF), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = Operand{&p.m_x, {t0, t0 + 64}, 0};
-        B = Operand{&p.m_ws13, {nt * 64, Fs + nt * 64}, 0};
+        A = rows128(&p.m_x, t0, 0);
+        B = Operand{&p.m_ws13, {nt * BF, nt * BF + 64, Fs + nt * BF, Fs + nt * BF + 64}, 0};
       },
-      [&](int nt, float(&acc)[64], int wg, int w, int l) {
-        swiglu_epilogue(acc, wg, w, l, t0, s.T, nt * 64, Fs, p.sv.sa, p.sv.sh);
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+        swiglu_store(sm, acc, wg, w, l, t0, s.T, nt * BF, Fs, p.sv.sa, p.sv.sh);
       });
   signal_counter(&p.st.sync->counter[C_FIXED + s.max_mt + mt]);
 }
 
-__device__ __noinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int g) {
+__device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(s.F / 64, s.H / BK), p.st, 19)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(cdiv(s.F, BF), s.H / BK), p.st, 19)) return;
   if (mt < *p.num_tiles) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
     gemm_group<0, 0>(
         sm, g, cdiv(s.H, BN), s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = Operand{&p.m_hrows, {row0, row0 + 64}, 0};
-          B = Operand{&p.m_w2, {e * s.H + nt * BN, e * s.H + nt * BN + 64}, 0};
+          A = rows128(&p.m_hrows, row0, 0);
+          B = wide(&p.m_w2, e * s.H + nt * BN, 0);
         },
-        [&](int nt, float(&acc)[64], int wg, int w, int l) {
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H);
         });
   }
   signal_counter(&p.st.sync->counter[C_G2]);
 }
 
-__device__ __noinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int g) {
+__device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], groups(s.Fs / 64, s.H / BK), p.st, 19)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], groups(cdiv(s.Fs, BF), s.H / BK), p.st, 19)) return;
   const int t0 = mt * BM;
   gemm_group<0, 0>(
       sm, g, cdiv(s.H, BN), s.Fs / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = Operand{&p.m_sh, {t0, t0 + 64}, 0};
-        B = Operand{&p.m_ws2, {nt * BN, nt * BN + 64}, 0};
+        A = rows128(&p.m_sh, t0, 0);
+        B = wide(&p.m_ws2, nt * BN, 0);
       },
-      [&](int nt, float(&acc)[64], int wg, int w, int l) {
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
         store_tile<kStoreBf16>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H);
       });
   signal_counter(&p.st.sync->counter[C_S2]);
@@ -335,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   Smem& sm = kernel_smem();
   const Shape& s = p.s;
   // GEMM tasks per row tile (column-tile groups)
-  const int nF1 = groups(s.F / 64, s.H / BK), nS1 = groups(s.Fs / 64, s.H / BK);
+  const int nF1 = groups(cdiv(s.F, BF), s.H / BK), nS1 = groups(cdiv(s.Fs, BF), s.H / BK);
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
   const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
   const int n_sh2 = s.Fs ? s.smt * nHs : 0, n_g2 = s.max_mt * nH2;
@@ -353,11 +326,15 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
     } else if ((task -= 1) < s.ns) {
       kind = 3, dispatch_task(sm, p, task);
     } else if ((task -= s.ns) < n_g1) {
-      kind = 4, gemm1_task(sm, p, task / nF1, task % nF1);
+      int mt, g;
+      band_order(task, s.max_mt, nF1, &mt, &g);
+      kind = 4, gemm1_task(sm, p, mt, g);
     } else if ((task -= n_g1) < n_sh2) {
       kind = 5, shared2_task(sm, p, task / nHs, task % nHs);
     } else if ((task -= n_sh2) < n_g2) {
-      kind = 6, gemm2_task(sm, p, task / nH2, task % nH2);
+      int mt, g;
+      band_order(task, s.max_mt, nH2, &mt, &g);
+      kind = 6, gemm2_task(sm, p, mt, g);
     } else {
       kind = 7, combine_task(sm, p, task - n_g2);
     }
