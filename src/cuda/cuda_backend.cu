@@ -259,15 +259,16 @@ mok_status_t mok_cuda_sync(mok_context_t* ctx) {
   return MOK_STATUS_SUCCESS;
 }
 
-// A 2-D bf16 tensor map [rows, cols] (cols contiguous), 64 x 64 boxes, 128-byte swizzle;
-// out-of-bound elements read as zero.
+// A 2-D bf16 tensor map [rows, cols] (cols contiguous), boxes of box_rows x 64, 128-byte
+// swizzle; out-of-bound elements read as zero, and are not written by stores. Loads use
+// 64-row boxes, the epilogues' TMA stores 128-row boxes (store_tile_tma).
 static mok_status_t make_map(mok_context_t* ctx, CUtensorMap* map, const void* base, int64_t rows, int64_t cols,
-                             const char* name) {
+                             const char* name, uint32_t box_rows = 64) {
   memset(map, 0, sizeof *map);
   if (!base) return MOK_STATUS_SUCCESS;  // not used by this configuration
   cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)std::max<int64_t>(rows, 1)};
   cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
-  cuuint32_t box[2] = {64, 64};
+  cuuint32_t box[2] = {64, box_rows};
   cuuint32_t elem[2] = {1, 1};
   CUresult r = gpu(ctx)->encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
                                 elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -315,6 +316,7 @@ static GpuStep make_step(const mok_context_t* ctx) {
   st.trace = gpu(ctx)->trace;
   st.trace_len = gpu(ctx)->trace_len;
   st.trace_cap = kTraceCap;
+  st.knobs = getenv("MOK_KNOBS") ? (uint32_t)strtoul(getenv("MOK_KNOBS"), nullptr, 0) : 0;
   return st;
 }
 
@@ -343,6 +345,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   MAP_TRY(make_map(ctx, &p.m_ws13, Fs ? a->ws13 : nullptr, 2 * Fs, H, "ws13"));
   MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
   MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
+  MAP_TRY(make_map(ctx, &p.st_orows, p.sv.o_rows, R, H, "o_rows", BM));
   p.peer_x_rows.rows[0] = p.sv.x_rows;  // W = 1: this rank owns every expert
   p.peer_o_rows.rows[0] = p.sv.o_rows;
   p.x = static_cast<const bf16*>(a->x);
@@ -367,6 +370,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.num_tiles = reinterpret_cast<int32_t*>(ws + wp.num_tiles);
   p.chunk_stats = reinterpret_cast<float*>(ws + wp.chunk_stats);
   p.shared_o = reinterpret_cast<bf16*>(ws + wp.shared_o);
+  MAP_TRY(make_map(ctx, &p.st_shared_o, Fs ? p.shared_o : nullptr, T, H, "shared_o", BM));
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
   sm90_moe_forward_kernel<<<grid_size(ctx), kThreads, sizeof(Smem) + 1024, stream>>>(p);
   CUDA_TRY(ctx, cudaGetLastError());
@@ -410,6 +414,9 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
   MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
   MAP_TRY(make_map(ctx, &p.m_das, Fs ? p.d_a_s : nullptr, T, 2 * Fs, "d_a_s"));
+  MAP_TRY(make_map(ctx, &p.st_dxrows, p.dx_rows, R, H, "dx_rows", BM));
+  MAP_TRY(make_map(ctx, &p.st_dw13, p.wgrad_fp32 ? nullptr : a->d_w13, E * 2 * F, H, "d_w13", BM));
+  MAP_TRY(make_map(ctx, &p.st_dw2, p.wgrad_fp32 ? nullptr : a->d_w2, E * H, F, "d_w2", BM));
   p.peer_o_rows.rows[0] = p.sv.o_rows;  // W = 1: this rank owns every expert
   p.peer_dy_rows.rows[0] = p.dy_rows;
   p.peer_dx_rows.rows[0] = p.dx_rows;

@@ -34,6 +34,7 @@ struct GpuStep {
   struct TraceRecord* trace; // MOK_TRACE=file: one record per task, or null
   uint32_t* trace_len;       // records written (may pass trace_cap: the rest are dropped)
   uint32_t trace_cap;
+  uint32_t knobs;            // MOK_KNOBS (measurement only): 1 skip epilogue global stores, 2 skip epilogues, 4 streaming stores
 };
 
 // MOK_TRACE: a task's wall-clock span (%globaltimer, ns) on one CTA, and the part of it
@@ -96,6 +97,8 @@ struct FwdParams {
   CUtensorMap m_ws13;   // ws13 [2Fs, H]
   CUtensorMap m_ws2;    // ws2 [H, Fs]
   CUtensorMap m_sh;     // sh [T, Fs]
+  CUtensorMap st_orows;    // store maps (128-row boxes): o_rows [R, H]
+  CUtensorMap st_shared_o; // shared_o [T, H]
   GpuStep st;
   Shape s;
   uint64_t context_id, serial;
@@ -142,6 +145,9 @@ struct BwdParams {
   CUtensorMap m_ws2;    // ws2 [H, Fs]
   CUtensorMap m_sh;     // sh [T, Fs]
   CUtensorMap m_das;    // d_a_s [T, 2Fs]
+  CUtensorMap st_dxrows;  // store maps (128-row boxes): dx_rows [R, H]
+  CUtensorMap st_dw13;    // d_w13 [E*2F, H] (bf16 gradients only)
+  CUtensorMap st_dw2;     // d_w2 [E*H, F] (bf16 gradients only)
   GpuStep st;
   Shape s;
   uint64_t context_id;

@@ -37,12 +37,13 @@ struct alignas(1024) Smem {
   uint64_t full[kStages];
   uint64_t empty[kStages];
   float warp_scratch[kThreads / 32][256];  // per warp: one token's expert scores
-  alignas(16) uint8_t epi[BM * kEpiStride];  // an output tile on its way to global memory
+  alignas(1024) uint8_t epi[BM * kEpiStride];  // an output tile on its way to global memory
   uint32_t ring_it;  // K blocks this CTA has put through the stage ring so far
   int task;
   int abort;
   int last_cta;
   uint32_t wait_ns;  // MOK_PROFILE: this task's time in wait_counter
+  uint32_t knobs;
 };
 static_assert(sizeof(Smem) <= 227 * 1024, "shared memory");
 
@@ -76,6 +77,7 @@ __device__ __forceinline__ Smem& kernel_smem() {
     }
     sm.abort = 0;
     sm.ring_it = 0;
+    sm.knobs = 0;
     fence_mbar_init();
   }
   __syncthreads();
@@ -138,6 +140,7 @@ __device__ __forceinline__ void profile_task(Smem& sm, const GpuStep& st, int sl
 __device__ __forceinline__ void signal_counter(uint32_t* counter) {
   __syncthreads();
   if (threadIdx.x == 0) {
+    bulk_wait_all();  // the task's TMA stores (issued by thread 0) have landed
     __threadfence();
     red_release_add(counter, 1);
   }
@@ -166,6 +169,7 @@ __device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_t
 static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
   __syncthreads();
   if (threadIdx.x == 0) {
+    bulk_wait_all();
     __threadfence();
     sm.last_cta = atomicAdd(&st.sync->exit_count, 1u) == gridDim.x - 1;
   }
@@ -376,18 +380,28 @@ __device__ __forceinline__ float silu(float g) { return __fdiv_rn(g, __fadd_rn(1
 // Accumulator pairs [i0, i0 + n) into sm.epi: bf16 at their tile column, or fp32 at
 // their column minus 8 * i0 (half a tile of fp32 at a time). Waits first until the
 // previous contents have been copied out.
+// sm.epi may be written: the previous tile's TMA stores (thread 0's) have read it and
+// every thread is done with it.
+__device__ __forceinline__ void epi_acquire() {
+  if (threadIdx.x == 0) bulk_wait_read();
+  __syncthreads();
+}
+
 template <bool kBf16>
 __device__ __forceinline__ void epi_put(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int i0, int n) {
-  __syncthreads();
+  epi_acquire();
+  const uint32_t row0 = smem_addr(sm.epi) + acc_row(wg, w, l, 0) * kEpiStride, row1 = row0 + 8 * kEpiStride;
 #pragma unroll
   for (int i = 0; i < kAcc / 4; i++) {
     if (i < i0 || i >= i0 + n) continue;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      const float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
-      uint8_t* row = sm.epi + acc_row(wg, w, l, h) * kEpiStride;
-      if (kBf16) *reinterpret_cast<__nv_bfloat162*>(row + acc_col(l, i) * 2) = __floats2bfloat162_rn(v0, v1);
-      else *reinterpret_cast<float2*>(row + (acc_col(l, i) - 8 * i0) * 4) = make_float2(v0, v1);
+    if (kBf16) {
+      const uint32_t c = acc_col(l, i) * 2;
+      st_shared_b32(row0 + c, pack_bf16x2(acc[4 * i], acc[4 * i + 1]));
+      st_shared_b32(row1 + c, pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3]));
+    } else {
+      const uint32_t c = (acc_col(l, i) - 8 * i0) * 4;
+      st_shared_v2f32(row0 + c, acc[4 * i], acc[4 * i + 1]);
+      st_shared_v2f32(row1 + c, acc[4 * i + 2], acc[4 * i + 3]);
     }
   }
   __syncthreads();
@@ -398,17 +412,54 @@ __device__ __forceinline__ uint4 epi_piece(const Smem& sm, int r, int c) {
   return *reinterpret_cast<const uint4*>(sm.epi + r * kEpiStride + c * 16);
 }
 
+// The tile as bf16 in sm.epi as four 128 x 64 boxes in the TMA 128-byte swizzle (16-byte
+// chunk j of row r at chunk j ^ r % 8: the 8 rows a warp writes at once hit 32 banks),
+// then TMA stores of the boxes that start before column ncols: the copy engine writes
+// them while the next tile's wgmmas run.
+__device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l,
+                                               const CUtensorMap* map, int map_row, int c0, int ncols) {
+  epi_acquire();
+  // rows r and r + 8 share r % 8 = (lane / 4) % 8: one swizzle for both
+  const int r = acc_row(wg, w, l, 0), sw = r % 8;
+  const uint32_t row0 = smem_addr(sm.epi) + r * 128 + 4 * (l % 4), row1 = row0 + 8 * 128;
+#pragma unroll
+  for (int j = 0; j < 8; j++) {  // chunk j of each box: accumulator pairs i = 8 b + j
+    const uint32_t c = ((j ^ sw) * 16);
+#pragma unroll
+    for (int b = 0; b < 4; b++) {
+      const int i = 8 * b + j;
+      st_shared_b32(row0 + b * (BM * 128) + c, pack_bf16x2(acc[4 * i], acc[4 * i + 1]));
+      st_shared_b32(row1 + b * (BM * 128) + c, pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3]));
+    }
+  }
+  fence_proxy_async_smem();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 4 && c0 + 64 * b < ncols; b++) tma_store_2d(map, sm.epi + b * (BM * 128), c0 + 64 * b, map_row);
+    bulk_commit();
+  }
+}
+
 // Writes rows [row0, row_end) x columns [c0, ncols) of out (ld elements a row) from the
 // 128 x 256 accumulator tile whose first column is c0: bf16 written, fp32 written, or
 // fp32 added (one add per element: out = out + acc). ncols and c0 multiples of 8.
+// st (bf16 only, may be null): a store map of out whose row map_row is row row0; full
+// tiles go through it (store_tile_tma), tiles cut by row_end through 16-byte stores.
 enum { kStoreBf16, kStoreF32, kAddF32 };
 template <int kMode>
 __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int row0,
-                                           int row_end, int c0, int ncols, void* out, int64_t ld) {
+                                           int row_end, int c0, int ncols, void* out, int64_t ld,
+                                           const CUtensorMap* st = nullptr, int map_row = 0) {
   constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kCols = 512 / kElem, kPer16 = 16 / kElem;
   constexpr int kPieces = kCols / kPer16;  // 32 a row
+  if (sm.knobs & 2) return;
+  if (kMode == kStoreBf16 && st && row_end - row0 >= BM && !(sm.knobs & 8)) {
+    store_tile_tma(sm, acc, wg, w, l, st, map_row, c0, ncols);
+    return;
+  }
   for (int part = 0; part < BN / kCols; part++) {
     epi_put<kMode == kStoreBf16>(sm, acc, wg, w, l, part * kCols / 8, kCols / 8);
+    if (sm.knobs & 1) continue;
     const int cb = c0 + part * kCols;
     for (int q = threadIdx.x; q < BM * kPieces; q += kThreads) {
       const int r = q / kPieces, c = (q % kPieces) * kPer16;
@@ -419,6 +470,8 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
         const float4 o = *reinterpret_cast<const float4*>(g);
         const float4 a = *reinterpret_cast<const float4*>(&v);
         *reinterpret_cast<float4*>(g) = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+      } else if (sm.knobs & 4) {
+        __stcs(g, v);
       } else {
         *g = v;
       }
@@ -431,7 +484,9 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
 // [.., F], rows [row0, row_end), f < F.
 __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0, int row_end,
                                              int f0, int F, bf16* a_rows, bf16* h_rows) {
+  if (sm.knobs & 2) return;
   epi_put<true>(sm, acc, wg, w, l, 0, kAcc / 4);
+  if (sm.knobs & 1) return;
   for (int q = threadIdx.x; q < BM * 32; q += kThreads) {  // a: 32 pieces of 8 a row
     const int r = q / 32, c = q % 32, f = f0 + 8 * (c % 16);
     if (row0 + r >= row_end || f >= F) continue;
@@ -455,8 +510,10 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
 // d_a = bf16(dh up silu'(gate) | dh silu(gate)) into d_a [.., 2F], rows [row0, row_end).
 __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0,
                                                  int row_end, int f0, int F, const bf16* a_rows, bf16* d_a) {
+  if (sm.knobs & 2) return;
   for (int part = 0; part < 2; part++) {  // 128 columns of fp32 at a time
     epi_put<false>(sm, acc, wg, w, l, 16 * part, 16);
+    if (sm.knobs & 1) continue;
     for (int q = threadIdx.x; q < BM * 16; q += kThreads) {
       const int r = q / 16, c = q % 16, f = f0 + 128 * part + 8 * c;
       if (row0 + r >= row_end || f >= F) continue;

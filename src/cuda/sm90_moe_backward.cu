@@ -124,10 +124,11 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
 }
 
 // Weight-gradient tile out: bf16 written, or added into fp32 buffers.
+// st: the bf16 gradient's store map, whose row map_row is tile row r0.
 __device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float (&acc)[kAcc], int wg, int w, int l, int r0,
-                                            int rows, int c0, int cols, void* out) {
+                                            int rows, int c0, int cols, void* out, const CUtensorMap* st, int map_row) {
   if (p.wgrad_fp32) store_tile<kAddF32>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
-  else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
+  else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols, st, map_row);
 }
 
 // Expert m-tile of the expert rows: (expert, first row, end row) from the saved offsets.
@@ -225,7 +226,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
           B = wide(&p.m_w13, nt * BN, e * 2 * s.F);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
-          store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H);
+          store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H, &p.st_dxrows, row0);
         });
   signal_counter(&p.st.sync->counter[B_DX]);
 }
@@ -249,7 +250,8 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
           num_kb = nk, kv = valid_last;
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
-          store_wgrad(sm, p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize);
+          store_wgrad(sm, p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize,
+                      &p.st_dw2, e * s.H + mt * BM);
         });
   } else {  // dw13[e] [2F, H] = d_a^T x_rows
     gemm_tiles<1, 1>(
@@ -261,7 +263,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
           store_wgrad(sm, p, acc, wg, w, l, mt * BM, 2 * s.F, nt * BN, s.H,
-                      (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize);
+                      (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize, &p.st_dw13, e * 2 * s.F + mt * BM);
         });
   }
 }
@@ -385,6 +387,7 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
 
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
   Smem& sm = kernel_smem();
+  sm.knobs = p.st.knobs;  // read after kernel_smem's barrier; tasks start after next_task's
   const Shape& s = p.s;
   if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
                            p.sv.header[2] != (uint64_t)s.T))

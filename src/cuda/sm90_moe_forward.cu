@@ -252,7 +252,7 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
           B = wide(&p.m_w2, e * s.H + nt * BN, 0);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
-          store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H);
+          store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H, &p.st_orows, row0);
         });
   }
   signal_counter(&p.st.sync->counter[C_G2]);
@@ -269,7 +269,7 @@ __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int m
         B = wide(&p.m_ws2, nt * BN, 0);
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
-        store_tile<kStoreBf16>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H);
+        store_tile<kStoreBf16>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H, &p.st_shared_o, t0);
       });
   signal_counter(&p.st.sync->counter[C_S2]);
 }
@@ -306,6 +306,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
 
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   Smem& sm = kernel_smem();
+  sm.knobs = p.st.knobs;  // read after kernel_smem's barrier; tasks start after next_task's
   const Shape& s = p.s;
   // GEMM tasks per row tile (column-tile groups)
   const int nF1 = groups(cdiv(s.F, BF), s.H / BK), nS1 = groups(cdiv(s.Fs, BF), s.H / BK);
