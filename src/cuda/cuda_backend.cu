@@ -261,7 +261,7 @@ mok_status_t mok_cuda_sync(mok_context_t* ctx) {
 
 // A 2-D bf16 tensor map [rows, cols] (cols contiguous), boxes of box_rows x 64, 128-byte
 // swizzle; out-of-bound elements read as zero, and are not written by stores. Loads use
-// 64-row boxes, the epilogues' TMA stores 128-row boxes (store_tile_tma).
+// 64-row boxes, the epilogues' TMA stores kStoreRows-row boxes (sm90_common.cuh).
 static mok_status_t make_map(mok_context_t* ctx, CUtensorMap* map, const void* base, int64_t rows, int64_t cols,
                              const char* name, uint32_t box_rows = 64) {
   memset(map, 0, sizeof *map);
@@ -279,11 +279,42 @@ static mok_status_t make_map(mok_context_t* ctx, CUtensorMap* map, const void* b
   return MOK_STATUS_SUCCESS;
 }
 
+// A store map of a gate|up buffer [rows, 2F] seen as [rows][2][F] (64 x 1 x box_rows
+// boxes), so that a box of gate columns never spills into the up half.
+static mok_status_t make_gate_up_map(mok_context_t* ctx, CUtensorMap* map, const void* base, int64_t rows, int64_t F,
+                                     const char* name, uint32_t box_rows) {
+  memset(map, 0, sizeof *map);
+  if (!base) return MOK_STATUS_SUCCESS;
+  cuuint64_t dims[3] = {(cuuint64_t)F, 2, (cuuint64_t)std::max<int64_t>(rows, 1)};
+  cuuint64_t strides[2] = {(cuuint64_t)F * 2, (cuuint64_t)F * 4};
+  cuuint32_t box[3] = {64, 1, box_rows};
+  cuuint32_t elem[3] = {1, 1, 1};
+  CUresult r = gpu(ctx)->encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
+                                elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return MOK_ERR(ctx, MOK_STATUS_CUDA_ERROR, "cuTensorMapEncodeTiled(%s [%lld, 2, %lld]) failed with %d", name,
+                   (long long)rows, (long long)F, (int)r);
+  return MOK_STATUS_SUCCESS;
+}
+
 #define MAP_TRY(expr)                 \
   do {                                \
     mok_status_t s_ = (expr);         \
     if (s_ != MOK_STATUS_SUCCESS) return s_; \
   } while (0)
+
+// Both store maps of a 2-D output [rows, cols], or of a gate|up output [rows, 2F].
+static mok_status_t make_store_map(mok_context_t* ctx, StoreMap* m, const void* base, int64_t rows, int64_t cols,
+                                   const char* name) {
+  MAP_TRY(make_map(ctx, &m->full, base, rows, cols, name, BM));
+  return make_map(ctx, &m->part, base, rows, cols, name, kStoreRows);
+}
+static mok_status_t make_gate_up_store_map(mok_context_t* ctx, StoreMap* m, const void* base, int64_t rows, int64_t F,
+                                           const char* name) {
+  MAP_TRY(make_gate_up_map(ctx, &m->full, base, rows, F, name, BM));
+  return make_gate_up_map(ctx, &m->part, base, rows, F, name, kStoreRows);
+}
 
 static SavedView saved_view(const mok_config_t& c, void* base) {
   const SavedPlan sp = plan_saved(c, c.T);
@@ -345,7 +376,11 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   MAP_TRY(make_map(ctx, &p.m_ws13, Fs ? a->ws13 : nullptr, 2 * Fs, H, "ws13"));
   MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
   MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
-  MAP_TRY(make_map(ctx, &p.st_orows, p.sv.o_rows, R, H, "o_rows", BM));
+  MAP_TRY(make_store_map(ctx, &p.st_orows, p.sv.o_rows, R, H, "o_rows"));
+  MAP_TRY(make_gate_up_store_map(ctx, &p.st_arows, p.sv.a_rows, R, F, "a_rows"));
+  MAP_TRY(make_store_map(ctx, &p.st_hrows, p.sv.h_rows, R, F, "h_rows"));
+  MAP_TRY(make_gate_up_store_map(ctx, &p.st_sa, Fs ? p.sv.sa : nullptr, T, Fs, "shared_a"));
+  MAP_TRY(make_store_map(ctx, &p.st_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
   p.peer_x_rows.rows[0] = p.sv.x_rows;  // W = 1: this rank owns every expert
   p.peer_o_rows.rows[0] = p.sv.o_rows;
   p.x = static_cast<const bf16*>(a->x);
@@ -370,7 +405,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.num_tiles = reinterpret_cast<int32_t*>(ws + wp.num_tiles);
   p.chunk_stats = reinterpret_cast<float*>(ws + wp.chunk_stats);
   p.shared_o = reinterpret_cast<bf16*>(ws + wp.shared_o);
-  MAP_TRY(make_map(ctx, &p.st_shared_o, Fs ? p.shared_o : nullptr, T, H, "shared_o", BM));
+  MAP_TRY(make_store_map(ctx, &p.st_shared_o, Fs ? p.shared_o : nullptr, T, H, "shared_o"));
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
   sm90_moe_forward_kernel<<<grid_size(ctx), kThreads, sizeof(Smem) + 1024, stream>>>(p);
   CUDA_TRY(ctx, cudaGetLastError());
@@ -414,9 +449,9 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
   MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
   MAP_TRY(make_map(ctx, &p.m_das, Fs ? p.d_a_s : nullptr, T, 2 * Fs, "d_a_s"));
-  MAP_TRY(make_map(ctx, &p.st_dxrows, p.dx_rows, R, H, "dx_rows", BM));
-  MAP_TRY(make_map(ctx, &p.st_dw13, p.wgrad_fp32 ? nullptr : a->d_w13, E * 2 * F, H, "d_w13", BM));
-  MAP_TRY(make_map(ctx, &p.st_dw2, p.wgrad_fp32 ? nullptr : a->d_w2, E * H, F, "d_w2", BM));
+  MAP_TRY(make_store_map(ctx, &p.st_dxrows, p.dx_rows, R, H, "dx_rows"));
+  MAP_TRY(make_store_map(ctx, &p.st_dw13, p.wgrad_fp32 ? nullptr : a->d_w13, E * 2 * F, H, "d_w13"));
+  MAP_TRY(make_store_map(ctx, &p.st_dw2, p.wgrad_fp32 ? nullptr : a->d_w2, E * H, F, "d_w2"));
   p.peer_o_rows.rows[0] = p.sv.o_rows;  // W = 1: this rank owns every expert
   p.peer_dy_rows.rows[0] = p.dy_rows;
   p.peer_dx_rows.rows[0] = p.dx_rows;

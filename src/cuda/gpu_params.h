@@ -87,6 +87,12 @@ struct Shape {
   int chunks;   // replicated-sum chunks of MOK_REDUCE_CHUNK_TOKENS tokens
 };
 
+// The TMA store maps of an output: 128-row boxes for whole tiles, kStoreRows-row boxes
+// for tiles cut short by the end of an expert's rows (sm90_common.cuh).
+struct StoreMap {
+  CUtensorMap full, part;
+};
+
 struct FwdParams {
   CUtensorMap m_x;      // x [T, H]
   CUtensorMap m_wr;     // w_router [E, H]
@@ -97,8 +103,12 @@ struct FwdParams {
   CUtensorMap m_ws13;   // ws13 [2Fs, H]
   CUtensorMap m_ws2;    // ws2 [H, Fs]
   CUtensorMap m_sh;     // sh [T, Fs]
-  CUtensorMap st_orows;    // store maps (128-row boxes): o_rows [R, H]
-  CUtensorMap st_shared_o; // shared_o [T, H]
+  StoreMap st_orows;    // store maps: o_rows [R, H]
+  StoreMap st_shared_o; // shared_o [T, H]
+  StoreMap st_arows;    // a_rows as [R][2][F] (gate, up)
+  StoreMap st_hrows;    // h_rows [R, F]
+  StoreMap st_sa;       // sa as [T][2][Fs]
+  StoreMap st_sh;       // sh [T, Fs]
   GpuStep st;
   Shape s;
   uint64_t context_id, serial;
@@ -145,9 +155,9 @@ struct BwdParams {
   CUtensorMap m_ws2;    // ws2 [H, Fs]
   CUtensorMap m_sh;     // sh [T, Fs]
   CUtensorMap m_das;    // d_a_s [T, 2Fs]
-  CUtensorMap st_dxrows;  // store maps (128-row boxes): dx_rows [R, H]
-  CUtensorMap st_dw13;    // d_w13 [E*2F, H] (bf16 gradients only)
-  CUtensorMap st_dw2;     // d_w2 [E*H, F] (bf16 gradients only)
+  StoreMap st_dxrows;  // store maps: dx_rows [R, H]
+  StoreMap st_dw13;    // d_w13 [E*2F, H] (bf16 gradients only)
+  StoreMap st_dw2;     // d_w2 [E*H, F] (bf16 gradients only)
   GpuStep st;
   Shape s;
   uint64_t context_id;

@@ -412,49 +412,86 @@ __device__ __forceinline__ uint4 epi_piece(const Smem& sm, int r, int c) {
   return *reinterpret_cast<const uint4*>(sm.epi + r * kEpiStride + c * 16);
 }
 
-// The tile as bf16 in sm.epi as four 128 x 64 boxes in the TMA 128-byte swizzle (16-byte
-// chunk j of row r at chunk j ^ r % 8: the 8 rows a warp writes at once hit 32 banks),
-// then TMA stores of the boxes that start before column ncols: the copy engine writes
-// them while the next tile's wgmmas run.
-__device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l,
-                                               const CUtensorMap* map, int map_row, int c0, int ncols) {
+// ---- epilogues through TMA stores ----
+// A bf16 tile goes into sm.epi as 128 x 64 boxes (box b at b * 16 KB) in the TMA 128-byte
+// swizzle: 16-byte chunk j of row r sits at chunk j ^ r % 8, so the 8 rows a warp writes
+// at once hit 32 banks. Then TMA stores (thread 0; the copy engine writes them while the
+// next tile's wgmmas run) take a whole tile in 128-row boxes, or a tile cut short by the
+// end of an expert's rows in 16-row boxes, its last rows < 16 through 16-byte stores.
+constexpr int kStoreRows = 16;
+
+// Boxes [0, kBoxes) of sm.epi from pair(i, h): the packed bf16 pair of accumulator pair i
+// (columns 8i + 2(lane%4), +1) in row half h.
+template <int kBoxes, class Pair>
+__device__ __forceinline__ void epi_put_boxes(Smem& sm, int wg, int w, int l, Pair pair) {
   epi_acquire();
   // rows r and r + 8 share r % 8 = (lane / 4) % 8: one swizzle for both
   const int r = acc_row(wg, w, l, 0), sw = r % 8;
   const uint32_t row0 = smem_addr(sm.epi) + r * 128 + 4 * (l % 4), row1 = row0 + 8 * 128;
 #pragma unroll
   for (int j = 0; j < 8; j++) {  // chunk j of each box: accumulator pairs i = 8 b + j
-    const uint32_t c = ((j ^ sw) * 16);
+    const uint32_t c = (j ^ sw) * 16;
 #pragma unroll
-    for (int b = 0; b < 4; b++) {
-      const int i = 8 * b + j;
-      st_shared_b32(row0 + b * (BM * 128) + c, pack_bf16x2(acc[4 * i], acc[4 * i + 1]));
-      st_shared_b32(row1 + b * (BM * 128) + c, pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3]));
+    for (int b = 0; b < kBoxes; b++) {
+      st_shared_b32(row0 + b * (BM * 128) + c, pair(8 * b + j, 0));
+      st_shared_b32(row1 + b * (BM * 128) + c, pair(8 * b + j, 1));
     }
   }
   fence_proxy_async_smem();
   __syncthreads();
+}
+
+// Rows [0, rows) of boxes [0, nb) out: store(b, map, r, src) issues the TMA store of box
+// b from its row r at src through map (or skips the box), map one of st's; dst(b, r) is
+// where row r of box b goes (64 bf16), or null.
+template <class Store, class Dst>
+__device__ __forceinline__ void epi_write_boxes(Smem& sm, const StoreMap* st, int nb, int rows, Store store, Dst dst) {
+  const int full = rows == BM ? 1 : rows / kStoreRows, height = rows == BM ? BM : kStoreRows;
   if (threadIdx.x == 0) {
-    for (int b = 0; b < 4 && c0 + 64 * b < ncols; b++) tma_store_2d(map, sm.epi + b * (BM * 128), c0 + 64 * b, map_row);
+    const CUtensorMap* map = rows == BM ? &st->full : &st->part;
+    for (int rg = 0; rg < full; rg++)
+      for (int b = 0; b < nb; b++) store(b, map, rg * height, sm.epi + b * (BM * 128) + rg * (height * 128));
     bulk_commit();
   }
+  const int first = height * full, rest = rows - first;
+  for (int q = threadIdx.x; q < rest * nb * 8; q += kThreads) {
+    const int r = first + q / (nb * 8), b = (q / 8) % nb, j = q % 8;
+    bf16* d = dst(b, r);
+    if (d)
+      *reinterpret_cast<uint4*>(d + 8 * j) =
+          *reinterpret_cast<const uint4*>(sm.epi + b * (BM * 128) + r * 128 + ((j ^ (r % 8)) * 16));
+  }
+}
+
+// A bf16 tile: rows [row0, row_end) x columns [c0, ncols) of out (ld a row), whose row
+// row0 is row map_row of the store map.
+__device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l,
+                                               const StoreMap* st, int map_row, int row0, int row_end, int c0,
+                                               int ncols, bf16* out, int64_t ld) {
+  epi_put_boxes<4>(sm, wg, w, l, [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); });
+  epi_write_boxes(
+      sm, st, 4, min(BM, row_end - row0),
+      [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
+        if (c0 + 64 * b < ncols) tma_store_2d(map, src, c0 + 64 * b, map_row + r);
+      },
+      [&](int b, int r) { return c0 + 64 * b < ncols ? out + (int64_t)(row0 + r) * ld + c0 + 64 * b : nullptr; });
 }
 
 // Writes rows [row0, row_end) x columns [c0, ncols) of out (ld elements a row) from the
 // 128 x 256 accumulator tile whose first column is c0: bf16 written, fp32 written, or
 // fp32 added (one add per element: out = out + acc). ncols and c0 multiples of 8.
-// st (bf16 only, may be null): a store map of out whose row map_row is row row0; full
-// tiles go through it (store_tile_tma), tiles cut by row_end through 16-byte stores.
+// st (bf16 only, may be null): a store map of out whose row map_row is row row0: then
+// the tile goes out through TMA stores (store_tile_tma).
 enum { kStoreBf16, kStoreF32, kAddF32 };
 template <int kMode>
 __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int row0,
                                            int row_end, int c0, int ncols, void* out, int64_t ld,
-                                           const CUtensorMap* st = nullptr, int map_row = 0) {
+                                           const StoreMap* st = nullptr, int map_row = 0) {
   constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kCols = 512 / kElem, kPer16 = 16 / kElem;
   constexpr int kPieces = kCols / kPer16;  // 32 a row
   if (sm.knobs & 2) return;
-  if (kMode == kStoreBf16 && st && row_end - row0 >= BM && !(sm.knobs & 8)) {
-    store_tile_tma(sm, acc, wg, w, l, st, map_row, c0, ncols);
+  if (kMode == kStoreBf16 && st && !(sm.knobs & 8)) {
+    store_tile_tma(sm, acc, wg, w, l, st, map_row, row0, row_end, c0, ncols, static_cast<bf16*>(out), ld);
     return;
   }
   for (int part = 0; part < BN / kCols; part++) {
@@ -479,64 +516,88 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
   }
 }
 
-// SwiGLU forward epilogue of a gate|up tile (columns 0..127 gate f0.., 128..255 up f0..):
-// a = bf16(gate | up) into a_rows [.., 2F] and h = bf16(silu(a_gate) * a_up) into h_rows
-// [.., F], rows [row0, row_end), f < F.
+// SwiGLU forward epilogue of a gate|up tile (columns 0..127 gate f0.., 128..255 up f0..),
+// rows [row0, row_end), f < F: a = bf16(gate | up) into a_rows [.., 2F] (store map st_a:
+// [rows][2][F], row map_row = row0), then h = bf16(silu(a_gate) * a_up) into h_rows
+// [.., F] (store map st_h). A thread holds gate and up of the same columns (pairs i and
+// i + 16), so h comes from registers.
 __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0, int row_end,
-                                             int f0, int F, bf16* a_rows, bf16* h_rows) {
+                                             int f0, int F, bf16* a_rows, bf16* h_rows, const StoreMap* st_a,
+                                             const StoreMap* st_h, int map_row) {
   if (sm.knobs & 2) return;
-  epi_put<true>(sm, acc, wg, w, l, 0, kAcc / 4);
-  if (sm.knobs & 1) return;
-  for (int q = threadIdx.x; q < BM * 32; q += kThreads) {  // a: 32 pieces of 8 a row
-    const int r = q / 32, c = q % 32, f = f0 + 8 * (c % 16);
-    if (row0 + r >= row_end || f >= F) continue;
-    *reinterpret_cast<uint4*>(a_rows + (int64_t)(row0 + r) * 2 * F + (c < 16 ? 0 : F) + f) = epi_piece(sm, r, c);
-  }
-  for (int q = threadIdx.x; q < BM * 16; q += kThreads) {  // h: 16 pieces a row, from a
-    const int r = q / 16, c = q % 16, f = f0 + 8 * c;
-    if (row0 + r >= row_end || f >= F) continue;
-    const uint4 gr = epi_piece(sm, r, c), ur = epi_piece(sm, r, c + 16);
-    const bf16* gv = reinterpret_cast<const bf16*>(&gr);
-    const bf16* uv = reinterpret_cast<const bf16*>(&ur);
-    uint4 hr;
-    bf16* hv = reinterpret_cast<bf16*>(&hr);
-#pragma unroll
-    for (int k = 0; k < 8; k++) hv[k] = to_bf(__fmul_rn(silu(bf(gv[k])), bf(uv[k])));
-    *reinterpret_cast<uint4*>(h_rows + (int64_t)(row0 + r) * F + f) = hr;
-  }
+  const int rows = min(BM, row_end - row0);
+  epi_put_boxes<4>(sm, wg, w, l, [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); });
+  epi_write_boxes(
+      sm, st_a, 4, rows,
+      [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {  // boxes 0, 1: gate; 2, 3: up
+        if (f0 + 64 * (b % 2) < F) tma_store_3d(map, src, f0 + 64 * (b % 2), b / 2, map_row + r);
+      },
+      [&](int b, int r) {
+        const int f = f0 + 64 * (b % 2);
+        return f < F ? a_rows + (int64_t)(row0 + r) * 2 * F + (b / 2) * F + f : nullptr;
+      });
+  auto hpair = [&](int i, int h) {
+    const float g0 = bf(to_bf(acc[4 * i + 2 * h])), g1 = bf(to_bf(acc[4 * i + 2 * h + 1]));
+    const float u0 = bf(to_bf(acc[4 * (i + 16) + 2 * h])), u1 = bf(to_bf(acc[4 * (i + 16) + 2 * h + 1]));
+    return pack_bf16x2(__fmul_rn(silu(g0), u0), __fmul_rn(silu(g1), u1));
+  };
+  epi_put_boxes<2>(sm, wg, w, l, hpair);
+  epi_write_boxes(
+      sm, st_h, 2, rows,
+      [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
+        if (f0 + 64 * b < F) tma_store_2d(map, src, f0 + 64 * b, map_row + r);
+      },
+      [&](int b, int r) { return f0 + 64 * b < F ? h_rows + (int64_t)(row0 + r) * F + f0 + 64 * b : nullptr; });
 }
 
 // SwiGLU backward epilogue of a dh tile (columns f0 .. f0 + 255), given a = gate|up:
 // d_a = bf16(dh up silu'(gate) | dh silu(gate)) into d_a [.., 2F], rows [row0, row_end).
+// Per 128-column half, dh goes through sm.epi; then a thread's 8 pieces (8 f of a row
+// each) in two rounds of 4, each round loading all its gate and up before using any, so
+// that the loads overlap (registers: 128 accumulators + 32 for a round).
 __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0,
                                                  int row_end, int f0, int F, const bf16* a_rows, bf16* d_a) {
   if (sm.knobs & 2) return;
+  constexpr int kRound = 4, kRounds = BM * 16 / kThreads / kRound;  // 8 pieces a thread
+#pragma unroll
   for (int part = 0; part < 2; part++) {  // 128 columns of fp32 at a time
     epi_put<false>(sm, acc, wg, w, l, 16 * part, 16);
-    if (sm.knobs & 1) continue;
-    for (int q = threadIdx.x; q < BM * 16; q += kThreads) {
-      const int r = q / 16, c = q % 16, f = f0 + 128 * part + 8 * c;
-      if (row0 + r >= row_end || f >= F) continue;
-      const bf16* ar = a_rows + (int64_t)(row0 + r) * 2 * F;
-      float gate[8], up[8], dh[8], dg[8], du[8];
-      load_bf16x8(ar + f, gate);
-      load_bf16x8(ar + F + f, up);
-      const uint4 d0 = epi_piece(sm, r, 2 * c), d1 = epi_piece(sm, r, 2 * c + 1);
-      const float* p0 = reinterpret_cast<const float*>(&d0);
-      const float* p1 = reinterpret_cast<const float*>(&d1);
+#pragma unroll 1
+    for (int round = 0; round < kRounds; round++) {
+      uint4 gr[kRound], ur[kRound];
 #pragma unroll
-      for (int k = 0; k < 4; k++) dh[k] = p0[k], dh[4 + k] = p1[k];
-#pragma unroll
-      for (int k = 0; k < 8; k++) {
-        const float sg = __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-gate[k])));
-        const float si = __fmul_rn(gate[k], sg);
-        const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate[k], __fsub_rn(1.f, sg))));
-        dg[k] = __fmul_rn(__fmul_rn(dh[k], up[k]), dsi);
-        du[k] = __fmul_rn(dh[k], si);
+      for (int k = 0; k < kRound; k++) {
+        const int q = threadIdx.x + kThreads * (round * kRound + k), r = q / 16, f = f0 + 128 * part + 8 * (q % 16);
+        if (row0 + r < row_end && f < F) {
+          const bf16* ar = a_rows + (int64_t)(row0 + r) * 2 * F;
+          gr[k] = *reinterpret_cast<const uint4*>(ar + f);
+          ur[k] = *reinterpret_cast<const uint4*>(ar + F + f);
+        }
       }
-      bf16* dr = d_a + (int64_t)(row0 + r) * 2 * F;
-      store_bf16x8(dr + f, dg);
-      store_bf16x8(dr + F + f, du);
+#pragma unroll
+      for (int k = 0; k < kRound; k++) {
+        const int q = threadIdx.x + kThreads * (round * kRound + k), r = q / 16, c = q % 16;
+        const int f = f0 + 128 * part + 8 * c;
+        if (row0 + r >= row_end || f >= F) continue;
+        const bf16* gv = reinterpret_cast<const bf16*>(&gr[k]);
+        const bf16* uv = reinterpret_cast<const bf16*>(&ur[k]);
+        const uint4 d0 = epi_piece(sm, r, 2 * c), d1 = epi_piece(sm, r, 2 * c + 1);
+        const float* p0 = reinterpret_cast<const float*>(&d0);
+        const float* p1 = reinterpret_cast<const float*>(&d1);
+        float dg[8], du[8];
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+          const float gate = bf(gv[x]), up = bf(uv[x]), dh = x < 4 ? p0[x] : p1[x - 4];
+          const float sg = __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-gate)));
+          const float si = __fmul_rn(gate, sg);
+          const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
+          dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
+          du[x] = __fmul_rn(dh, si);
+        }
+        bf16* dr = d_a + (int64_t)(row0 + r) * 2 * F;
+        store_bf16x8(dr + f, dg);
+        store_bf16x8(dr + F + f, du);
+      }
     }
   }
 }

@@ -126,7 +126,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
 // Weight-gradient tile out: bf16 written, or added into fp32 buffers.
 // st: the bf16 gradient's store map, whose row map_row is tile row r0.
 __device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float (&acc)[kAcc], int wg, int w, int l, int r0,
-                                            int rows, int c0, int cols, void* out, const CUtensorMap* st, int map_row) {
+                                            int rows, int c0, int cols, void* out, const StoreMap* st, int map_row) {
   if (p.wgrad_fp32) store_tile<kAddF32>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
   else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols, st, map_row);
 }

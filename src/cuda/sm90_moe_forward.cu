@@ -219,7 +219,8 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt,
           B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
-          swiglu_store(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows);
+          swiglu_store(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows, &p.st_hrows,
+                       row0);
         });
   }
   signal_counter(&p.st.sync->counter[C_FIXED + mt]);
@@ -235,7 +236,7 @@ __device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int m
         B = Operand{&p.m_ws13, {nt * BF, nt * BF + 64, Fs + nt * BF, Fs + nt * BF + 64}, 0};
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
-        swiglu_store(sm, acc, wg, w, l, t0, s.T, nt * BF, Fs, p.sv.sa, p.sv.sh);
+        swiglu_store(sm, acc, wg, w, l, t0, s.T, nt * BF, Fs, p.sv.sa, p.sv.sh, &p.st_sa, &p.st_sh, t0);
       });
   signal_counter(&p.st.sync->counter[C_FIXED + s.max_mt + mt]);
 }
