@@ -27,17 +27,19 @@ constexpr int kThreads = 256;
 constexpr int BM = 128, BN = 256, BK = 64;
 constexpr int BF = BN / 2;       // f per SwiGLU tile: 128 gate columns, then 128 up columns
 constexpr int kAcc = BM * BN / kThreads;  // fp32 accumulators a thread
-constexpr int kStages = 3;
+constexpr int kStages = 4;
 constexpr int kBoxBytes = 64 * 64 * 2;
 constexpr int kStageBytes = 6 * kBoxBytes;  // A boxes 0-1, then B boxes 0-3
-constexpr int kEpiStride = 512 + 16;        // bytes per epilogue row: 256 bf16 or 128 fp32, padded
+constexpr int kEpiBytes = 32 * 1024;       // the epilogue buffer: two 128 x 64 bf16 boxes
 
 struct alignas(1024) Smem {
   uint8_t stage[kStages][kStageBytes];
+  union {  // never in use at once (dg_task takes the scratch after epi_acquire)
+    alignas(1024) uint8_t epi[kEpiBytes];    // an output tile on its way to global memory
+    float warp_scratch[kThreads / 32][256];  // per warp: one token's expert scores
+  };
   uint64_t full[kStages];
   uint64_t empty[kStages];
-  float warp_scratch[kThreads / 32][256];  // per warp: one token's expert scores
-  alignas(1024) uint8_t epi[BM * kEpiStride];  // an output tile on its way to global memory
   uint32_t ring_it;  // K blocks this CTA has put through the stage ring so far
   int task;
   int abort;
@@ -45,7 +47,8 @@ struct alignas(1024) Smem {
   uint32_t wait_ns;  // MOK_PROFILE: this task's time in wait_counter
   uint32_t knobs;
 };
-static_assert(sizeof(Smem) <= 227 * 1024, "shared memory");
+// + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
+static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
 
 // One operand of a tile: the tensor map and, per box, the row (K-major) or the mn start
 // (MN-major): two boxes for A, four for B; k0 is the first k (inner coordinate for
@@ -373,13 +376,10 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
 __device__ __forceinline__ float silu(float g) { return __fdiv_rn(g, __fadd_rn(1.f, __expf(-g))); }
 
 // ---- epilogues: accumulators -> sm.epi -> 16-byte global stores ----
-// A tile row in sm.epi is 256 bf16 or 128 fp32 (kEpiStride bytes with padding, so that
-// the 8 rows a warp writes at once fall in different banks).
+// The plain layout of sm.epi: 128 rows of 256 bytes (128 bf16 or 64 fp32 columns), the
+// 16-byte chunk c of row r at chunk c ^ r % 8, so that the 8 rows a warp writes at once
+// fall in different banks. A 128 x 256 tile passes through in 2 (bf16) or 4 (fp32) parts.
 
-
-// Accumulator pairs [i0, i0 + n) into sm.epi: bf16 at their tile column, or fp32 at
-// their column minus 8 * i0 (half a tile of fp32 at a time). Waits first until the
-// previous contents have been copied out.
 // sm.epi may be written: the previous tile's TMA stores (thread 0's) have read it and
 // every thread is done with it.
 __device__ __forceinline__ void epi_acquire() {
@@ -387,19 +387,22 @@ __device__ __forceinline__ void epi_acquire() {
   __syncthreads();
 }
 
+// Accumulator pairs [i0, i0 + n) into sm.epi (n = 16 bf16 or 8 fp32: one part), at their
+// column minus 8 * i0.
 template <bool kBf16>
 __device__ __forceinline__ void epi_put(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int i0, int n) {
   epi_acquire();
-  const uint32_t row0 = smem_addr(sm.epi) + acc_row(wg, w, l, 0) * kEpiStride, row1 = row0 + 8 * kEpiStride;
+  const int r = acc_row(wg, w, l, 0), sw = r % 8, q = l % 4;  // rows r and r + 8: same r % 8
+  const uint32_t row0 = smem_addr(sm.epi) + r * 256, row1 = row0 + 8 * 256;
 #pragma unroll
   for (int i = 0; i < kAcc / 4; i++) {
     if (i < i0 || i >= i0 + n) continue;
-    if (kBf16) {
-      const uint32_t c = acc_col(l, i) * 2;
+    if (kBf16) {  // byte 16 (i - i0) + 4q: chunk i - i0
+      const uint32_t c = (((i - i0) ^ sw) * 16) + 4 * q;
       st_shared_b32(row0 + c, pack_bf16x2(acc[4 * i], acc[4 * i + 1]));
       st_shared_b32(row1 + c, pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3]));
-    } else {
-      const uint32_t c = (acc_col(l, i) - 8 * i0) * 4;
+    } else {  // byte 32 (i - i0) + 8q: chunk 2 (i - i0) + q / 2
+      const uint32_t c = (((2 * (i - i0) + q / 2) ^ sw) * 16) + 8 * (q % 2);
       st_shared_v2f32(row0 + c, acc[4 * i], acc[4 * i + 1]);
       st_shared_v2f32(row1 + c, acc[4 * i + 2], acc[4 * i + 3]);
     }
@@ -407,9 +410,9 @@ __device__ __forceinline__ void epi_put(Smem& sm, const float (&acc)[kAcc], int 
   __syncthreads();
 }
 
-// 16-byte piece c of tile row r of sm.epi.
+// 16-byte piece c (of 16) of tile row r of sm.epi in the plain layout.
 __device__ __forceinline__ uint4 epi_piece(const Smem& sm, int r, int c) {
-  return *reinterpret_cast<const uint4*>(sm.epi + r * kEpiStride + c * 16);
+  return *reinterpret_cast<const uint4*>(sm.epi + r * 256 + ((c ^ (r % 8)) * 16));
 }
 
 // ---- epilogues through TMA stores ----
@@ -420,10 +423,10 @@ __device__ __forceinline__ uint4 epi_piece(const Smem& sm, int r, int c) {
 // end of an expert's rows in 16-row boxes, its last rows < 16 through 16-byte stores.
 constexpr int kStoreRows = 16;
 
-// Boxes [0, kBoxes) of sm.epi from pair(i, h): the packed bf16 pair of accumulator pair i
-// (columns 8i + 2(lane%4), +1) in row half h.
+// Boxes [0, kBoxes) of sm.epi (kBoxes <= 2) from pair(i, h): the packed bf16 pair of
+// accumulator pair i = 8 (b0 + b) + j (columns 8i + 2(lane%4), +1) in row half h.
 template <int kBoxes, class Pair>
-__device__ __forceinline__ void epi_put_boxes(Smem& sm, int wg, int w, int l, Pair pair) {
+__device__ __forceinline__ void epi_put_boxes(Smem& sm, int wg, int w, int l, int b0, Pair pair) {
   epi_acquire();
   // rows r and r + 8 share r % 8 = (lane / 4) % 8: one swizzle for both
   const int r = acc_row(wg, w, l, 0), sw = r % 8;
@@ -433,8 +436,8 @@ __device__ __forceinline__ void epi_put_boxes(Smem& sm, int wg, int w, int l, Pa
     const uint32_t c = (j ^ sw) * 16;
 #pragma unroll
     for (int b = 0; b < kBoxes; b++) {
-      st_shared_b32(row0 + b * (BM * 128) + c, pair(8 * b + j, 0));
-      st_shared_b32(row1 + b * (BM * 128) + c, pair(8 * b + j, 1));
+      st_shared_b32(row0 + b * (BM * 128) + c, pair(8 * (b0 + b) + j, 0));
+      st_shared_b32(row1 + b * (BM * 128) + c, pair(8 * (b0 + b) + j, 1));
     }
   }
   fence_proxy_async_smem();
@@ -468,13 +471,18 @@ __device__ __forceinline__ void epi_write_boxes(Smem& sm, const StoreMap* st, in
 __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l,
                                                const StoreMap* st, int map_row, int row0, int row_end, int c0,
                                                int ncols, bf16* out, int64_t ld) {
-  epi_put_boxes<4>(sm, wg, w, l, [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); });
-  epi_write_boxes(
-      sm, st, 4, min(BM, row_end - row0),
-      [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
-        if (c0 + 64 * b < ncols) tma_store_2d(map, src, c0 + 64 * b, map_row + r);
-      },
-      [&](int b, int r) { return c0 + 64 * b < ncols ? out + (int64_t)(row0 + r) * ld + c0 + 64 * b : nullptr; });
+#pragma unroll
+  for (int half = 0; half < 2; half++) {  // boxes 2 half, 2 half + 1 (128 columns)
+    const int cb = c0 + 128 * half;
+    epi_put_boxes<2>(sm, wg, w, l, 2 * half,
+                     [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); });
+    epi_write_boxes(
+        sm, st, 2, min(BM, row_end - row0),
+        [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
+          if (cb + 64 * b < ncols) tma_store_2d(map, src, cb + 64 * b, map_row + r);
+        },
+        [&](int b, int r) { return cb + 64 * b < ncols ? out + (int64_t)(row0 + r) * ld + cb + 64 * b : nullptr; });
+  }
 }
 
 // Writes rows [row0, row_end) x columns [c0, ncols) of out (ld elements a row) from the
@@ -487,8 +495,8 @@ template <int kMode>
 __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int row0,
                                            int row_end, int c0, int ncols, void* out, int64_t ld,
                                            const StoreMap* st = nullptr, int map_row = 0) {
-  constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kCols = 512 / kElem, kPer16 = 16 / kElem;
-  constexpr int kPieces = kCols / kPer16;  // 32 a row
+  constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kCols = 256 / kElem, kPer16 = 16 / kElem;
+  constexpr int kPieces = kCols / kPer16;  // 16 a row
   if (sm.knobs & 2) return;
   if (kMode == kStoreBf16 && st && !(sm.knobs & 8)) {
     store_tile_tma(sm, acc, wg, w, l, st, map_row, row0, row_end, c0, ncols, static_cast<bf16*>(out), ld);
@@ -526,22 +534,26 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
                                              const StoreMap* st_h, int map_row) {
   if (sm.knobs & 2) return;
   const int rows = min(BM, row_end - row0);
-  epi_put_boxes<4>(sm, wg, w, l, [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); });
-  epi_write_boxes(
-      sm, st_a, 4, rows,
-      [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {  // boxes 0, 1: gate; 2, 3: up
-        if (f0 + 64 * (b % 2) < F) tma_store_3d(map, src, f0 + 64 * (b % 2), b / 2, map_row + r);
-      },
-      [&](int b, int r) {
-        const int f = f0 + 64 * (b % 2);
-        return f < F ? a_rows + (int64_t)(row0 + r) * 2 * F + (b / 2) * F + f : nullptr;
-      });
+#pragma unroll
+  for (int half = 0; half < 2; half++) {  // gate (boxes 0, 1), then up (boxes 2, 3)
+    epi_put_boxes<2>(sm, wg, w, l, 2 * half,
+                     [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); });
+    epi_write_boxes(
+        sm, st_a, 2, rows,
+        [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
+          if (f0 + 64 * b < F) tma_store_3d(map, src, f0 + 64 * b, half, map_row + r);
+        },
+        [&](int b, int r) {
+          const int f = f0 + 64 * b;
+          return f < F ? a_rows + (int64_t)(row0 + r) * 2 * F + half * F + f : nullptr;
+        });
+  }
   auto hpair = [&](int i, int h) {
     const float g0 = bf(to_bf(acc[4 * i + 2 * h])), g1 = bf(to_bf(acc[4 * i + 2 * h + 1]));
     const float u0 = bf(to_bf(acc[4 * (i + 16) + 2 * h])), u1 = bf(to_bf(acc[4 * (i + 16) + 2 * h + 1]));
     return pack_bf16x2(__fmul_rn(silu(g0), u0), __fmul_rn(silu(g1), u1));
   };
-  epi_put_boxes<2>(sm, wg, w, l, hpair);
+  epi_put_boxes<2>(sm, wg, w, l, 0, hpair);
   epi_write_boxes(
       sm, st_h, 2, rows,
       [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
@@ -552,52 +564,47 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
 
 // SwiGLU backward epilogue of a dh tile (columns f0 .. f0 + 255), given a = gate|up:
 // d_a = bf16(dh up silu'(gate) | dh silu(gate)) into d_a [.., 2F], rows [row0, row_end).
-// Per 128-column half, dh goes through sm.epi; then a thread's 8 pieces (8 f of a row
-// each) in two rounds of 4, each round loading all its gate and up before using any, so
-// that the loads overlap (registers: 128 accumulators + 32 for a round).
+// Per 64-column quarter, dh goes through sm.epi (fp32); then each thread loads all of
+// its 4 pieces of gate and up (8 f of a row each) before using any, so the loads overlap.
 __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0,
                                                  int row_end, int f0, int F, const bf16* a_rows, bf16* d_a) {
   if (sm.knobs & 2) return;
-  constexpr int kRound = 4, kRounds = BM * 16 / kThreads / kRound;  // 8 pieces a thread
-#pragma unroll
-  for (int part = 0; part < 2; part++) {  // 128 columns of fp32 at a time
-    epi_put<false>(sm, acc, wg, w, l, 16 * part, 16);
+  constexpr int kPer = BM * 8 / kThreads;  // pieces a thread: 4
 #pragma unroll 1
-    for (int round = 0; round < kRounds; round++) {
-      uint4 gr[kRound], ur[kRound];
+  for (int part = 0; part < 4; part++) {
+    epi_put<false>(sm, acc, wg, w, l, 8 * part, 8);
+    uint4 gr[kPer], ur[kPer];
 #pragma unroll
-      for (int k = 0; k < kRound; k++) {
-        const int q = threadIdx.x + kThreads * (round * kRound + k), r = q / 16, f = f0 + 128 * part + 8 * (q % 16);
-        if (row0 + r < row_end && f < F) {
-          const bf16* ar = a_rows + (int64_t)(row0 + r) * 2 * F;
-          gr[k] = *reinterpret_cast<const uint4*>(ar + f);
-          ur[k] = *reinterpret_cast<const uint4*>(ar + F + f);
-        }
+    for (int k = 0; k < kPer; k++) {
+      const int q = threadIdx.x + kThreads * k, r = q / 8, f = f0 + 64 * part + 8 * (q % 8);
+      if (row0 + r < row_end && f < F) {
+        const bf16* ar = a_rows + (int64_t)(row0 + r) * 2 * F;
+        gr[k] = *reinterpret_cast<const uint4*>(ar + f);
+        ur[k] = *reinterpret_cast<const uint4*>(ar + F + f);
       }
+    }
 #pragma unroll
-      for (int k = 0; k < kRound; k++) {
-        const int q = threadIdx.x + kThreads * (round * kRound + k), r = q / 16, c = q % 16;
-        const int f = f0 + 128 * part + 8 * c;
-        if (row0 + r >= row_end || f >= F) continue;
-        const bf16* gv = reinterpret_cast<const bf16*>(&gr[k]);
-        const bf16* uv = reinterpret_cast<const bf16*>(&ur[k]);
-        const uint4 d0 = epi_piece(sm, r, 2 * c), d1 = epi_piece(sm, r, 2 * c + 1);
-        const float* p0 = reinterpret_cast<const float*>(&d0);
-        const float* p1 = reinterpret_cast<const float*>(&d1);
-        float dg[8], du[8];
+    for (int k = 0; k < kPer; k++) {
+      const int q = threadIdx.x + kThreads * k, r = q / 8, c = q % 8, f = f0 + 64 * part + 8 * c;
+      if (row0 + r >= row_end || f >= F) continue;
+      const bf16* gv = reinterpret_cast<const bf16*>(&gr[k]);
+      const bf16* uv = reinterpret_cast<const bf16*>(&ur[k]);
+      const uint4 d0 = epi_piece(sm, r, 2 * c), d1 = epi_piece(sm, r, 2 * c + 1);
+      const float* p0 = reinterpret_cast<const float*>(&d0);
+      const float* p1 = reinterpret_cast<const float*>(&d1);
+      float dg[8], du[8];
 #pragma unroll
-        for (int x = 0; x < 8; x++) {
-          const float gate = bf(gv[x]), up = bf(uv[x]), dh = x < 4 ? p0[x] : p1[x - 4];
-          const float sg = __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-gate)));
-          const float si = __fmul_rn(gate, sg);
-          const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
-          dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
-          du[x] = __fmul_rn(dh, si);
-        }
-        bf16* dr = d_a + (int64_t)(row0 + r) * 2 * F;
-        store_bf16x8(dr + f, dg);
-        store_bf16x8(dr + F + f, du);
+      for (int x = 0; x < 8; x++) {
+        const float gate = bf(gv[x]), up = bf(uv[x]), dh = x < 4 ? p0[x] : p1[x - 4];
+        const float sg = __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-gate)));
+        const float si = __fmul_rn(gate, sg);
+        const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
+        dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
+        du[x] = __fmul_rn(dh, si);
       }
+      bf16* dr = d_a + (int64_t)(row0 + r) * 2 * F;
+      store_bf16x8(dr + f, dg);
+      store_bf16x8(dr + F + f, du);
     }
   }
 }

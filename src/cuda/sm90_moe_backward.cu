@@ -63,7 +63,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     }
   }
   if (s.fused) {
-    __syncthreads();
+    epi_acquire();  // warp_scratch shares sm.epi with a previous task's TMA stores
     const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
     const float TK = (float)s.T * (float)K;
     for (int t = t0 + warp; t < t1; t += kThreads / 32) {
@@ -78,7 +78,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
                                       __fdiv_rn((float)p.sv.counts[e], TK)), (float)s.T);
       }
       // g_j = route_scale s_j / S: S and sum_j dgn_j g_n_j over slots in order
-      float* sw = sm.warp_scratch[warp];
+      float* sw = sm.warp_scratch[warp];  // (shares sm.epi: the epi_acquire above)
 #pragma unroll
       for (int i = 0; i < 8; i++)
         if (lane + 32 * i < E) sw[lane + 32 * i] = sc[i];
