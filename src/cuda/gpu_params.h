@@ -34,7 +34,9 @@ struct GpuStep {
   struct TraceRecord* trace; // MOK_TRACE=file: one record per task, or null
   uint32_t* trace_len;       // records written (may pass trace_cap: the rest are dropped)
   uint32_t trace_cap;
-  uint32_t knobs;            // MOK_KNOBS (measurement only): 1 skip epilogue global stores, 2 skip epilogues, 4 streaming stores
+  uint32_t knobs;            // MOK_KNOBS, a measurement aid that breaks the results: bit 1 =
+                             // plain epilogues skip their global stores, 2 = no epilogues,
+                             // 8 = bf16 tiles leave through the plain path, not TMA stores
 };
 
 // MOK_TRACE: a task's wall-clock span (%globaltimer, ns) on one CTA, and the part of it

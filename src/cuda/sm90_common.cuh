@@ -45,7 +45,7 @@ struct alignas(1024) Smem {
   int abort;
   int last_cta;
   uint32_t wait_ns;  // MOK_PROFILE: this task's time in wait_counter
-  uint32_t knobs;
+  uint32_t knobs;    // MOK_KNOBS (gpu_params.h)
 };
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
 static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
@@ -80,7 +80,6 @@ __device__ __forceinline__ Smem& kernel_smem() {
     }
     sm.abort = 0;
     sm.ring_it = 0;
-    sm.knobs = 0;
     fence_mbar_init();
   }
   __syncthreads();
@@ -515,8 +514,6 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
         const float4 o = *reinterpret_cast<const float4*>(g);
         const float4 a = *reinterpret_cast<const float4*>(&v);
         *reinterpret_cast<float4*>(g) = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
-      } else if (sm.knobs & 4) {
-        __stcs(g, v);
       } else {
         *g = v;
       }

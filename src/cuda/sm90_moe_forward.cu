@@ -307,7 +307,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
 
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   Smem& sm = kernel_smem();
-  sm.knobs = p.st.knobs;  // read after kernel_smem's barrier; tasks start after next_task's
+  if (threadIdx.x == 0) sm.knobs = p.st.knobs;  // seen by all after next_task's barrier
   const Shape& s = p.s;
   // GEMM tasks per row tile (column-tile groups)
   const int nF1 = groups(cdiv(s.F, BF), s.H / BK), nS1 = groups(cdiv(s.Fs, BF), s.H / BK);
