@@ -16,6 +16,7 @@ LIB_SRC  := $(wildcard src/*.c src/cpu/*.c)
 TOOL_SRC := tools/problem.c
 TEST_SRC := $(wildcard tests/*.c)
 CU_SRC   := $(wildcard src/cuda/*.cu)
+PYTHON  ?= python3
 
 # With nvcc the library carries the CUDA backend (sm_90a kernels, static cudart): it
 # builds and its CPU tests run on a machine without a GPU too.
@@ -27,6 +28,17 @@ LDLIBS    += -L$(CUDA_LIB) -lcudart_static -ldl -lrt -lstdc++
 NVFLAGS   ?= -O3
 NVFLAGS   += -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC,-fvisibility=hidden \
              -DMOK_HAVE_CUDA -Iinclude -Isrc
+# NCCL (expert parallelism, src/comm/): headers at build time, libnccl.so.2 loaded at run
+# time. Python's nvidia-nccl first (the NCCL that PyTorch loads into the same process,
+# so kernels and library agree on NCCL's device structures), then the CUDA toolkit's.
+PY_NCCL   := $(shell $(PYTHON) -c "import importlib.util as u; s = u.find_spec('nvidia.nccl'); print(list(s.submodule_search_locations)[0] if s else '')" 2>/dev/null)
+NCCL_HOME ?= $(firstword $(foreach d,$(PY_NCCL) $(CUDA_HOME) /usr/local,$(if $(wildcard $(d)/include/nccl_device.h),$(d))))
+ifneq ($(NCCL_HOME),)
+NCCL_LIB  := $(firstword $(foreach d,$(NCCL_HOME)/lib $(NCCL_HOME)/lib64 $(CUDA_HOME)/lib $(CUDA_HOME)/lib64,$(if $(wildcard $(d)/libnccl.so.2),$(d))))
+CFLAGS    += -DMOK_HAVE_NCCL
+NVFLAGS   += -DMOK_HAVE_NCCL -I$(NCCL_HOME)/include -DMOK_NCCL_LIBDIR='"$(NCCL_LIB)"'
+CU_SRC    += $(wildcard src/comm/*.cu)
+endif
 endif
 
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(if $(NVCC),$(CU_SRC:%.cu=$(BUILD)/%.cu.o))
@@ -37,13 +49,13 @@ TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 all: info $(BUILD)/libmok.a $(BUILD)/libmok.so $(BUILD)/mok $(BUILD)/mok_tests
 
 info:
-	@echo "mok: CC=$(CC) nvcc=$(if $(NVCC),$(NVCC),not found) .cu files=$(words $(CU_SRC))"
+	@echo "mok: CC=$(CC) nvcc=$(if $(NVCC),$(NVCC),not found) .cu files=$(words $(CU_SRC)) nccl=$(if $(NCCL_HOME),$(NCCL_HOME),not found)"
 
 $(BUILD)/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h tools/*.h tests/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Isrc -Itools -c $< -o $@
 
-$(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*.h src/cuda/*.h src/cuda/*.cuh)
+$(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*.h src/cuda/*.h src/cuda/*.cuh src/comm/*.h src/comm/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -Xptxas -warn-spills -c $< -o $@
 
@@ -68,7 +80,8 @@ $(BUILD)/tests/gpu/runner.o: tests/runner.c $(wildcard include/*.h tools/*.h tes
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -DMOK_GPU_TESTS -Isrc -Itools -c $< -o $@
 
-$(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(BUILD)/tests/gpu/test_gpu.o $(BUILD)/tests/reference.o $(TOOL_OBJ) $(BUILD)/libmok.a
+GPU_TEST_OBJ := $(BUILD)/tests/gpu/test_gpu.o $(if $(NCCL_HOME),$(BUILD)/tests/gpu/test_gpu_comm.o $(BUILD)/tests/gpu/peer_exchange.cu.o)
+$(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(GPU_TEST_OBJ) $(BUILD)/tests/reference.o $(TOOL_OBJ) $(BUILD)/libmok.a
 	$(CC) -o $@ $^ $(LDLIBS)
 
 test-gpu: $(BUILD)/mok_gpu_tests $(BUILD)/libmok.so
@@ -91,7 +104,6 @@ clean:
 # PyTorch binding (python/): `make python` builds the library it loads
 # (build/libmok.so); `make test-python` runs its tests (needs torch and pytest).
 .PHONY: python test-python
-PYTHON ?= python3
 python: $(BUILD)/libmok.so
 
 test-python: python

@@ -187,6 +187,13 @@ typedef struct {
 MOK_API const char* mok_status_string(mok_status_t status);
 MOK_API int mok_version(void); /* MOK_VERSION_CODE of the library */
 
+/* GPUs (CUDA backend, W > 1; docs/DISTRIBUTED.md): the W ranks' NCCL communicator is
+ * created from one unique id, made by one rank and shared with the others. Needs
+ * libnccl.so.2 (2.28 or newer) at run time, loaded on first use. On failure the message
+ * is mok_last_create_error(). */
+#define MOK_COMM_UNIQUE_ID_BYTES 128
+MOK_API mok_status_t mok_comm_unique_id(void* id, size_t size);
+
 /* In-process communicator for W CPU ranks of one process (one thread per rank). */
 MOK_API mok_status_t mok_cpu_comm_create(int num_ranks, mok_cpu_comm_t** comm);
 MOK_API mok_status_t mok_cpu_comm_destroy(mok_cpu_comm_t* comm);
@@ -199,7 +206,7 @@ MOK_API mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t**
  * its wait is bounded by the timeout, so a context whose peers died still goes. */
 MOK_API mok_status_t mok_context_destroy(mok_context_t* ctx);
 MOK_API const char* mok_context_last_error(const mok_context_t* ctx);
-MOK_API const char* mok_last_create_error(void); /* message of this thread's last failed create */
+MOK_API const char* mok_last_create_error(void); /* this thread's last failed create or unique id */
 
 MOK_API mok_status_t mok_workspace_size(const mok_context_t* ctx, size_t* bytes);
 MOK_API mok_status_t mok_saved_size(const mok_context_t* ctx, size_t* bytes);

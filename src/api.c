@@ -10,6 +10,9 @@
 #include "cpu/cpu_comm.h"
 #include "cpu/gemm.h"
 #include "internal.h"
+#ifdef MOK_HAVE_NCCL
+#include "comm/nccl_comm.h"
+#endif
 #ifdef MOK_HAVE_CUDA
 #include "cuda/cuda_backend.h"
 #endif
@@ -60,6 +63,23 @@ mok_status_t mok_error_at(mok_context_t* ctx, mok_status_t s, const char* file, 
 }
 
 const char* mok_last_create_error(void) { return create_error; }
+
+mok_status_t mok_comm_unique_id(void* id, size_t size) {
+  if (!id || size < MOK_COMM_UNIQUE_ID_BYTES) {
+    snprintf(create_error, MOK_ERROR_LEN, "mok_comm_unique_id: id must point to at least MOK_COMM_UNIQUE_ID_BYTES = %d "
+             "bytes (got %zu%s)", MOK_COMM_UNIQUE_ID_BYTES, size, id ? "" : " at NULL");
+    return id ? MOK_STATUS_INVALID_ARGUMENT : MOK_STATUS_NULL_POINTER;
+  }
+#ifdef MOK_HAVE_NCCL
+  char err[400];
+  mok_status_t s = mok_nccl_unique_id(id, err, sizeof err);
+  if (s != MOK_STATUS_SUCCESS) snprintf(create_error, MOK_ERROR_LEN, "mok_comm_unique_id: %s", err);
+  return s;
+#else
+  snprintf(create_error, MOK_ERROR_LEN, "mok_comm_unique_id: this libmok was built without NCCL (no nccl.h found)");
+  return MOK_STATUS_BACKEND_UNAVAILABLE;
+#endif
+}
 
 /* ---- registry of live contexts: lets a call detect a destroyed context without
  * reading its freed memory ---- */

@@ -20,6 +20,9 @@ static const struct {
 } suites[] = {
 #ifdef MOK_GPU_TESTS /* mok_gpu_tests: the CUDA backend (tests/gpu/) */
     {"gpu", suite_gpu},
+#ifdef MOK_HAVE_NCCL
+    {"comm", suite_gpu_comm},
+#endif
 #else
     {"validation", suite_validation}, {"grad", suite_grad},   {"numerics", suite_numerics},
     {"determinism", suite_determinism}, {"edge", suite_edge},

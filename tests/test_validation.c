@@ -567,6 +567,31 @@ static int version(void) {
   return 0;
 }
 
+/* mok_comm_unique_id: bad buffers get their status and a message naming the argument
+ * and leave the buffer untouched; a good one gets an id where NCCL loads (the CPU is
+ * enough for ncclGetUniqueId), or BACKEND_UNAVAILABLE with the reason. */
+static int comm_unique_id(void) {
+  unsigned char id[MOK_COMM_UNIQUE_ID_BYTES + 1];
+  memset(id, 0xA5, sizeof id);
+  mok_status_t s = mok_comm_unique_id(NULL, MOK_COMM_UNIQUE_ID_BYTES);
+  TEST_ASSERT(s == MOK_STATUS_NULL_POINTER && strstr(mok_last_create_error(), "id "), "NULL id: %s, '%s'",
+              mok_status_string(s), mok_last_create_error());
+  s = mok_comm_unique_id(id, MOK_COMM_UNIQUE_ID_BYTES - 1);
+  TEST_ASSERT(s == MOK_STATUS_INVALID_ARGUMENT && strstr(mok_last_create_error(), "MOK_COMM_UNIQUE_ID_BYTES"),
+              "short id: %s, '%s'", mok_status_string(s), mok_last_create_error());
+  for (size_t i = 0; i < sizeof id; i++) TEST_ASSERT(id[i] == 0xA5, "a rejected call wrote byte %zu", i);
+  s = mok_comm_unique_id(id, sizeof id);
+  if (s == MOK_STATUS_BACKEND_UNAVAILABLE) {
+    printf("    no NCCL here: %s\n", mok_last_create_error());
+    return 0;
+  }
+  TEST_ASSERT(s == MOK_STATUS_SUCCESS, "%s: %s", mok_status_string(s), mok_last_create_error());
+  int changed = 0;
+  for (size_t i = 0; i < MOK_COMM_UNIQUE_ID_BYTES; i++) changed += id[i] != 0xA5;
+  TEST_ASSERT(changed > 0 && id[MOK_COMM_UNIQUE_ID_BYTES] == 0xA5, "id not written, or written past its 128 bytes");
+  return 0;
+}
+
 const test_case_t suite_validation[] = {
     {"valid_calls", valid_calls},
     {"create_version", create_version},
@@ -586,5 +611,6 @@ const test_case_t suite_validation[] = {
     {"empty_batch", empty_batch},
     {"status_strings", status_strings},
     {"version", version},
+    {"comm_unique_id", comm_unique_id},
     TEST_END,
 };
