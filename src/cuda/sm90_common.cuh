@@ -15,8 +15,9 @@
 // through its descriptor (the transpose bits). Within a tile each output element is one
 // accumulator summed over K blocks in increasing order; inside a block the order is the
 // tensor core's, the same on every SM and for every M (one tile shape for everything).
-// 128 x 256 rather than 128 x 128: 87 instead of 64 FLOPs per byte brought from L2, which
-// bounded the 128 x 128 tile near 400 TFLOP/s (docs/PERF.md).
+// 128 x 256 rather than 128 x 128: 87 instead of 64 FLOPs per byte brought from L2.
+// Every GEMM task is inlined into its kernel: with a wgmma in a called function ptxas
+// serialises every wgmma of the kernel (warning C7510; docs/KERNELS.md).
 #pragma once
 #include "gpu_params.h"
 #include "ptx.cuh"
