@@ -121,6 +121,51 @@ def profile_shape(name, skewed):
     torch.cuda.empty_cache()
 
 
+def kernel_times(name, steps=5):
+    """Where a mok step's wall time goes on the GPU: `steps` steps under torch.profiler,
+    per step the CUDA-event time against the sum of the GPU's kernel and memset times,
+    each kernel by name (mok's two launches, torch's fills and copies), and the GPU's
+    idle time inside the step (the first question of docs/PERF.md's "what to try next")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    T, H, Fd, E, K = SHAPES[name]
+    layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda")
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    params = [layer.w_router, layer.w13, layer.w2]
+
+    def step():
+        x.grad = None
+        for p in params:
+            p.grad = None
+        layer(x).backward(dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            walls.append(a.elapsed_time(b))
+    gpu = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name = {}
+    for e in gpu:
+        by_name.setdefault(e.name, []).append(e.device_time_total / 1e3)  # us -> ms
+    busy = sum(sum(v) for v in by_name.values()) / steps
+    print(f"{name}: step {statistics.median(walls):.2f} ms (CUDA events, median of {steps}); GPU busy "
+          f"{busy:.2f} ms a step; idle inside the step {statistics.median(walls) - busy:.2f} ms")
+    for n, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {sum(v) / steps:9.3f} ms a step  x{len(v) / steps:4.1f}  {n[:100]}")
+    del layer, x, dy, params
+    mok.clear_cache()
+    torch.cuda.empty_cache()
+
+
 def bench_shape(name, skewed, steps, ceiling):
     T, H, Fd, E, K = SHAPES[name]
     torch.manual_seed(0)
@@ -202,7 +247,13 @@ def main():
     ap.add_argument("--uniform-only", action="store_true")
     ap.add_argument("--profile", action="store_true", help="mok only: CTA time per task kind (MOK_PROFILE=1)")
     ap.add_argument("--commit", default="", help="commit to print when the tree has no .git")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="mok only: per step, the GPU's kernel times against the step's wall time (torch.profiler)")
     args = ap.parse_args()
+    if args.kernel_times:
+        for name in args.shapes.split(","):
+            kernel_times(name)
+        return
     if args.profile:
         for name in args.shapes.split(","):
             for skewed in ([False] if args.uniform_only else [False, True]):
