@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# gpu_session.sh — what one call on the GPU machine usually needs, in one command
+# (device time is short and every call starts a fresh machine): build, then the parts
+# named on the command line, logs and results under $OUT (default /tmp/mok-out).
+#
+#   bench/gpu_session.sh test trace bench          # all three, in this order
+#   SHAPES=deepseek-v3 bench/gpu_session.sh trace  # traces of one shape
+#
+#   test          make test-gpu (its last line printed)
+#   trace         MOK_TRACE of one step per shape, bench/trace_report.py per shape
+#   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
+#   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
+#   comm          the 2-GPU NCCL case alone (comm.peer_exchange_w2)
+# COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
+set -u
+export NCCL_NVLS_ENABLE=0  # never NVLink multicast
+OUT=${OUT:-/tmp/mok-out}
+SHAPES=${SHAPES:-qwen3-30b-a3b,gpt-oss-120b,mixtral-8x7b,deepseek-v3}
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+
+make -j"$(nproc)" build/libmok.so build/mok_gpu_tests > "$OUT/build.log" 2>&1 || {
+  tail -30 "$OUT/build.log"
+  exit 1
+}
+export MOK_LIBRARY="$PWD/build/libmok.so"
+for part in "$@"; do
+  case "$part" in
+    test)
+      make test-gpu > "$OUT/test-gpu.log" 2>&1
+      echo "test-gpu (exit $?): $(tail -1 "$OUT/test-gpu.log")"
+      ;;
+    trace)
+      for s in ${SHAPES//,/ }; do
+        rm -f "$OUT/trace-$s.txt"
+        MOK_TRACE="$OUT/trace-$s.txt" python3 bench/bench_moe.py --profile --uniform-only --shapes "$s" > /dev/null 2>&1
+        python3 bench/trace_report.py "$OUT/trace-$s.txt" --shape "$s" > "$OUT/report-$s.txt" 2>&1
+        echo "== $s"
+        grep -E "span|TFLOP" "$OUT/report-$s.txt"
+        gzip -f "$OUT/trace-$s.txt"
+      done
+      ;;
+    kernel-times)
+      python3 bench/bench_moe.py --kernel-times --shapes "$SHAPES" 2>&1 | tee "$OUT/kernel-times.txt"
+      ;;
+    bench)
+      python3 bench/bench_moe.py --shapes "$SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" 2>&1 |
+        tee "$OUT/bench.txt"
+      ;;
+    comm)
+      ./build/mok_gpu_tests -k comm.peer_exchange_w2 2>&1 | tail -4
+      ;;
+    *)
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm)"
+      exit 2
+      ;;
+  esac
+done
