@@ -28,13 +28,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import mok  # noqa: E402
+from ep_peer import route  # noqa: E402  (bench/ is this script's directory)
+from shapes import SHAPES  # noqa: E402
 
-SHAPES = {  # tokens per GPU, H, F, E, K (DESIGN.md section 7)
-    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),
-    "gpt-oss-120b": (16384, 2880, 2880, 128, 4),
-    "mixtral-8x7b": (8192, 4096, 14336, 8, 2),
-    "deepseek-v3": (8192, 7168, 2048, 256, 8),
-}
 
 
 def flops(T, H, Fd, E, K):
@@ -68,10 +64,7 @@ def peer_forward(x, w_router, bias, w13, w2, K):
     T, H = x.shape
     E, twoF, _ = w13.shape
     Fd = twoF // 2
-    scores = torch.softmax(F.linear(x, w_router).float(), dim=-1)
-    _, idx = torch.topk(scores + bias, K, dim=-1)
-    g = scores.gather(1, idx)
-    g = g / g.sum(-1, keepdim=True)
+    idx, g = route(x, w_router, bias, K)
     flat = idx.flatten()
     order = torch.argsort(flat, stable=True)
     token = order // K
@@ -140,25 +133,16 @@ def kernel_times(name, steps=5):
             p.grad = None
         layer(x).backward(dy)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    walls = []
+    time_ms(step, 1)  # warm-up steps, outside the profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            walls.append(a.elapsed_time(b))
+        wall = time_ms(step, steps, warmup=0)
     gpu = [e for e in prof.events() if e.device_type.name == "CUDA"]
     by_name = {}
     for e in gpu:
         by_name.setdefault(e.name, []).append(e.device_time_total / 1e3)  # us -> ms
     busy = sum(sum(v) for v in by_name.values()) / steps
-    print(f"{name}: step {statistics.median(walls):.2f} ms (CUDA events, median of {steps}); GPU busy "
-          f"{busy:.2f} ms a step; idle inside the step {statistics.median(walls) - busy:.2f} ms")
+    print(f"{name}: step {wall:.2f} ms (CUDA events, median of {steps}); GPU busy "
+          f"{busy:.2f} ms a step; idle inside the step {wall - busy:.2f} ms")
     for n, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {sum(v) / steps:9.3f} ms a step  x{len(v) / steps:4.1f}  {n[:100]}")
     del layer, x, dy, params

@@ -15,17 +15,12 @@ import argparse
 import collections
 import sys
 
+from shapes import SHAPES  # bench/ is this script's directory
+
 FWD = ["route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2", "combine"]
 BWD = ["dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13", "rw", "tree", "dxsum"]
 NAMES = FWD + BWD
 
-# named shapes: T, H, F, E, K (bench/bench_moe.py)
-SHAPES = {
-    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),
-    "gpt-oss-120b": (16384, 2880, 2880, 128, 4),
-    "mixtral-8x7b": (8192, 4096, 14336, 8, 2),
-    "deepseek-v3": (8192, 7168, 2048, 256, 8),
-}
 
 
 def gemm_flops(shape):

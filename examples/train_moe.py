@@ -81,6 +81,41 @@ def my_chunks(num_chunks, world, rank):
     return range(lo, lo + base + (1 if rank < extra else 0))
 
 
+def zero_grads(params, moes):
+    """Before a chunk: no .grad, and the MoE layers' fp32 main_grad buffers zeroed."""
+    for p in params:
+        p.grad = None
+    for m in moes:
+        if hasattr(m, "zero_main_grad"):
+            m.zero_main_grad()
+
+
+def chunk_partial(params):
+    """This chunk's gradient of every parameter, fp32, as one vector (main_grad where
+    the MoE layer keeps it)."""
+    return torch.cat([(p.main_grad if hasattr(p, "main_grad") else p.grad.float()).reshape(-1) for p in params])
+
+
+def reduce_and_step(params, master, opt, partials, losses, num_chunks):
+    """The step from this rank's chunk partials and losses: mok.reduce_replicated sums
+    every rank's chunks by the fixed tree (the same bits for any split of the chunks),
+    AdamW updates the fp32 masters, the model's weights take their values. Returns the
+    mean loss over all chunks."""
+    dev = params[0].device
+    width = sum(p.numel() for p in params)
+    grad = mok.reduce_replicated(torch.stack(partials) if partials else torch.zeros(0, width, device=dev))
+    loss = mok.reduce_replicated(torch.stack(losses) if losses else torch.zeros(0, 1, device=dev)) / num_chunks
+    at = 0
+    for m in master:
+        m.grad = grad[at : at + m.numel()].view_as(m)
+        at += m.numel()
+    opt.step()
+    with torch.no_grad():
+        for p, m in zip(params, master):
+            p.copy_(m)
+    return loss
+
+
 def checksum(params):
     h = hashlib.sha256()
     for p in params:
@@ -134,30 +169,14 @@ def main():
         cur, nxt = batch(step, args, perm)
         partials, losses = [], []
         for c in mine:                          # one forward/backward per chunk
-            for p in params:
-                p.grad = None
-            for b in model.blocks:
-                b.moe.zero_main_grad()
+            zero_grads(params, [b.moe for b in model.blocks])
             sl = slice(c * chunk_tokens, (c + 1) * chunk_tokens)
             logits, router_loss = fwd(cur[sl])
             ce = nn.functional.cross_entropy(logits.float(), nxt[sl])
             ((ce + router_loss) / args.chunks).backward()
-            # this chunk's gradient of every parameter, fp32, as one vector
-            partials.append(torch.cat([
-                (p.main_grad if hasattr(p, "main_grad") else p.grad.float()).reshape(-1) for p in params
-            ]))
+            partials.append(chunk_partial(params))
             losses.append(ce.detach().float().reshape(1))
-        local = torch.stack(partials) if partials else torch.zeros(0, sum(p.numel() for p in params))
-        grad = mok.reduce_replicated(local)     # the fixed tree over all ranks' chunks
-        loss = mok.reduce_replicated(torch.stack(losses) if losses else torch.zeros(0, 1)) / args.chunks
-        at = 0
-        for m in master:
-            m.grad = grad[at : at + m.numel()].view_as(m)
-            at += m.numel()
-        opt.step()
-        with torch.no_grad():
-            for p, m in zip(params, master):
-                p.copy_(m)
+        loss = reduce_and_step(params, master, opt, partials, losses, args.chunks)
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             tpe = model.blocks[0].moe.tokens_per_expert.tolist()
             print(f"step {step:4d}  loss {loss.item():.4f}  layer-0 tokens/expert {tpe}")

@@ -38,6 +38,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import mok  # noqa: E402
+from train_moe import chunk_partial, my_chunks, reduce_and_step, zero_grads  # noqa: E402 (this directory)
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "genesis-kjv.txt")
 VOCAB = 128  # the text is ASCII
@@ -142,13 +143,6 @@ def batch(step, args, data):
     return rows[:, :-1].long(), rows[:, 1:].long()
 
 
-def my_chunks(num_chunks, world, rank):
-    """Rank r's contiguous run of chunks (as even as possible)."""
-    base, extra = divmod(num_chunks, world)
-    lo = rank * base + min(rank, extra)
-    return range(lo, lo + base + (1 if rank < extra else 0))
-
-
 def write_png(path, curves, width=640, height=360):
     """A line plot of one or more loss curves (lists of floats) as an 8-bit RGB PNG,
     drawn here so the example needs nothing beyond torch."""
@@ -247,30 +241,14 @@ def main():
         inp, tgt = batch(step, args, data)
         partials, losses = [], []
         for c in mine:  # one forward/backward per chunk
-            for p in params:
-                p.grad = None
-            for b in model.blocks:
-                if hasattr(b.moe, "zero_main_grad"):
-                    b.moe.zero_main_grad()
+            zero_grads(params, [b.moe for b in model.blocks])
             sl = slice(c * seqs, (c + 1) * seqs)
             logits, router = model(inp[sl].to(device))
             ce = nn.functional.cross_entropy(logits.float(), tgt[sl].reshape(-1).to(device))
             ((ce + router) / args.chunks).backward()
-            partials.append(torch.cat([(p.main_grad if hasattr(p, "main_grad") else p.grad.float()).reshape(-1)
-                                       for p in params]))
+            partials.append(chunk_partial(params))
             losses.append(ce.detach().float().reshape(1))
-        width = sum(p.numel() for p in params)
-        local = torch.stack(partials) if partials else torch.zeros(0, width, device=device)
-        grad = mok.reduce_replicated(local)  # the fixed tree over every rank's chunks
-        loss = mok.reduce_replicated(torch.stack(losses) if losses else torch.zeros(0, 1, device=device)) / args.chunks
-        at = 0
-        for m in master:
-            m.grad = grad[at : at + m.numel()].view_as(m).to(m.device)
-            at += m.numel()
-        opt.step()
-        with torch.no_grad():
-            for p, m in zip(params, master):
-                p.copy_(m)
+        loss = reduce_and_step(params, master, opt, partials, losses, args.chunks)  # the fixed tree, then AdamW
         tokens += args.batch * args.seq
         curve.append(loss.item())
         if rank == 0:

@@ -6,6 +6,8 @@
 #pragma once
 #include <stdint.h>
 
+#include "cuda/ptx.cuh"  // globaltimer_ns
+
 namespace mok {
 
 __device__ __forceinline__ void flag_release_sys(uint64_t* flag, uint64_t serial) {
@@ -18,17 +20,11 @@ __device__ __forceinline__ uint64_t flag_acquire_sys(const uint64_t* flag) {
   return v;
 }
 
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-
 // One thread waits until *flag >= serial; false when timeout_ns passed first.
 __device__ __forceinline__ bool flag_wait_sys(const uint64_t* flag, uint64_t serial, uint64_t timeout_ns) {
-  const uint64_t t0 = now_ns();
+  const uint64_t t0 = globaltimer_ns();
   while (flag_acquire_sys(flag) < serial) {
-    if (now_ns() - t0 > timeout_ns) return false;
+    if (globaltimer_ns() - t0 > timeout_ns) return false;
     __nanosleep(256);
   }
   return true;

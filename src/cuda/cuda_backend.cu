@@ -259,43 +259,47 @@ mok_status_t mok_cuda_sync(mok_context_t* ctx) {
   return MOK_STATUS_SUCCESS;
 }
 
-// A 2-D bf16 tensor map [rows, cols] (cols contiguous), boxes of box_rows x 64, 128-byte
-// swizzle; out-of-bound elements read as zero, and are not written by stores. Loads use
-// 64-row boxes, the epilogues' TMA stores kStoreRows-row boxes (sm90_common.cuh).
+// A bf16 tensor map of `rank` dimensions (dims[0] innermost, in elements; strides of
+// dims 1.. in bytes), 128-byte swizzle; out-of-bound elements read as zero and are not
+// written by stores. Zeroed, and not used, when base is null (a buffer this
+// configuration does not have).
+static mok_status_t encode_map(mok_context_t* ctx, CUtensorMap* map, const void* base, cuuint32_t rank,
+                               const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                               const char* name) {
+  memset(map, 0, sizeof *map);
+  if (!base) return MOK_STATUS_SUCCESS;
+  const cuuint32_t elem[3] = {1, 1, 1};
+  CUresult r = gpu(ctx)->encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides,
+                                box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    char shape[96];
+    int n = 0;
+    for (int d = (int)rank - 1; d >= 0 && n < (int)sizeof shape; d--)  // outermost first
+      n += snprintf(shape + n, sizeof shape - n, "%s%llu", n ? ", " : "", (unsigned long long)dims[d]);
+    return MOK_ERR(ctx, MOK_STATUS_CUDA_ERROR, "cuTensorMapEncodeTiled(%s [%s]) failed with %d", name, shape, (int)r);
+  }
+  return MOK_STATUS_SUCCESS;
+}
+
+// A 2-D map [rows, cols] (cols contiguous), boxes of box_rows x 64. Loads use 64-row
+// boxes, the epilogues' TMA stores kStoreRows-row boxes (sm90_common.cuh).
 static mok_status_t make_map(mok_context_t* ctx, CUtensorMap* map, const void* base, int64_t rows, int64_t cols,
                              const char* name, uint32_t box_rows = 64) {
-  memset(map, 0, sizeof *map);
-  if (!base) return MOK_STATUS_SUCCESS;  // not used by this configuration
-  cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)std::max<int64_t>(rows, 1)};
-  cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
-  cuuint32_t box[2] = {64, box_rows};
-  cuuint32_t elem[2] = {1, 1};
-  CUresult r = gpu(ctx)->encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-                                elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return MOK_ERR(ctx, MOK_STATUS_CUDA_ERROR, "cuTensorMapEncodeTiled(%s [%lld, %lld]) failed with %d", name,
-                   (long long)rows, (long long)cols, (int)r);
-  return MOK_STATUS_SUCCESS;
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)std::max<int64_t>(rows, 1)};
+  const cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
+  const cuuint32_t box[2] = {64, box_rows};
+  return encode_map(ctx, map, base, 2, dims, strides, box, name);
 }
 
 // A store map of a gate|up buffer [rows, 2F] seen as [rows][2][F] (64 x 1 x box_rows
 // boxes), so that a box of gate columns never spills into the up half.
 static mok_status_t make_gate_up_map(mok_context_t* ctx, CUtensorMap* map, const void* base, int64_t rows, int64_t F,
                                      const char* name, uint32_t box_rows) {
-  memset(map, 0, sizeof *map);
-  if (!base) return MOK_STATUS_SUCCESS;
-  cuuint64_t dims[3] = {(cuuint64_t)F, 2, (cuuint64_t)std::max<int64_t>(rows, 1)};
-  cuuint64_t strides[2] = {(cuuint64_t)F * 2, (cuuint64_t)F * 4};
-  cuuint32_t box[3] = {64, 1, box_rows};
-  cuuint32_t elem[3] = {1, 1, 1};
-  CUresult r = gpu(ctx)->encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
-                                elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return MOK_ERR(ctx, MOK_STATUS_CUDA_ERROR, "cuTensorMapEncodeTiled(%s [%lld, 2, %lld]) failed with %d", name,
-                   (long long)rows, (long long)F, (int)r);
-  return MOK_STATUS_SUCCESS;
+  const cuuint64_t dims[3] = {(cuuint64_t)F, 2, (cuuint64_t)std::max<int64_t>(rows, 1)};
+  const cuuint64_t strides[2] = {(cuuint64_t)F * 2, (cuuint64_t)F * 4};
+  const cuuint32_t box[3] = {64, 1, box_rows};
+  return encode_map(ctx, map, base, 3, dims, strides, box, name);
 }
 
 #define MAP_TRY(expr)                 \

@@ -263,7 +263,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
           const int box = i / (rows * 8), r = k_valid_last + (i / 8) % rows, c = i % 8;
           *reinterpret_cast<uint4*>(stage + box * kBoxBytes + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        fence_proxy_async_smem();
         __syncthreads();
       }
       wgmma_fence();
