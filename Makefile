@@ -55,9 +55,10 @@ $(BUILD)/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h tools/*.h tests/*.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Isrc -Itools -c $< -o $@
 
+# A register spill is a build error (issue 3: no local memory in the kernels).
 $(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*.h src/cuda/*.h src/cuda/*.cuh src/comm/*.h src/comm/*.cuh)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -Xptxas -warn-spills -c $< -o $@
+	$(NVCC) $(NVFLAGS) -Xptxas -warn-spills,-Werror -c $< -o $@
 
 $(BUILD)/libmok.a: $(LIB_OBJ)
 	ar rcs $@ $^

@@ -8,7 +8,9 @@ sorted by expert (stable argsort), torch._grouped_mm for the gate|up and down
 projections, SwiGLU, weighted scatter back with index_add_, under torch.compile.
 Both run the same weights, inputs and routing (bias_select adds the same selection
 bias to both); "skewed" routing makes E/32 experts (at least one) hot: every token
-selects them. Times: CUDA events, median of --steps steps after warm-up. TFLOP/s
+selects them. Times: CUDA events around --steps back-to-back steps (the host queues
+the next step while the GPU runs, as in training), median of 3 such runs; "iso ms":
+one step at a time from an idle GPU (its host launch latency exposed), median of --steps. TFLOP/s
 counts 3 x the forward FLOPs (6 T K H F + 2 T H E), DESIGN.md section 7. Peak memory:
 torch.cuda.max_memory_allocated over a step, weights and inputs included.
 Determinism: two steps on the same inputs give equal y, dx and weight grads (compared
@@ -38,6 +40,28 @@ def flops(T, H, Fd, E, K):
 
 
 def time_ms(fn, steps, warmup=3):
+    """Milliseconds a call of fn: CUDA events around `steps` back-to-back calls (the
+    host queues the next call while the GPU runs, as in training), median of 3 such
+    runs. The GPU is idle before each run, so its first call's launch latency counts."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps):
+            fn()
+        b.record()
+        b.synchronize()
+        runs.append(a.elapsed_time(b) / steps)
+    return statistics.median(runs)
+
+
+def time_isolated_ms(fn, steps, warmup=3):
+    """Milliseconds a call of fn from an idle GPU: CUDA events around each call, the
+    host waiting for it before the next (the host's launch latency counts in every call),
+    median of `steps`."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -135,7 +159,7 @@ def kernel_times(name, steps=5):
 
     time_ms(step, 1)  # warm-up steps, outside the profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = time_ms(step, steps, warmup=0)
+        wall = time_isolated_ms(step, steps, warmup=0)
     gpu = [e for e in prof.events() if e.device_type.name == "CUDA"]
     by_name = {}
     for e in gpu:
@@ -185,12 +209,13 @@ def bench_shape(name, skewed, steps, ceiling):
     torch.cuda.reset_peak_memory_stats()
     ms = time_ms(mok_step, steps)
     mem = torch.cuda.max_memory_allocated()
+    ms_iso = time_isolated_ms(mok_step, steps)
     ms_fwd = time_ms(mok_forward, steps)
     y1 = mok_step().detach()
     ref = [y1.float(), x.grad.float()]  # for the peer's difference to mok
     f1 = step_fingerprint(y1, x, params)
     f2 = step_fingerprint(mok_step(), x, params)
-    result["mok"] = {"ms": ms, "forward_ms": ms_fwd, "tflops": fl / ms / 1e9, "forward_tflops": fl / 3 / ms_fwd / 1e9,
+    result["mok"] = {"ms": ms, "isolated_ms": ms_iso, "forward_ms": ms_fwd, "tflops": fl / ms / 1e9, "forward_tflops": fl / 3 / ms_fwd / 1e9,
                      "peak_gib": mem / 2**30, "deterministic": f1 == f2}
     zero()
 
@@ -208,11 +233,12 @@ def bench_shape(name, skewed, steps, ceiling):
         torch.cuda.reset_peak_memory_stats()
         ms_p = time_ms(peer_step, steps)
         mem_p = torch.cuda.max_memory_allocated()
+        ms_p_iso = time_isolated_ms(peer_step, steps)
         y1 = peer_step().detach()
         err = [float((a.float() - b).norm() / b.norm()) for a, b in zip([y1, x.grad], ref)]
         f1 = step_fingerprint(y1, x, params)
         f2 = step_fingerprint(peer_step(), x, params)
-        result["peer"] = {"ms": ms_p, "tflops": fl / ms_p / 1e9, "peak_gib": mem_p / 2**30,
+        result["peer"] = {"ms": ms_p, "isolated_ms": ms_p_iso, "tflops": fl / ms_p / 1e9, "peak_gib": mem_p / 2**30,
                           "deterministic": f1 == f2, "rel_diff_y_dx_vs_mok": err}
     except Exception as e:  # report, do not hide
         result["peer"] = {"error": repr(e)[:300]}
@@ -246,7 +272,8 @@ def main():
     ceiling = ceiling_tflops()
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s")
-    hdr = f"{'shape':15} {'routing':8} | {'mok ms':>8} {'TFLOP/s':>8} {'fwd TF/s':>8} {'ceil%':>6} {'GiB':>6} {'det':>4} | {'peer ms':>8} {'TFLOP/s':>8} {'GiB':>6} {'det':>4} | {'x peer':>6}"
+    hdr = (f"{'shape':15} {'routing':8} | {'mok ms':>8} {'iso ms':>7} {'TFLOP/s':>8} {'fwd TF/s':>8} {'ceil%':>6} "
+           f"{'GiB':>6} {'det':>4} | {'peer ms':>8} {'iso ms':>7} {'TFLOP/s':>8} {'GiB':>6} {'det':>4} | {'x peer':>6}")
     print(hdr)
     print("-" * len(hdr))
     rows = []
@@ -255,10 +282,15 @@ def main():
             r = bench_shape(name, skewed, args.steps, ceiling)
             rows.append(r)
             m, p = r["mok"], r["peer"]
+            det = lambda d: "yes" if d else "no"  # noqa: E731
+            line = (f"{name:15} {r['routing']:8} | {m['ms']:8.2f} {m['isolated_ms']:7.2f} {m['tflops']:8.0f} "
+                    f"{m['forward_tflops']:8.0f} {100*m['tflops']/ceiling:5.0f}% {m['peak_gib']:6.1f} {det(m['deterministic']):>4} | ")
             if "error" in p:
-                print(f"{name:15} {r['routing']:8} | {m['ms']:8.2f} {m['tflops']:8.0f} {m['forward_tflops']:8.0f} {100*m['tflops']/ceiling:5.0f}% {m['peak_gib']:6.1f} {'yes' if m['deterministic'] else 'no':>4} | peer failed: {p['error']}")
+                line += f"peer failed: {p['error']}"
             else:
-                print(f"{name:15} {r['routing']:8} | {m['ms']:8.2f} {m['tflops']:8.0f} {m['forward_tflops']:8.0f} {100*m['tflops']/ceiling:5.0f}% {m['peak_gib']:6.1f} {'yes' if m['deterministic'] else 'no':>4} | {p['ms']:8.2f} {p['tflops']:8.0f} {p['peak_gib']:6.1f} {'yes' if p['deterministic'] else 'no':>4} | {p['ms']/m['ms']:6.2f}")
+                line += (f"{p['ms']:8.2f} {p['isolated_ms']:7.2f} {p['tflops']:8.0f} {p['peak_gib']:6.1f} "
+                         f"{det(p['deterministic']):>4} | {p['ms']/m['ms']:6.2f}")
+            print(line)
             sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:

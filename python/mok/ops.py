@@ -279,6 +279,9 @@ def _setup_context(ctx, inputs, output):
     ctx.grad_acc = list(grad_acc)
     ctx.config = config
     ctx.mark_non_differentiable(tpe, idx, wt, saved)
+    # gradients of unused outputs arrive as None, not as zeros: materialising them
+    # would fill a tensor the size of `saved` (the activations) every step
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, d_aux, d_z, d_tpe, d_idx, d_wt, d_saved):

@@ -153,6 +153,17 @@ __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
 __device__ __forceinline__ void red_release_add(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// threadIdx.x, read anew where it is used. The megakernels inline every GEMM task into
+// one persistent loop; with plain threadIdx.x ptxas hoists each epilogue's
+// thread-derived addresses (swizzled rows, chunk offsets) out of that loop as
+// invariants, dozens of them live across every task, and they spill. A volatile read
+// cannot be hoisted, so the addresses are computed inside the task that uses them.
+__device__ __forceinline__ int tid_here() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));

@@ -33,6 +33,23 @@ constexpr int kBoxBytes = 64 * 64 * 2;
 constexpr int kStageBytes = 6 * kBoxBytes;  // A boxes 0-1, then B boxes 0-3
 constexpr int kEpiBytes = 32 * 1024;       // the epilogue buffer: two 128 x 64 bf16 boxes
 
+// One operand of a tile: the tensor map and, per box, the row (K-major) or the mn start
+// (MN-major): two boxes for A, four for B; k0 is the first k (inner coordinate for
+// K-major, outer for MN-major).
+struct Operand {
+  const CUtensorMap* map;
+  int pos[4];
+  int k0;
+};
+
+// Thread 0's TMA load cursor in gemm_tiles: K block kb (of num_kb) of tile `tile`, ring
+// position it; it always rests on a block still to load, or on tile == num_tiles.
+struct LoadCursor {
+  Operand A, B;
+  uint32_t it;
+  int tile, kb, num_kb, k_valid_last;
+};
+
 struct alignas(1024) Smem {
   uint8_t stage[kStages][kStageBytes];
   union {  // never in use at once (dg_task takes the scratch after epi_acquire)
@@ -42,6 +59,7 @@ struct alignas(1024) Smem {
   uint64_t full[kStages];
   uint64_t empty[kStages];
   uint32_t ring_it;  // K blocks this CTA has put through the stage ring so far
+  LoadCursor load;
   int task;
   int abort;
   int last_cta;
@@ -51,14 +69,6 @@ struct alignas(1024) Smem {
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
 static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
 
-// One operand of a tile: the tensor map and, per box, the row (K-major) or the mn start
-// (MN-major): two boxes for A, four for B; k0 is the first k (inner coordinate for
-// K-major, outer for MN-major).
-struct Operand {
-  const CUtensorMap* map;
-  int pos[4];
-  int k0;
-};
 
 // B boxes of a 256-wide column tile starting at n0 (4 consecutive 64-wide boxes).
 __device__ __forceinline__ Operand wide(const CUtensorMap* map, int n0, int k0) {
@@ -207,40 +217,39 @@ template <int TA, int TB, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   const int tid = threadIdx.x, wg = tid / 128;
   uint32_t it = sm.ring_it;  // ring position of the next K block to multiply
-  // Thread 0's load cursor: K block lkb of tile lt (lnk blocks), ring position lit; it
-  // always rests on a block still to load, or on lt == num_tiles.
-  uint32_t lit = it;
-  int lt = 0, lkb = 0, lnk = 0, lkv;
-  Operand LA, LB;
+  // Thread 0's load cursor (LoadCursor) lives in shared memory: in registers it would be
+  // live, in every thread, across the whole mainloop beside the 128 accumulators.
+  LoadCursor& c = sm.load;
   auto settle = [&]() {
-    while (lt < num_tiles && lkb >= lnk) {
-      lkb = 0;
-      if (++lt < num_tiles) setup(lt, LA, LB, lnk, lkv);
+    while (c.tile < num_tiles && c.kb >= c.num_kb) {
+      c.kb = 0;
+      if (++c.tile < num_tiles) setup(c.tile, c.A, c.B, c.num_kb, c.k_valid_last);
     }
   };
   auto load_next = [&]() {
-    if (lt >= num_tiles) return;
-    const uint32_t s = lit % kStages, ph = (lit / kStages) & 1;
+    if (c.tile >= num_tiles) return;
+    const uint32_t s = c.it % kStages, ph = (c.it / kStages) & 1;
     while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
     }
     mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
     uint8_t* dst = sm.stage[s];
-    const int k = lkb * BK;
+    const int k = c.kb * BK;
 #pragma unroll
     for (int b = 0; b < 2; b++) {
-      if (TA) tma_load_2d(dst + b * kBoxBytes, LA.map, &sm.full[s], LA.pos[b], LA.k0 + k);
-      else tma_load_2d(dst + b * kBoxBytes, LA.map, &sm.full[s], LA.k0 + k, LA.pos[b]);
+      if (TA) tma_load_2d(dst + b * kBoxBytes, c.A.map, &sm.full[s], c.A.pos[b], c.A.k0 + k);
+      else tma_load_2d(dst + b * kBoxBytes, c.A.map, &sm.full[s], c.A.k0 + k, c.A.pos[b]);
     }
 #pragma unroll
     for (int b = 0; b < 4; b++) {
-      if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, LB.map, &sm.full[s], LB.pos[b], LB.k0 + k);
-      else tma_load_2d(dst + (2 + b) * kBoxBytes, LB.map, &sm.full[s], LB.k0 + k, LB.pos[b]);
+      if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, c.B.map, &sm.full[s], c.B.pos[b], c.B.k0 + k);
+      else tma_load_2d(dst + (2 + b) * kBoxBytes, c.B.map, &sm.full[s], c.B.k0 + k, c.B.pos[b]);
     }
-    lit++, lkb++;
+    c.it++, c.kb++;
     settle();
   };
   if (tid == 0 && num_tiles > 0) {
-    setup(0, LA, LB, lnk, lkv);
+    c.it = it, c.tile = 0, c.kb = 0;
+    setup(0, c.A, c.B, c.num_kb, c.k_valid_last);
     settle();
     for (int i = 0; i < kStages - 1; i++) load_next();
   }
@@ -284,7 +293,8 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     }
     wgmma_wait<0>();
     if (num_kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
-    epi(tile, acc, wg, (tid % 128) / 32, tid % 32);
+    const int et = tid_here();
+    epi(tile, acc, et / 128, (et % 128) / 32, et % 32);
   }
   __syncthreads();
   if (tid == 0) sm.ring_it = it;
@@ -383,7 +393,7 @@ __device__ __forceinline__ float silu(float g) { return __fdiv_rn(g, __fadd_rn(1
 // sm.epi may be written: the previous tile's TMA stores (thread 0's) have read it and
 // every thread is done with it.
 __device__ __forceinline__ void epi_acquire() {
-  if (threadIdx.x == 0) bulk_wait_read();
+  if (tid_here() == 0) bulk_wait_read();
   __syncthreads();
 }
 
@@ -450,14 +460,14 @@ __device__ __forceinline__ void epi_put_boxes(Smem& sm, int wg, int w, int l, in
 template <class Store, class Dst>
 __device__ __forceinline__ void epi_write_boxes(Smem& sm, const StoreMap* st, int nb, int rows, Store store, Dst dst) {
   const int full = rows == BM ? 1 : rows / kStoreRows, height = rows == BM ? BM : kStoreRows;
-  if (threadIdx.x == 0) {
+  if (tid_here() == 0) {
     const CUtensorMap* map = rows == BM ? &st->full : &st->part;
     for (int rg = 0; rg < full; rg++)
       for (int b = 0; b < nb; b++) store(b, map, rg * height, sm.epi + b * (BM * 128) + rg * (height * 128));
     bulk_commit();
   }
   const int first = height * full, rest = rows - first;
-  for (int q = threadIdx.x; q < rest * nb * 8; q += kThreads) {
+  for (int q = tid_here(); q < rest * nb * 8; q += kThreads) {
     const int r = first + q / (nb * 8), b = (q / 8) % nb, j = q % 8;
     bf16* d = dst(b, r);
     if (d)
@@ -506,7 +516,7 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
     epi_put<kMode == kStoreBf16>(sm, acc, wg, w, l, part * kCols / 8, kCols / 8);
     if (sm.knobs & 1) continue;
     const int cb = c0 + part * kCols;
-    for (int q = threadIdx.x; q < BM * kPieces; q += kThreads) {
+    for (int q = tid_here(); q < BM * kPieces; q += kThreads) {
       const int r = q / kPieces, c = (q % kPieces) * kPer16;
       if (row0 + r >= row_end || cb + c >= ncols) continue;
       const uint4 v = epi_piece(sm, r, q % kPieces);
@@ -574,7 +584,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
     uint4 gr[kPer], ur[kPer];
 #pragma unroll
     for (int k = 0; k < kPer; k++) {
-      const int q = threadIdx.x + kThreads * k, r = q / 8, f = f0 + 64 * part + 8 * (q % 8);
+      const int q = tid_here() + kThreads * k, r = q / 8, f = f0 + 64 * part + 8 * (q % 8);
       if (row0 + r < row_end && f < F) {
         const bf16* ar = a_rows + (int64_t)(row0 + r) * 2 * F;
         gr[k] = *reinterpret_cast<const uint4*>(ar + f);
@@ -583,7 +593,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
     }
 #pragma unroll
     for (int k = 0; k < kPer; k++) {
-      const int q = threadIdx.x + kThreads * k, r = q / 8, c = q % 8, f = f0 + 64 * part + 8 * c;
+      const int q = tid_here() + kThreads * k, r = q / 8, c = q % 8, f = f0 + 64 * part + 8 * c;
       if (row0 + r >= row_end || f >= F) continue;
       const bf16* gv = reinterpret_cast<const bf16*>(&gr[k]);
       const bf16* uv = reinterpret_cast<const bf16*>(&ur[k]);
