@@ -63,7 +63,8 @@ struct alignas(1024) Smem {
   int task;
   int abort;
   int last_cta;
-  uint32_t wait_ns;  // MOK_PROFILE: this task's time in wait_counter
+  uint64_t task_start;  // MOK_PROFILE: this task's start (globaltimer, ns)
+  uint32_t wait_ns;     // MOK_PROFILE: this task's time in wait_counter
   uint32_t knobs;    // MOK_KNOBS (gpu_params.h)
 };
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
@@ -83,7 +84,10 @@ __device__ __forceinline__ Operand rows128(const CUtensorMap* map, int m0, int k
 // its mbarriers initialised.
 __device__ __forceinline__ Smem& kernel_smem() {
   extern __shared__ uint8_t smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // an offset from smem_raw, not integer arithmetic on its address: the compiler then
+  // still knows sm is shared memory and uses LDS/STS rather than generic loads
+  const uint32_t pad = (1024u - (smem_addr(smem_raw) & 1023u)) & 1023u;
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + pad);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; s++) {
       mbar_init(&sm.full[s], 1);
@@ -130,17 +134,18 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
   return sm.abort == 0;
 }
 
-// MOK_PROFILE: a task's start (thread 0's view; 0 when not profiling).
-__device__ __forceinline__ uint64_t profile_start(Smem& sm, const GpuStep& st) {
-  if (!st.prof || threadIdx.x != 0) return 0;
+// MOK_PROFILE: a task's start (thread 0's clock), kept in shared memory: a register
+// would be live across the whole task.
+__device__ __forceinline__ void profile_start(Smem& sm, const GpuStep& st) {
+  if (!st.prof || threadIdx.x != 0) return;
   sm.wait_ns = 0;
-  return globaltimer_ns();
+  sm.task_start = globaltimer_ns();
 }
 
 // MOK_PROFILE: adds the task's wall time to its kind's slot; MOK_TRACE: records it.
-__device__ __forceinline__ void profile_task(Smem& sm, const GpuStep& st, int slot, uint64_t t0) {
+__device__ __forceinline__ void profile_task(Smem& sm, const GpuStep& st, int slot) {
   if (!st.prof || threadIdx.x != 0) return;
-  const uint64_t t1 = globaltimer_ns();
+  const uint64_t t0 = sm.task_start, t1 = globaltimer_ns();
   atomicAdd(&st.prof[2 * slot], (unsigned long long)(t1 - t0));
   atomicAdd(&st.prof[2 * slot + 1], 1ull);
   if (st.trace) {
@@ -227,24 +232,32 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     }
   };
   auto load_next = [&]() {
+    // the cursor's fields read once into registers, for this load only (otherwise each
+    // is read again from shared memory after every TMA issue: the asm's memory clobber)
+    const uint32_t lit = c.it;
+    const int kb = c.kb;
     if (c.tile >= num_tiles) return;
-    const uint32_t s = c.it % kStages, ph = (c.it / kStages) & 1;
+    const uint32_t s = lit % kStages, ph = (lit / kStages) & 1;
     while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
     }
     mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
     uint8_t* dst = sm.stage[s];
-    const int k = c.kb * BK;
+    const int k = kb * BK;
+    {
+      const Operand A = c.A;
 #pragma unroll
-    for (int b = 0; b < 2; b++) {
-      if (TA) tma_load_2d(dst + b * kBoxBytes, c.A.map, &sm.full[s], c.A.pos[b], c.A.k0 + k);
-      else tma_load_2d(dst + b * kBoxBytes, c.A.map, &sm.full[s], c.A.k0 + k, c.A.pos[b]);
+      for (int b = 0; b < 2; b++) {
+        if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.pos[b], A.k0 + k);
+        else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.k0 + k, A.pos[b]);
+      }
     }
+    const Operand B = c.B;
 #pragma unroll
     for (int b = 0; b < 4; b++) {
-      if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, c.B.map, &sm.full[s], c.B.pos[b], c.B.k0 + k);
-      else tma_load_2d(dst + (2 + b) * kBoxBytes, c.B.map, &sm.full[s], c.B.k0 + k, c.B.pos[b]);
+      if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + k);
+      else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.k0 + k, B.pos[b]);
     }
-    c.it++, c.kb++;
+    c.it = lit + 1, c.kb = kb + 1;
     settle();
   };
   if (tid == 0 && num_tiles > 0) {

@@ -418,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   __syncthreads();
   int task;
   while (next_task(sm, p.st, phase_end[10], &task)) {
-    const uint64_t t0 = profile_start(sm, p.st);
+    profile_start(sm, p.st);
     int k = 0;
     while (task >= phase_end[k]) k++;
     const int local = task - (k ? phase_end[k - 1] : 0);
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
       case 9: tree_task(sm, p, local, (uint32_t)(phase_end[8] - phase_end[7])); break;
       default: dxsum_task(sm, p, local); break;
     }
-    profile_task(sm, p.st, 8 + k, t0);
+    profile_task(sm, p.st, 8 + k);
   }
   finish_step(sm, p.st);
 }

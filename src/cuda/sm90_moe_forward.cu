@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   const int num_tasks = n_route + n_sh1 + 1 + s.ns + n_g1 + n_sh2 + n_g2 + s.ns;
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
-    const uint64_t t0 = profile_start(sm, p.st);
+    profile_start(sm, p.st);
     int kind = 0;
     if (task < n_route) {
       route_task(sm, p, task);
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
     } else {
       kind = 7, combine_task(sm, p, task - n_g2);
     }
-    profile_task(sm, p.st, kind, t0);
+    profile_task(sm, p.st, kind);
   }
   finish_step(sm, p.st);
 }
