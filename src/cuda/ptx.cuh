@@ -73,8 +73,12 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// This thread's bulk stores have read their shared memory (it may be written again).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// This thread's bulk store groups, all but the newest kPending, have read their shared
+// memory (it may be written again).
+template <int kPending = 0>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
 // This thread's bulk stores are complete, and ordered before its later generic writes
 // (the release of a counter) by the proxy fence.
 __device__ __forceinline__ void bulk_wait_all() {

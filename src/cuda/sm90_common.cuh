@@ -44,10 +44,13 @@ struct Operand {
 
 // Thread 0's TMA load cursor in gemm_tiles: K block kb (of num_kb) of tile `tile`, ring
 // position it; it always rests on a block still to load, or on tile == num_tiles.
+// spare_slot: the stage the last epilogue may have used as its spare buffer (-1: none);
+// its TMA stores must have read it before a load refills it.
 struct LoadCursor {
   Operand A, B;
   uint32_t it;
   int tile, kb, num_kb, k_valid_last;
+  int spare_slot;
 };
 
 struct alignas(1024) Smem {
@@ -95,6 +98,7 @@ __device__ __forceinline__ Smem& kernel_smem() {
     }
     sm.abort = 0;
     sm.ring_it = 0;
+    sm.load.spare_slot = -1;
     fence_mbar_init();
   }
   __syncthreads();
@@ -211,9 +215,10 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 
 // A run of output tiles through one continuous pipeline: for tile i, setup(i, A, B,
 // num_kb, k_valid_last) names its operands, then acc (per thread: kAcc floats) =
-// A[128 x K] B[K x 256] over num_kb K blocks of 64, then epi(i, acc, wg, warp, lane).
+// A[128 x K] B[K x 256] over num_kb K blocks of 64, then epi(i, acc, wg, warp, lane, spare).
 // Thread 0 loads kStages - 1 K blocks ahead of the wgmmas, across tile boundaries, so
-// the next tile's first blocks arrive during this tile's epilogue.
+// the next tile's first blocks arrive during this tile's epilogue; epi also gets `spare`,
+// the stage of the tile's last K block (48 KB, or null), free during the epilogue.
 // TA / TB = 1 when that operand is MN-major. k_valid_last < 64 zeroes the k rows past
 // it in the last block (MN-major operands whose k are rows of several experts).
 // Epilogue rows: wg*64 + warp*16 + lane/4 (+8); columns 8*i + 2*(lane%4) (+1) for
@@ -238,6 +243,12 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     const int kb = c.kb;
     if (c.tile >= num_tiles) return;
     const uint32_t s = lit % kStages, ph = (lit / kStages) & 1;
+    if ((int)s == c.spare_slot) {
+      // the last epilogue's stores from this stage went out first; only its final
+      // group (from sm.epi) may still be reading
+      bulk_wait_read<1>();
+      c.spare_slot = -1;
+    }
     while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
     }
     mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
@@ -306,8 +317,13 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     }
     wgmma_wait<0>();
     if (num_kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
+    // The stage of the tile's last K block is free until thread 0 refills it (its next
+    // load, after the epilogue): the epilogue may use it as a second buffer (`spare`),
+    // after a CTA barrier (the other warpgroup's wgmmas may still read it until then).
     const int et = tid_here();
-    epi(tile, acc, et / 128, (et % 128) / 32, et % 32);
+    uint8_t* spare = num_kb > 0 ? sm.stage[(it - 1) % kStages] : nullptr;
+    epi(tile, acc, et / 128, (et % 128) / 32, et % 32, spare);
+    if (tid == 0 && num_kb > 0) c.spare_slot = (int)((it - 1) % kStages);
   }
   __syncthreads();
   if (tid == 0) sm.ring_it = it;
@@ -322,8 +338,8 @@ __host__ __device__ constexpr int group_size(int num_kb) {
 }
 __host__ __device__ constexpr int groups(int n, int num_kb) { return (n + group_size(num_kb) - 1) / group_size(num_kb); }
 
-// Group g of the n column tiles: setup(nt, A, B) and epi(nt, acc, wg, warp, lane) per
-// column tile nt; every tile runs num_kb K blocks.
+// Group g of the n column tiles: setup(nt, A, B) and epi(nt, acc, wg, warp, lane, spare)
+// per column tile nt; every tile runs num_kb K blocks.
 template <int TA, int TB, class Setup, class Epi>
 __device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, Setup setup, Epi epi) {
   const int size = group_size(num_kb);
@@ -333,17 +349,17 @@ __device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, S
         setup(g * size + t, A, B);
         nk = num_kb, kv = BK;
       },
-      [&](int t, float(&acc)[kAcc], int wg, int w, int l) { epi(g * size + t, acc, wg, w, l); });
+      [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) { epi(g * size + t, acc, wg, w, l, spare); });
 }
 
-// One tile: gemm_tiles with a single tile.
+// One tile: gemm_tiles with a single tile; epi(acc, wg, warp, lane, spare).
 template <int TA, int TB, class Epi>
 __device__ __forceinline__ void gemm_tile(Smem& sm, const Operand& A, const Operand& B, int num_kb,
                                           int k_valid_last, Epi epi) {
   gemm_tiles<TA, TB>(
       sm, 1,
       [&](int, Operand& a, Operand& b, int& nk, int& kv) { a = A, b = B, nk = num_kb, kv = k_valid_last; },
-      [&](int, float(&acc)[kAcc], int wg, int w, int l) { epi(acc, wg, w, l); });
+      [&](int, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) { epi(acc, wg, w, l, spare); });
 }
 
 // Output coordinates of accumulator pair i (acc[4i + 2h], acc[4i + 2h + 1]).
@@ -439,44 +455,55 @@ __device__ __forceinline__ uint4 epi_piece(const Smem& sm, int r, int c) {
 }
 
 // ---- epilogues through TMA stores ----
-// A bf16 tile goes into sm.epi as 128 x 64 boxes (box b at b * 16 KB) in the TMA 128-byte
+// A bf16 tile goes into shared memory as 128 x 64 boxes (16 KB each) in the TMA 128-byte
 // swizzle: 16-byte chunk j of row r sits at chunk j ^ r % 8, so the 8 rows a warp writes
 // at once hit 32 banks. Then TMA stores (thread 0; the copy engine writes them while the
 // next tile's wgmmas run) take a whole tile in 128-row boxes, or a tile cut short by the
 // end of an expert's rows in 16-row boxes, its last rows < 16 through 16-byte stores.
+// The boxes live in sm.epi (two) and, when gemm_tiles passes one, in the spare stage
+// (three): a whole bf16 tile then goes out in one round. Store groups from the spare are
+// committed before the last group from sm.epi (gemm_tiles' refill of the spare waits
+// for all groups but the newest).
 constexpr int kStoreRows = 16;
+constexpr int kBox = BM * 128;  // bytes of a 128 x 64 bf16 box
 
-// Boxes [0, kBoxes) of sm.epi (kBoxes <= 2) from pair(i, h): the packed bf16 pair of
-// accumulator pair i = 8 (b0 + b) + j (columns 8i + 2(lane%4), +1) in row half h.
+// Boxes [0, kBoxes) of the buffer at shared address buf from pair(i, h): the packed bf16
+// pair of accumulator pair i = 8 (b0 + b) + j (columns 8i + 2(lane%4), +1) in row half h.
+// Between epi_acquire() and epi_publish().
 template <int kBoxes, class Pair>
-__device__ __forceinline__ void epi_put_boxes(Smem& sm, int wg, int w, int l, int b0, Pair pair) {
-  epi_acquire();
+__device__ __forceinline__ void epi_put_boxes(uint32_t buf, int wg, int w, int l, int b0, Pair pair) {
   // rows r and r + 8 share r % 8 = (lane / 4) % 8: one swizzle for both
   const int r = acc_row(wg, w, l, 0), sw = r % 8;
-  const uint32_t row0 = smem_addr(sm.epi) + r * 128 + 4 * (l % 4), row1 = row0 + 8 * 128;
+  const uint32_t row0 = buf + r * 128 + 4 * (l % 4), row1 = row0 + 8 * 128;
 #pragma unroll
   for (int j = 0; j < 8; j++) {  // chunk j of each box: accumulator pairs i = 8 b + j
     const uint32_t c = (j ^ sw) * 16;
 #pragma unroll
     for (int b = 0; b < kBoxes; b++) {
-      st_shared_b32(row0 + b * (BM * 128) + c, pair(8 * (b0 + b) + j, 0));
-      st_shared_b32(row1 + b * (BM * 128) + c, pair(8 * (b0 + b) + j, 1));
+      st_shared_b32(row0 + b * kBox + c, pair(8 * (b0 + b) + j, 0));
+      st_shared_b32(row1 + b * kBox + c, pair(8 * (b0 + b) + j, 1));
     }
   }
+}
+
+// The boxes just written are complete for every thread and for the TMA stores.
+__device__ __forceinline__ void epi_publish() {
   fence_proxy_async_smem();
   __syncthreads();
 }
 
-// Rows [0, rows) of boxes [0, nb) out: store(b, map, r, src) issues the TMA store of box
-// b from its row r at src through map (or skips the box), map one of st's; dst(b, r) is
-// where row r of box b goes (64 bf16), or null.
+// Rows [0, rows) of boxes [0, nb) at buf out, as one store group: store(b, map, r, src)
+// issues the TMA store of box b from its row r at src through map (or skips the box), map
+// one of st's; dst(b, r) is where row r of box b goes (64 bf16), or null. Returns whether
+// threads read buf for rows past the last whole 16-row box.
 template <class Store, class Dst>
-__device__ __forceinline__ void epi_write_boxes(Smem& sm, const StoreMap* st, int nb, int rows, Store store, Dst dst) {
+__device__ __forceinline__ bool epi_write_boxes(const uint8_t* buf, const StoreMap* st, int nb, int rows, Store store,
+                                                Dst dst) {
   const int full = rows == BM ? 1 : rows / kStoreRows, height = rows == BM ? BM : kStoreRows;
   if (tid_here() == 0) {
     const CUtensorMap* map = rows == BM ? &st->full : &st->part;
     for (int rg = 0; rg < full; rg++)
-      for (int b = 0; b < nb; b++) store(b, map, rg * height, sm.epi + b * (BM * 128) + rg * (height * 128));
+      for (int b = 0; b < nb; b++) store(b, map, rg * height, buf + b * kBox + rg * (height * 128));
     bulk_commit();
   }
   const int first = height * full, rest = rows - first;
@@ -485,26 +512,43 @@ __device__ __forceinline__ void epi_write_boxes(Smem& sm, const StoreMap* st, in
     bf16* d = dst(b, r);
     if (d)
       *reinterpret_cast<uint4*>(d + 8 * j) =
-          *reinterpret_cast<const uint4*>(sm.epi + b * (BM * 128) + r * 128 + ((j ^ (r % 8)) * 16));
+          *reinterpret_cast<const uint4*>(buf + b * kBox + r * 128 + ((j ^ (r % 8)) * 16));
   }
+  return rest > 0;
 }
 
 // A bf16 tile: rows [row0, row_end) x columns [c0, ncols) of out (ld a row), whose row
-// row0 is row map_row of the store map.
+// row0 is row map_row of the store map. With a spare stage: one round (columns c0 + 128..
+// from the spare first, then c0.. from sm.epi); without: two rounds through sm.epi.
 __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l,
                                                const StoreMap* st, int map_row, int row0, int row_end, int c0,
-                                               int ncols, bf16* out, int64_t ld) {
-#pragma unroll
-  for (int half = 0; half < 2; half++) {  // boxes 2 half, 2 half + 1 (128 columns)
-    const int cb = c0 + 128 * half;
-    epi_put_boxes<2>(sm, wg, w, l, 2 * half,
-                     [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); });
-    epi_write_boxes(
-        sm, st, 2, min(BM, row_end - row0),
+                                               int ncols, bf16* out, int64_t ld, uint8_t* spare) {
+  const int rows = min(BM, row_end - row0);
+  auto pair = [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); };
+  auto write = [&](const uint8_t* buf, int cb) {  // boxes 0, 1 of buf: columns cb.. cb + 127
+    return epi_write_boxes(
+        buf, st, 2, rows,
         [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
           if (cb + 64 * b < ncols) tma_store_2d(map, src, cb + 64 * b, map_row + r);
         },
         [&](int b, int r) { return cb + 64 * b < ncols ? out + (int64_t)(row0 + r) * ld + cb + 64 * b : nullptr; });
+  };
+  if (spare) {
+    epi_acquire();
+    epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 0, pair);
+    epi_put_boxes<2>(smem_addr(spare), wg, w, l, 2, pair);
+    epi_publish();
+    const bool tail = write(spare, c0 + 128);
+    write(sm.epi, c0);
+    if (tail) __syncthreads();  // the spare's tail rows read before thread 0 refills it
+    return;
+  }
+#pragma unroll
+  for (int half = 0; half < 2; half++) {  // boxes 2 half, 2 half + 1 (128 columns)
+    epi_acquire();
+    epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 2 * half, pair);
+    epi_publish();
+    write(sm.epi, c0 + 128 * half);
   }
 }
 
@@ -512,17 +556,17 @@ __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc
 // 128 x 256 accumulator tile whose first column is c0: bf16 written, fp32 written, or
 // fp32 added (one add per element: out = out + acc). ncols and c0 multiples of 8.
 // st (bf16 only, may be null): a store map of out whose row map_row is row row0: then
-// the tile goes out through TMA stores (store_tile_tma).
+// the tile goes out through TMA stores (store_tile_tma, with gemm_tiles' spare stage).
 enum { kStoreBf16, kStoreF32, kAddF32 };
 template <int kMode>
 __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int row0,
                                            int row_end, int c0, int ncols, void* out, int64_t ld,
-                                           const StoreMap* st = nullptr, int map_row = 0) {
+                                           const StoreMap* st = nullptr, int map_row = 0, uint8_t* spare = nullptr) {
   constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kCols = 256 / kElem, kPer16 = 16 / kElem;
   constexpr int kPieces = kCols / kPer16;  // 16 a row
   if (sm.knobs & 2) return;
   if (kMode == kStoreBf16 && st && !(sm.knobs & 8)) {
-    store_tile_tma(sm, acc, wg, w, l, st, map_row, row0, row_end, c0, ncols, static_cast<bf16*>(out), ld);
+    store_tile_tma(sm, acc, wg, w, l, st, map_row, row0, row_end, c0, ncols, static_cast<bf16*>(out), ld, spare);
     return;
   }
   for (int part = 0; part < BN / kCols; part++) {
@@ -547,20 +591,24 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
 
 // SwiGLU forward epilogue of a gate|up tile (columns 0..127 gate f0.., 128..255 up f0..),
 // rows [row0, row_end), f < F: a = bf16(gate | up) into a_rows [.., 2F] (store map st_a:
-// [rows][2][F], row map_row = row0), then h = bf16(silu(a_gate) * a_up) into h_rows
+// [rows][2][F], row map_row = row0), and h = bf16(silu(a_gate) * a_up) into h_rows
 // [.., F] (store map st_h). A thread holds gate and up of the same columns (pairs i and
-// i + 16), so h comes from registers.
+// i + 16), so h comes from registers. With a spare stage two rounds (up and h's first
+// box from the spare, gate from sm.epi; then h's second box), without three.
 __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0, int row_end,
                                              int f0, int F, bf16* a_rows, bf16* h_rows, const StoreMap* st_a,
-                                             const StoreMap* st_h, int map_row) {
+                                             const StoreMap* st_h, int map_row, uint8_t* spare) {
   if (sm.knobs & 2) return;
   const int rows = min(BM, row_end - row0);
-#pragma unroll
-  for (int half = 0; half < 2; half++) {  // gate (boxes 0, 1), then up (boxes 2, 3)
-    epi_put_boxes<2>(sm, wg, w, l, 2 * half,
-                     [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); });
+  auto apair = [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); };
+  auto hpair = [&](int i, int h) {
+    const float g0 = bf(to_bf(acc[4 * i + 2 * h])), g1 = bf(to_bf(acc[4 * i + 2 * h + 1]));
+    const float u0 = bf(to_bf(acc[4 * (i + 16) + 2 * h])), u1 = bf(to_bf(acc[4 * (i + 16) + 2 * h + 1]));
+    return pack_bf16x2(__fmul_rn(silu(g0), u0), __fmul_rn(silu(g1), u1));
+  };
+  auto write_a = [&](const uint8_t* buf, int half) {  // gate (half 0) or up (1): 2 boxes
     epi_write_boxes(
-        sm, st_a, 2, rows,
+        buf, st_a, 2, rows,
         [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
           if (f0 + 64 * b < F) tma_store_3d(map, src, f0 + 64 * b, half, map_row + r);
         },
@@ -568,33 +616,57 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
           const int f = f0 + 64 * b;
           return f < F ? a_rows + (int64_t)(row0 + r) * 2 * F + half * F + f : nullptr;
         });
-  }
-  auto hpair = [&](int i, int h) {
-    const float g0 = bf(to_bf(acc[4 * i + 2 * h])), g1 = bf(to_bf(acc[4 * i + 2 * h + 1]));
-    const float u0 = bf(to_bf(acc[4 * (i + 16) + 2 * h])), u1 = bf(to_bf(acc[4 * (i + 16) + 2 * h + 1]));
-    return pack_bf16x2(__fmul_rn(silu(g0), u0), __fmul_rn(silu(g1), u1));
   };
-  epi_put_boxes<2>(sm, wg, w, l, 0, hpair);
-  epi_write_boxes(
-      sm, st_h, 2, rows,
-      [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
-        if (f0 + 64 * b < F) tma_store_2d(map, src, f0 + 64 * b, map_row + r);
-      },
-      [&](int b, int r) { return f0 + 64 * b < F ? h_rows + (int64_t)(row0 + r) * F + f0 + 64 * b : nullptr; });
+  auto write_h = [&](const uint8_t* buf, int b0, int nb) {  // h boxes b0 .. b0 + nb - 1
+    epi_write_boxes(
+        buf, st_h, nb, rows,
+        [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
+          if (f0 + 64 * (b0 + b) < F) tma_store_2d(map, src, f0 + 64 * (b0 + b), map_row + r);
+        },
+        [&](int b, int r) {
+          const int f = f0 + 64 * (b0 + b);
+          return f < F ? h_rows + (int64_t)(row0 + r) * F + f : nullptr;
+        });
+  };
+  if (spare) {
+    epi_acquire();
+    epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 0, apair);
+    epi_put_boxes<2>(smem_addr(spare), wg, w, l, 2, apair);
+    epi_put_boxes<1>(smem_addr(spare) + 2 * kBox, wg, w, l, 0, hpair);
+    epi_publish();
+    write_a(spare, 1);
+    write_h(spare + 2 * kBox, 0, 1);
+    write_a(sm.epi, 0);
+    epi_acquire();  // (its barrier also orders the tail reads of the spare before a refill)
+    epi_put_boxes<1>(smem_addr(sm.epi), wg, w, l, 1, hpair);
+    epi_publish();
+    write_h(sm.epi, 1, 1);
+    return;
+  }
+#pragma unroll
+  for (int half = 0; half < 2; half++) {  // gate (boxes 0, 1), then up (boxes 2, 3)
+    epi_acquire();
+    epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 2 * half, apair);
+    epi_publish();
+    write_a(sm.epi, half);
+  }
+  epi_acquire();
+  epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 0, hpair);
+  epi_publish();
+  write_h(sm.epi, 0, 2);
 }
 
 // SwiGLU backward epilogue of a dh tile (columns f0 .. f0 + 255), given a = gate|up:
 // d_a = bf16(dh up silu'(gate) | dh silu(gate)) into d_a [.., 2F], rows [row0, row_end).
-// Per 64-column quarter, dh goes through sm.epi (fp32); then each thread loads all of
-// its 4 pieces of gate and up (8 f of a row each) before using any, so the loads overlap.
+// Per 64-column quarter, each thread loads all of its 4 pieces of gate and up (8 f of a
+// row each), then dh goes through sm.epi (fp32) while they arrive.
 __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0,
                                                  int row_end, int f0, int F, const bf16* a_rows, bf16* d_a) {
   if (sm.knobs & 2) return;
   constexpr int kPer = BM * 8 / kThreads;  // pieces a thread: 4
 #pragma unroll 1
   for (int part = 0; part < 4; part++) {
-    epi_put<false>(sm, acc, wg, w, l, 8 * part, 8);
-    uint4 gr[kPer], ur[kPer];
+    uint4 gr[kPer], ur[kPer];  // loaded first: their latency passes during epi_put
 #pragma unroll
     for (int k = 0; k < kPer; k++) {
       const int q = tid_here() + kThreads * k, r = q / 8, f = f0 + 64 * part + 8 * (q % 8);
@@ -604,6 +676,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
         ur[k] = *reinterpret_cast<const uint4*>(ar + F + f);
       }
     }
+    epi_put<false>(sm, acc, wg, w, l, 8 * part, 8);
 #pragma unroll
     for (int k = 0; k < kPer; k++) {
       const int q = tid_here() + kThreads * k, r = q / 8, c = q % 8, f = f0 + 64 * part + 8 * c;
@@ -617,7 +690,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
 #pragma unroll
       for (int x = 0; x < 8; x++) {
         const float gate = bf(gv[x]), up = bf(uv[x]), dh = x < 4 ? p0[x] : p1[x - 4];
-        const float sg = __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-gate)));
+        const float sg = __frcp_rn(__fadd_rn(1.f, __expf(-gate)));  // = __fdiv_rn(1, .): both RN(1/x)
         const float si = __fmul_rn(gate, sg);
         const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
         dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);

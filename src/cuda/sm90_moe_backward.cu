@@ -126,9 +126,10 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
 // Weight-gradient tile out: bf16 written, or added into fp32 buffers.
 // st: the bf16 gradient's store map, whose row map_row is tile row r0.
 __device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float (&acc)[kAcc], int wg, int w, int l, int r0,
-                                            int rows, int c0, int cols, void* out, const StoreMap* st, int map_row) {
+                                            int rows, int c0, int cols, void* out, const StoreMap* st, int map_row,
+                                            uint8_t* spare) {
   if (p.wgrad_fp32) store_tile<kAddF32>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
-  else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols, st, map_row);
+  else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols, st, map_row, spare);
 }
 
 // Expert m-tile of the expert rows: (expert, first row, end row) from the saved offsets.
@@ -157,7 +158,7 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
         A = rows128(&p.m_dy, t0, 0);
         B = wide(&p.m_ws2, nt * BN, 0);
       },
-      [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         swiglu_bwd_store(sm, acc, wg, w, l, t0, s.T, nt * BN, s.Fs, p.sv.sa, p.d_a_s);
       });
   signal_counter(&p.st.sync->counter[B_FIXED + s.max_mt + mt]);
@@ -175,7 +176,7 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
           A = rows128(&p.m_dyrows, row0, 0);
           B = wide(&p.m_w2, nt * BN, e * s.H);
         },
-        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           swiglu_bwd_store(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, p.sv.a_rows, p.d_a);
         });
   signal_counter(&p.st.sync->counter[B_FIXED + mt]);
@@ -192,7 +193,7 @@ __device__ __forceinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, in
         A = rows128(&p.m_dlog, t0, 0);
         B = wide(&p.m_wr, nt * BN, 0);
       },
-      [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_router, s.H);
       });
   signal_counter(&p.st.sync->counter[B_DXR]);
@@ -208,7 +209,7 @@ __device__ __forceinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, i
         A = rows128(&p.m_das, t0, 0);
         B = wide(&p.m_ws13, nt * BN, 0);
       },
-      [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_shared, s.H);
       });
   signal_counter(&p.st.sync->counter[B_DXS]);
@@ -225,8 +226,8 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
           A = rows128(&p.m_da, row0, 0);
           B = wide(&p.m_w13, nt * BN, e * 2 * s.F);
         },
-        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
-          store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H, &p.st_dxrows, row0);
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H, &p.st_dxrows, row0, spare);
         });
   signal_counter(&p.st.sync->counter[B_DX]);
 }
@@ -249,9 +250,9 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
           B = wide(&p.m_hrows, nt * BN, off);
           num_kb = nk, kv = valid_last;
         },
-        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           store_wgrad(sm, p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize,
-                      &p.st_dw2, e * s.H + mt * BM);
+                      &p.st_dw2, e * s.H + mt * BM, spare);
         });
   } else {  // dw13[e] [2F, H] = d_a^T x_rows
     gemm_tiles<1, 1>(
@@ -261,9 +262,10 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
           B = wide(&p.m_xrows, nt * BN, off);
           num_kb = nk, kv = valid_last;
         },
-        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           store_wgrad(sm, p, acc, wg, w, l, mt * BM, 2 * s.F, nt * BN, s.H,
-                      (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize, &p.st_dw13, e * 2 * s.F + mt * BM);
+                      (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize, &p.st_dw13, e * 2 * s.F + mt * BM,
+                      spare);
         });
   }
 }
@@ -297,7 +299,7 @@ __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
           B = wide(&p.m_sh, nt * BN, k0);
         }
       },
-      [&](int tile, float(&acc)[kAcc], int wg, int w, int l) {
+      [&](int tile, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         if (tile < tr) {
           const int mt = tile / nH, nt = tile % nH;
           store_tile<kStoreF32>(sm, acc, wg, w, l, mt * BM, s.E, nt * BN, s.H, part, s.H);

@@ -40,7 +40,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
   if (s.fused) {
     for (int nt = 0; nt < cdiv(E, BN); nt++) {
       const Operand A = rows128(&p.m_x, t0, 0), B = wide(&p.m_wr, nt * BN, 0);
-      gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[kAcc], int wg, int w, int l) {
+      gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, t1, nt * BN, E, p.logits, E);
       });
     }
@@ -218,9 +218,9 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt,
           A = rows128(&p.m_xrows, row0, 0);
           B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
-        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           swiglu_store(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows, &p.st_hrows,
-                       row0);
+                       row0, spare);
         });
   }
   signal_counter(&p.st.sync->counter[C_FIXED + mt]);
@@ -235,8 +235,8 @@ __device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int m
         A = rows128(&p.m_x, t0, 0);
         B = Operand{&p.m_ws13, {nt * BF, nt * BF + 64, Fs + nt * BF, Fs + nt * BF + 64}, 0};
       },
-      [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
-        swiglu_store(sm, acc, wg, w, l, t0, s.T, nt * BF, Fs, p.sv.sa, p.sv.sh, &p.st_sa, &p.st_sh, t0);
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+        swiglu_store(sm, acc, wg, w, l, t0, s.T, nt * BF, Fs, p.sv.sa, p.sv.sh, &p.st_sa, &p.st_sh, t0, spare);
       });
   signal_counter(&p.st.sync->counter[C_FIXED + s.max_mt + mt]);
 }
@@ -252,8 +252,8 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
           A = rows128(&p.m_hrows, row0, 0);
           B = wide(&p.m_w2, e * s.H + nt * BN, 0);
         },
-        [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
-          store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H, &p.st_orows, row0);
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H, &p.st_orows, row0, spare);
         });
   }
   signal_counter(&p.st.sync->counter[C_G2]);
@@ -269,8 +269,8 @@ __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int m
         A = rows128(&p.m_sh, t0, 0);
         B = wide(&p.m_ws2, nt * BN, 0);
       },
-      [&](int nt, float(&acc)[kAcc], int wg, int w, int l) {
-        store_tile<kStoreBf16>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H, &p.st_shared_o, t0);
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+        store_tile<kStoreBf16>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H, &p.st_shared_o, t0, spare);
       });
   signal_counter(&p.st.sync->counter[C_S2]);
 }
