@@ -58,6 +58,60 @@ def time_ms(fn, steps, warmup=3):
     return statistics.median(runs)
 
 
+class GpuSampler:
+    """SM clock (MHz) and board power (W) of GPU 0 every 50 ms while it runs, from
+    `nvidia-smi -lms` in the background: a sustained run is limited by the board's power
+    cap, so a faster step at full clock need not be a faster step in a long run.
+    mean(t0, t1) gives (MHz, W) over a wall-clock interval, or (None, None)."""
+
+    def __init__(self):
+        import shutil
+        import threading
+        import time
+        self.samples, self.proc = [], None
+        if not shutil.which("nvidia-smi"):
+            return
+        dev = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "-i", dev, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+        def read():
+            for line in self.proc.stdout:
+                try:
+                    mhz, watts = (float(v) for v in line.split(","))
+                except ValueError:
+                    continue
+                self.samples.append((time.monotonic(), mhz, watts))
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def mean(self, t0, t1):
+        xs = [(m, w) for t, m, w in list(self.samples) if t0 <= t <= t1]
+        if not xs:
+            return None, None
+        return statistics.mean(m for m, _ in xs), statistics.mean(w for _, w in xs)
+
+    def stop(self):
+        if self.proc:
+            self.proc.terminate()
+
+
+SAMPLER = None
+
+
+def timed(fn, steps, out):
+    """time_ms(fn, steps), with the mean SM clock and power over the timed steps into out."""
+    import time
+    t0 = time.monotonic()
+    ms = time_ms(fn, steps)
+    if SAMPLER:
+        out["sm_mhz"], out["watts"] = SAMPLER.mean(t0, time.monotonic())
+        if out["watts"]:
+            out["joules_per_step"] = out["watts"] * ms / 1e3
+    return ms
+
+
 def time_isolated_ms(fn, steps, warmup=3):
     """Milliseconds a call of fn from an idle GPU: CUDA events around each call, the
     host waiting for it before the next (the host's launch latency counts in every call),
@@ -76,10 +130,10 @@ def time_isolated_ms(fn, steps, warmup=3):
     return statistics.median(times)
 
 
-def ceiling_tflops(n=8192, steps=10):
+def ceiling_tflops(n=8192, steps=10, out=None):
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = time_ms(lambda: a @ b, steps)
+    ms = timed(lambda: a @ b, steps, out if out is not None else {})
     return 2 * n**3 / ms / 1e9
 
 
@@ -207,7 +261,8 @@ def bench_shape(name, skewed, steps, ceiling):
             layer(x)
 
     torch.cuda.reset_peak_memory_stats()
-    ms = time_ms(mok_step, steps)
+    power = {}
+    ms = timed(mok_step, steps, power)
     mem = torch.cuda.max_memory_allocated()
     ms_iso = time_isolated_ms(mok_step, steps)
     ms_fwd = time_ms(mok_forward, steps)
@@ -216,7 +271,7 @@ def bench_shape(name, skewed, steps, ceiling):
     f1 = step_fingerprint(y1, x, params)
     f2 = step_fingerprint(mok_step(), x, params)
     result["mok"] = {"ms": ms, "isolated_ms": ms_iso, "forward_ms": ms_fwd, "tflops": fl / ms / 1e9, "forward_tflops": fl / 3 / ms_fwd / 1e9,
-                     "peak_gib": mem / 2**30, "deterministic": f1 == f2}
+                     "peak_gib": mem / 2**30, "deterministic": f1 == f2, **power}
     zero()
 
     # ---- PyTorch peer ----
@@ -231,7 +286,8 @@ def bench_shape(name, skewed, steps, ceiling):
 
     try:
         torch.cuda.reset_peak_memory_stats()
-        ms_p = time_ms(peer_step, steps)
+        power_p = {}
+        ms_p = timed(peer_step, steps, power_p)
         mem_p = torch.cuda.max_memory_allocated()
         ms_p_iso = time_isolated_ms(peer_step, steps)
         y1 = peer_step().detach()
@@ -239,7 +295,7 @@ def bench_shape(name, skewed, steps, ceiling):
         f1 = step_fingerprint(y1, x, params)
         f2 = step_fingerprint(peer_step(), x, params)
         result["peer"] = {"ms": ms_p, "isolated_ms": ms_p_iso, "tflops": fl / ms_p / 1e9, "peak_gib": mem_p / 2**30,
-                          "deterministic": f1 == f2, "rel_diff_y_dx_vs_mok": err}
+                          "deterministic": f1 == f2, "rel_diff_y_dx_vs_mok": err, **power_p}
     except Exception as e:  # report, do not hide
         result["peer"] = {"error": repr(e)[:300]}
     result["ceiling_tflops"] = ceiling
@@ -269,9 +325,13 @@ def main():
             for skewed in ([False] if args.uniform_only else [False, True]):
                 profile_shape(name, skewed)
         return
-    ceiling = ceiling_tflops()
+    global SAMPLER
+    SAMPLER = GpuSampler()
+    ceiling_power = {}
+    ceiling = ceiling_tflops(out=ceiling_power)
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s")
+    print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s"
+          + (f" (SM {ceiling_power['sm_mhz']:.0f} MHz, {ceiling_power['watts']:.0f} W)" if ceiling_power.get("watts") else ""))
     hdr = (f"{'shape':15} {'routing':8} | {'mok ms':>8} {'iso ms':>7} {'TFLOP/s':>8} {'fwd TF/s':>8} {'ceil%':>6} "
            f"{'GiB':>6} {'det':>4} | {'peer ms':>8} {'iso ms':>7} {'TFLOP/s':>8} {'GiB':>6} {'det':>4} | {'x peer':>6}")
     print(hdr)
@@ -291,10 +351,15 @@ def main():
                 line += (f"{p['ms']:8.2f} {p['isolated_ms']:7.2f} {p['tflops']:8.0f} {p['peak_gib']:6.1f} "
                          f"{det(p['deterministic']):>4} | {p['ms']/m['ms']:6.2f}")
             print(line)
+            if m.get("watts") and p.get("watts"):
+                print(f"{'':24} | SM {m['sm_mhz']:4.0f} MHz, {m['watts']:3.0f} W, {m['joules_per_step']:6.2f} J a step"
+                      f"{'':17} | SM {p['sm_mhz']:4.0f} MHz, {p['watts']:3.0f} W, {p['joules_per_step']:6.2f} J a step")
             sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "commit": commit, "ceiling_tflops": ceiling, "rows": rows}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "commit": commit, "ceiling_tflops": ceiling,
+                       "ceiling_power": ceiling_power, "rows": rows}, f, indent=1)
+    SAMPLER.stop()
 
 
 if __name__ == "__main__":
