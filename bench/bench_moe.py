@@ -46,6 +46,9 @@ def time_ms(fn, steps, warmup=3):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    global LAST_WINDOW
+    import time
+    t0 = time.time()
     runs = []
     for _ in range(3):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -55,38 +58,54 @@ def time_ms(fn, steps, warmup=3):
         b.record()
         b.synchronize()
         runs.append(a.elapsed_time(b) / steps)
+    LAST_WINDOW = (t0, time.time())
     return statistics.median(runs)
 
 
 class GpuSampler:
-    """SM clock (MHz) and board power (W) of GPU 0 every 50 ms while it runs, from
-    `nvidia-smi -lms` in the background: a sustained run is limited by the board's power
-    cap, so a faster step at full clock need not be a faster step in a long run.
-    mean(t0, t1) gives (MHz, W) over a wall-clock interval, or (None, None)."""
+    """SM clock (MHz) and board power (W) of the GPU every 50 ms, from `nvidia-smi -lms`
+    in the background, each sample stamped by nvidia-smi itself (its output reaches us in
+    bursts). A sustained run is limited by the board's power cap, so a faster step at
+    full clock need not be a faster step in a long run. mean(t0, t1): (MHz, W) over a
+    wall-clock (time.time()) interval, or (None, None)."""
 
     def __init__(self):
         import shutil
         import threading
-        import time
+        from datetime import datetime
         self.samples, self.proc = [], None
         if not shutil.which("nvidia-smi"):
             return
         dev = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        query = None
+        for q in ("timestamp,clocks.sm,power.draw.instant", "timestamp,clocks.sm,power.draw"):
+            r = subprocess.run(["nvidia-smi", "-i", dev, f"--query-gpu={q}", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True)
+            if r.returncode == 0 and "Not Supported" not in r.stdout and "N/A" not in r.stdout:
+                query = q
+                break
+        if not query:
+            return
         self.proc = subprocess.Popen(
-            ["nvidia-smi", "-i", dev, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
+            ["nvidia-smi", "-i", dev, f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "50"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
         def read():
             for line in self.proc.stdout:
                 try:
-                    mhz, watts = (float(v) for v in line.split(","))
+                    stamp, mhz, watts = (v.strip() for v in line.split(","))
+                    t = datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    self.samples.append((t, float(mhz), float(watts)))
                 except ValueError:
                     continue
-                self.samples.append((time.monotonic(), mhz, watts))
 
         threading.Thread(target=read, daemon=True).start()
 
     def mean(self, t0, t1):
+        import time
+        deadline = time.time() + 2.0  # samples up to t1 may still be on their way
+        while time.time() < deadline and not any(t >= t1 for t, _, _ in list(self.samples)):
+            time.sleep(0.05)
         xs = [(m, w) for t, m, w in list(self.samples) if t0 <= t <= t1]
         if not xs:
             return None, None
@@ -98,15 +117,15 @@ class GpuSampler:
 
 
 SAMPLER = None
+LAST_WINDOW = (0.0, 0.0)  # wall-clock interval of time_ms's last timed runs (after warm-up)
 
 
 def timed(fn, steps, out):
-    """time_ms(fn, steps), with the mean SM clock and power over the timed steps into out."""
-    import time
-    t0 = time.monotonic()
+    """time_ms(fn, steps), with the mean SM clock and power over its timed runs (not the
+    warm-up, which for the peer includes torch.compile) into out."""
     ms = time_ms(fn, steps)
     if SAMPLER:
-        out["sm_mhz"], out["watts"] = SAMPLER.mean(t0, time.monotonic())
+        out["sm_mhz"], out["watts"] = SAMPLER.mean(*LAST_WINDOW)
         if out["watts"]:
             out["joules_per_step"] = out["watts"] * ms / 1e3
     return ms
