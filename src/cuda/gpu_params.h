@@ -36,7 +36,8 @@ struct GpuStep {
   uint32_t trace_cap;
   uint32_t knobs;            // MOK_KNOBS, a measurement aid that breaks the results: bit 1 =
                              // plain epilogues skip their global stores, 2 = no epilogues,
-                             // 8 = bf16 tiles leave through the plain path, not TMA stores
+                             // 8 = bf16 tiles leave through the plain path, not TMA stores,
+                             // 16 = GEMM loads skip the B operand (its L2 traffic and energy)
 };
 
 // MOK_TRACE: a task's wall-clock span (%globaltimer, ns) on one CTA, and the part of it

@@ -251,7 +251,8 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     }
     while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
     }
-    mbar_arrive_expect_tx(&sm.full[s], kStageBytes);
+    const bool skip_b = sm.knobs & 16;  // MOK_KNOBS 16: B stays what the stage held
+    mbar_arrive_expect_tx(&sm.full[s], skip_b ? 2 * kBoxBytes : kStageBytes);
     uint8_t* dst = sm.stage[s];
     const int k = kb * BK;
     {
@@ -264,7 +265,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     }
     const Operand B = c.B;
 #pragma unroll
-    for (int b = 0; b < 4; b++) {
+    for (int b = 0; b < 4 && !skip_b; b++) {
       if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + k);
       else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.k0 + k, B.pos[b]);
     }
