@@ -37,7 +37,9 @@ struct GpuStep {
   uint32_t knobs;            // MOK_KNOBS, a measurement aid that breaks the results: bit 1 =
                              // plain epilogues skip their global stores, 2 = no epilogues,
                              // 8 = bf16 tiles leave through the plain path, not TMA stores,
-                             // 16 = GEMM loads skip the B operand (its L2 traffic and energy)
+                             // 16 = GEMM loads skip the B operand (its L2 traffic and energy),
+                             // 32 = every K block of B is the tile's first (same bytes moved,
+                             // repeated data)
 };
 
 // MOK_TRACE: a task's wall-clock span (%globaltimer, ns) on one CTA, and the part of it

@@ -264,10 +264,11 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       }
     }
     const Operand B = c.B;
+    const int kb_b = sm.knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
 #pragma unroll
     for (int b = 0; b < 4 && !skip_b; b++) {
-      if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + k);
-      else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.k0 + k, B.pos[b]);
+      if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + kb_b);
+      else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.k0 + kb_b, B.pos[b]);
     }
     c.it = lit + 1, c.kb = kb + 1;
     settle();
