@@ -68,11 +68,10 @@ struct alignas(1024) Smem {
   int last_cta;
   uint64_t task_start;  // MOK_PROFILE: this task's start (globaltimer, ns)
   uint32_t wait_ns;     // MOK_PROFILE: this task's time in wait_counter
-  uint32_t knobs;    // MOK_KNOBS (gpu_params.h)
+  uint32_t knobs;       // MOK_KNOBS (gpu_params.h)
 };
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
 static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
-
 
 // B boxes of a 256-wide column tile starting at n0 (4 consecutive 64-wide boxes).
 __device__ __forceinline__ Operand wide(const CUtensorMap* map, int n0, int k0) {
