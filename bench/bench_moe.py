@@ -63,11 +63,11 @@ def time_ms(fn, steps, warmup=3):
 
 
 class GpuSampler:
-    """SM clock (MHz) and board power (W) of the GPU every 50 ms, from `nvidia-smi -lms`
+    """SM clock (MHz), board power (W) and temperature (C) of the GPU every 50 ms, from `nvidia-smi -lms`
     in the background, each sample stamped by nvidia-smi itself (its output reaches us in
     bursts). A sustained run is limited by the board's power cap, so a faster step at
-    full clock need not be a faster step in a long run. mean(t0, t1): (MHz, W) over a
-    wall-clock (time.time()) interval, or (None, None)."""
+    full clock need not be a faster step in a long run. mean(t0, t1): (MHz, W, C) over a
+    wall-clock (time.time()) interval, or (None, None, None)."""
 
     def __init__(self):
         import shutil
@@ -78,7 +78,8 @@ class GpuSampler:
             return
         dev = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
         query = None
-        for q in ("timestamp,clocks.sm,power.draw.instant", "timestamp,clocks.sm,power.draw"):
+        for q in ("timestamp,clocks.sm,power.draw.instant,temperature.gpu",
+                  "timestamp,clocks.sm,power.draw,temperature.gpu"):
             r = subprocess.run(["nvidia-smi", "-i", dev, f"--query-gpu={q}", "--format=csv,noheader,nounits"],
                                capture_output=True, text=True)
             if r.returncode == 0 and "Not Supported" not in r.stdout and "N/A" not in r.stdout:
@@ -93,9 +94,9 @@ class GpuSampler:
         def read():
             for line in self.proc.stdout:
                 try:
-                    stamp, mhz, watts = (v.strip() for v in line.split(","))
+                    stamp, mhz, watts, celsius = (v.strip() for v in line.split(","))
                     t = datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                    self.samples.append((t, float(mhz), float(watts)))
+                    self.samples.append((t, float(mhz), float(watts), float(celsius)))
                 except ValueError:
                     continue
 
@@ -104,12 +105,12 @@ class GpuSampler:
     def mean(self, t0, t1):
         import time
         deadline = time.time() + 2.0  # samples up to t1 may still be on their way
-        while time.time() < deadline and not any(t >= t1 for t, _, _ in list(self.samples)):
+        while time.time() < deadline and not any(x[0] >= t1 for x in list(self.samples)):
             time.sleep(0.05)
-        xs = [(m, w) for t, m, w in list(self.samples) if t0 <= t <= t1]
+        xs = [x[1:] for x in list(self.samples) if t0 <= x[0] <= t1]
         if not xs:
-            return None, None
-        return statistics.mean(m for m, _ in xs), statistics.mean(w for _, w in xs)
+            return None, None, None
+        return tuple(statistics.mean(x[i] for x in xs) for i in range(3))
 
     def stop(self):
         if self.proc:
@@ -125,7 +126,7 @@ def timed(fn, steps, out):
     warm-up, which for the peer includes torch.compile) into out."""
     ms = time_ms(fn, steps)
     if SAMPLER:
-        out["sm_mhz"], out["watts"] = SAMPLER.mean(*LAST_WINDOW)
+        out["sm_mhz"], out["watts"], out["celsius"] = SAMPLER.mean(*LAST_WINDOW)
         if out["watts"]:
             out["joules_per_step"] = out["watts"] * ms / 1e3
     return ms
@@ -349,8 +350,8 @@ def main():
     ceiling_power = {}
     ceiling = ceiling_tflops(out=ceiling_power)
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s"
-          + (f" (SM {ceiling_power['sm_mhz']:.0f} MHz, {ceiling_power['watts']:.0f} W)" if ceiling_power.get("watts") else ""))
+    # (the ceiling's power is in the JSON only: 10 GEMMs are too short for 50 ms samples)
+    print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s")
     hdr = (f"{'shape':15} {'routing':8} | {'mok ms':>8} {'iso ms':>7} {'TFLOP/s':>8} {'fwd TF/s':>8} {'ceil%':>6} "
            f"{'GiB':>6} {'det':>4} | {'peer ms':>8} {'iso ms':>7} {'TFLOP/s':>8} {'GiB':>6} {'det':>4} | {'x peer':>6}")
     print(hdr)
@@ -371,8 +372,9 @@ def main():
                          f"{det(p['deterministic']):>4} | {p['ms']/m['ms']:6.2f}")
             print(line)
             if m.get("watts") and p.get("watts"):
-                print(f"{'':24} | SM {m['sm_mhz']:4.0f} MHz, {m['watts']:3.0f} W, {m['joules_per_step']:6.2f} J a step"
-                      f"{'':17} | SM {p['sm_mhz']:4.0f} MHz, {p['watts']:3.0f} W, {p['joules_per_step']:6.2f} J a step")
+                print(f"{'':24} | SM {m['sm_mhz']:4.0f} MHz, {m['watts']:3.0f} W, {m['celsius']:2.0f} C, "
+                      f"{m['joules_per_step']:6.2f} J a step{'':10} | SM {p['sm_mhz']:4.0f} MHz, {p['watts']:3.0f} W, "
+                      f"{p['celsius']:2.0f} C, {p['joules_per_step']:6.2f} J a step")
             sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
