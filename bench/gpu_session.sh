@@ -12,6 +12,9 @@
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
 #   comm          the 2-GPU NCCL case alone (comm.peer_exchange_w2)
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
+# Example, built here and carried: make build/libmok.so build/mok_gpu_tests, then the
+# device tool with carry ["build/libmok.so", "build/mok_gpu_tests"] runs
+# PREBUILT=1 COMMIT=<sha> bench/gpu_session.sh test bench
 set -u
 export NCCL_NVLS_ENABLE=0  # never NVLink multicast
 OUT=${OUT:-/tmp/mok-out}
@@ -20,15 +23,24 @@ COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 
-make -j"$(nproc)" build/libmok.so build/mok_gpu_tests > "$OUT/build.log" 2>&1 || {
-  tail -30 "$OUT/build.log"
-  exit 1
-}
+# PREBUILT=1: use build/libmok.so and build/mok_gpu_tests as they came (built on the
+# CPU machine from this tree and sent with the device tool's carry; saves the ~40 s
+# build of device time), make taking them as up to date.
+TEST_GPU="make test-gpu"
+if [ -n "${PREBUILT:-}" ] && [ -f build/libmok.so ] && [ -f build/mok_gpu_tests ]; then
+  echo "prebuilt build/libmok.so and build/mok_gpu_tests"
+  TEST_GPU="make -o build/libmok.so -o build/mok_gpu_tests test-gpu"
+else
+  make -j"$(nproc)" build/libmok.so build/mok_gpu_tests > "$OUT/build.log" 2>&1 || {
+    tail -30 "$OUT/build.log"
+    exit 1
+  }
+fi
 export MOK_LIBRARY="$PWD/build/libmok.so"
 for part in "$@"; do
   case "$part" in
     test)
-      make test-gpu > "$OUT/test-gpu.log" 2>&1
+      $TEST_GPU > "$OUT/test-gpu.log" 2>&1
       echo "test-gpu (exit $?): $(tail -1 "$OUT/test-gpu.log")"
       ;;
     trace)
