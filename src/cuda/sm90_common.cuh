@@ -83,8 +83,8 @@ __device__ __forceinline__ Operand rows128(const CUtensorMap* map, int m0, int k
 }
 
 // The kernel's shared memory (dynamic, aligned here to 1024 B for the 128-byte swizzle),
-// its mbarriers initialised.
-__device__ __forceinline__ Smem& kernel_smem() {
+// its mbarriers initialised and the launch's MOK_KNOBS in place.
+__device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
   extern __shared__ uint8_t smem_raw[];
   // an offset from smem_raw, not integer arithmetic on its address: the compiler then
   // still knows sm is shared memory and uses LDS/STS rather than generic loads
@@ -98,6 +98,7 @@ __device__ __forceinline__ Smem& kernel_smem() {
     sm.abort = 0;
     sm.ring_it = 0;
     sm.load.spare_slot = -1;
+    sm.knobs = knobs;
     fence_mbar_init();
   }
   __syncthreads();
@@ -250,7 +251,8 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     }
     while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
     }
-    const bool skip_b = sm.knobs & 16;  // MOK_KNOBS 16: B stays what the stage held
+    const uint32_t knobs = sm.knobs;  // (once: the TMA asm's memory clobber would re-read it)
+    const bool skip_b = knobs & 16;   // MOK_KNOBS 16: B stays what the stage held
     mbar_arrive_expect_tx(&sm.full[s], skip_b ? 2 * kBoxBytes : kStageBytes);
     uint8_t* dst = sm.stage[s];
     const int k = kb * BK;
@@ -263,7 +265,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       }
     }
     const Operand B = c.B;
-    const int kb_b = sm.knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
+    const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
 #pragma unroll
     for (int b = 0; b < 4 && !skip_b; b++) {
       if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + kb_b);
@@ -500,15 +502,16 @@ __device__ __forceinline__ void epi_publish() {
 template <class Store, class Dst>
 __device__ __forceinline__ bool epi_write_boxes(const uint8_t* buf, const StoreMap* st, int nb, int rows, Store store,
                                                 Dst dst) {
+  const int tid = tid_here();
   const int full = rows == BM ? 1 : rows / kStoreRows, height = rows == BM ? BM : kStoreRows;
-  if (tid_here() == 0) {
+  if (tid == 0) {
     const CUtensorMap* map = rows == BM ? &st->full : &st->part;
     for (int rg = 0; rg < full; rg++)
       for (int b = 0; b < nb; b++) store(b, map, rg * height, buf + b * kBox + rg * (height * 128));
     bulk_commit();
   }
   const int first = height * full, rest = rows - first;
-  for (int q = tid_here(); q < rest * nb * 8; q += kThreads) {
+  for (int q = tid; q < rest * nb * 8; q += kThreads) {
     const int r = first + q / (nb * 8), b = (q / 8) % nb, j = q % 8;
     bf16* d = dst(b, r);
     if (d)
@@ -667,10 +670,11 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
   constexpr int kPer = BM * 8 / kThreads;  // pieces a thread: 4
 #pragma unroll 1
   for (int part = 0; part < 4; part++) {
+    const int tid = tid_here();
     uint4 gr[kPer], ur[kPer];  // loaded first: their latency passes during epi_put
 #pragma unroll
     for (int k = 0; k < kPer; k++) {
-      const int q = tid_here() + kThreads * k, r = q / 8, f = f0 + 64 * part + 8 * (q % 8);
+      const int q = tid + kThreads * k, r = q / 8, f = f0 + 64 * part + 8 * (q % 8);
       if (row0 + r < row_end && f < F) {
         const bf16* ar = a_rows + (int64_t)(row0 + r) * 2 * F;
         gr[k] = *reinterpret_cast<const uint4*>(ar + f);
@@ -680,7 +684,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
     epi_put<false>(sm, acc, wg, w, l, 8 * part, 8);
 #pragma unroll
     for (int k = 0; k < kPer; k++) {
-      const int q = tid_here() + kThreads * k, r = q / 8, c = q % 8, f = f0 + 64 * part + 8 * c;
+      const int q = tid + kThreads * k, r = q / 8, c = q % 8, f = f0 + 64 * part + 8 * c;
       if (row0 + r >= row_end || f >= F) continue;
       const bf16* gv = reinterpret_cast<const bf16*>(&gr[k]);
       const bf16* uv = reinterpret_cast<const bf16*>(&ur[k]);

@@ -388,8 +388,7 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
-  Smem& sm = kernel_smem();
-  if (threadIdx.x == 0) sm.knobs = p.st.knobs;  // seen by all after next_task's barrier
+  Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
   if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
                            p.sv.header[2] != (uint64_t)s.T))

@@ -306,8 +306,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
 }
 
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
-  Smem& sm = kernel_smem();
-  if (threadIdx.x == 0) sm.knobs = p.st.knobs;  // seen by all after next_task's barrier
+  Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
   // GEMM tasks per row tile (column-tile groups)
   const int nF1 = groups(cdiv(s.F, BF), s.H / BK), nS1 = groups(cdiv(s.Fs, BF), s.H / BK);
