@@ -212,26 +212,13 @@ def profile_shape(name, skewed):
     torch.cuda.empty_cache()
 
 
-def kernel_times(name, steps=5):
-    """Where a mok step's wall time goes on the GPU: `steps` steps under torch.profiler,
-    per step the CUDA-event time against the sum of the GPU's kernel and memset times,
-    each kernel by name (mok's two launches, torch's fills and copies), and the GPU's
-    idle time inside the step (the first question of docs/PERF.md's "what to try next")."""
+def gpu_profile(label, step, steps, in_order=False):
+    """`steps` calls of step under torch.profiler: the CUDA-event time of a call against
+    the sum of the GPU's kernel and memset times, each kernel by name, and the GPU's idle
+    time inside the call. in_order: also the first call's kernels in launch order."""
     from torch.profiler import ProfilerActivity, profile
 
-    T, H, Fd, E, K = SHAPES[name]
-    layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda")
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    params = [layer.w_router, layer.w13, layer.w2]
-
-    def step():
-        x.grad = None
-        for p in params:
-            p.grad = None
-        layer(x).backward(dy)
-
-    time_ms(step, 1)  # warm-up steps, outside the profile
+    time_ms(step, 1)  # warm-up calls, outside the profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = time_isolated_ms(step, steps, warmup=0)
     gpu = [e for e in prof.events() if e.device_type.name == "CUDA"]
@@ -239,10 +226,51 @@ def kernel_times(name, steps=5):
     for e in gpu:
         by_name.setdefault(e.name, []).append(e.device_time_total / 1e3)  # us -> ms
     busy = sum(sum(v) for v in by_name.values()) / steps
-    print(f"{name}: step {wall:.2f} ms (CUDA events, median of {steps}); GPU busy "
+    print(f"{label}: step {wall:.2f} ms (CUDA events, median of {steps}); GPU busy "
           f"{busy:.2f} ms a step; idle inside the step {wall - busy:.2f} ms")
     for n, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {sum(v) / steps:9.3f} ms a step  x{len(v) / steps:4.1f}  {n[:100]}")
+    if in_order:
+        per_step = len(gpu) // steps
+        first = sorted(gpu, key=lambda e: e.time_range.start)[:per_step]
+        print(f"  one step in launch order ({per_step} kernels):")
+        for e in first:
+            print(f"    {e.device_time_total / 1e3:8.3f} ms  {e.name[:100]}")
+
+
+def kernel_times(name, steps=5):
+    """Where a step's wall time goes on the GPU, mok's and the peer's (the first question
+    of docs/PERF.md's "what to try next"): gpu_profile of each; the peer's kernels also
+    in launch order, so that each grouped GEMM's time can be set against its FLOPs
+    (forward: gate|up 4 R H F, down 2 R H F; backward twice each; R = T K)."""
+    T, H, Fd, E, K = SHAPES[name]
+    layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda")
+    with torch.no_grad():
+        layer.bias_select.zero_()
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    params = [layer.w_router, layer.w13, layer.w2]
+
+    def zero():
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    def mok_step():
+        zero()
+        layer(x).backward(dy)
+
+    R = T * K
+    print(f"{name}: GEMM GFLOP a step: forward gate|up {4 * R * H * Fd / 1e9:.0f}, down {2 * R * H * Fd / 1e9:.0f}")
+    gpu_profile(f"{name} mok", mok_step, steps)
+    bias = layer.bias_select.detach().float()
+    compiled = torch.compile(peer_forward, dynamic=False)
+
+    def peer_step():
+        zero()
+        compiled(x, layer.w_router, bias, layer.w13, layer.w2, K).backward(dy)
+
+    gpu_profile(f"{name} peer", peer_step, steps, in_order=True)
     del layer, x, dy, params
     mok.clear_cache()
     torch.cuda.empty_cache()
@@ -334,7 +362,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="mok only: CTA time per task kind (MOK_PROFILE=1)")
     ap.add_argument("--commit", default="", help="commit to print when the tree has no .git")
     ap.add_argument("--kernel-times", action="store_true",
-                    help="mok only: per step, the GPU's kernel times against the step's wall time (torch.profiler)")
+                    help="mok and peer: per step, the GPU's kernel times against the step's wall time (torch.profiler)")
     args = ap.parse_args()
     if args.kernel_times:
         for name in args.shapes.split(","):
