@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where a step's time goes, from a MOK_TRACE file (one line per task:
-"sync kind cta start_ns end_ns wait_ns", wall clock from %globaltimer).
+"sync kind cta start_ns end_ns wait_ns [cycles]", wall clock from %globaltimer, cycles
+from clock64).
 
     MOK_TRACE=/tmp/t.txt python3 bench/bench_moe.py --profile --shapes mixtral-8x7b
     python3 bench/trace_report.py /tmp/t.txt --shape mixtral-8x7b [--sync N]
@@ -8,7 +9,8 @@
 For the forward and the backward launch of one sync it prints: the launch's span (first
 task start to last task end), per task kind the CTA time working and waiting for
 dependencies, the GEMM rate while working (TFLOP/s if every SM ran that kind at that
-pace), the CTAs' idle time (before their first task, between tasks, after their last),
+pace), the mean SM clock over that kind's tasks (the board's power limit lowers it
+within a step, and a variant that does less work runs at a higher clock), the CTAs' idle time (before their first task, between tasks, after their last),
 and a timeline: per time bin, how many CTAs run each kind.
 """
 import argparse
@@ -45,21 +47,28 @@ def report(recs, kinds, label, flops, num_sms, bins=60):
     work = collections.Counter()
     wait = collections.Counter()
     count = collections.Counter()
-    for k, c, s, e, w in recs:
+    cycles = collections.Counter()
+    span_ns = collections.Counter()
+    for k, c, s, e, w, cy in recs:
         work[NAMES[k]] += e - s - w
         wait[NAMES[k]] += w
         count[NAMES[k]] += 1
-    print(f"  {'kind':9} {'tasks':>6} {'work ms':>8} {'wait ms':>8}  (CTA-ms / {n}; work rate)")
+        if cy is not None:
+            cycles[NAMES[k]] += cy
+            span_ns[NAMES[k]] += e - s
+    print(f"  {'kind':9} {'tasks':>6} {'work ms':>8} {'wait ms':>8}  (CTA-ms / {n}; work rate; mean SM clock)")
     for k in kinds:
         if count[k] == 0:
             continue
         line = f"  {k:9} {count[k]:6d} {work[k] / 1e6 / n:8.3f} {wait[k] / 1e6 / n:8.3f}"
         if k in flops and work[k] > 0:
             line += f"  {flops[k] / (work[k] / n) / 1e3:6.0f} TFLOP/s"
+        if span_ns[k] > 0:
+            line += f"  {1e3 * cycles[k] / span_ns[k]:5.0f} MHz"
         print(line)
     head = gaps = tail = 0
     by_cta = collections.defaultdict(list)
-    for k, c, s, e, w in recs:
+    for k, c, s, e, w, _ in recs:
         by_cta[c].append((s, e))
     for c, iv in by_cta.items():
         iv.sort()
@@ -68,12 +77,14 @@ def report(recs, kinds, label, flops, num_sms, bins=60):
         gaps += sum(max(0, b[0] - a[1]) for a, b in zip(iv, iv[1:]))
     total_work = sum(work.values()) / 1e6 / n
     total_wait = sum(wait.values()) / 1e6 / n
+    if sum(span_ns.values()) > 0:
+        print(f"  mean SM clock over all tasks: {1e3 * sum(cycles.values()) / sum(span_ns.values()):.0f} MHz")
     print(f"  per SM: work {total_work:.3f} ms, waits {total_wait:.3f}, idle before the first task "
           f"{head / 1e6 / n:.3f}, between tasks {gaps / 1e6 / n:.3f}, after the last {tail / 1e6 / n:.3f}")
     # timeline: CTAs running each kind per bin (time-weighted)
     width = span / bins
     grid = collections.defaultdict(lambda: [0.0] * bins)
-    for k, c, s, e, w in recs:
+    for k, c, s, e, w, _ in recs:
         b0 = int((s - t0) / width)
         b1 = min(bins - 1, int((e - t0) / width))
         for b in range(b0, b1 + 1):
@@ -101,8 +112,9 @@ def main():
     by_sync = collections.defaultdict(list)
     with open(args.trace) as f:
         for line in f:
-            sy, k, c, s, e, w = map(int, line.split())
-            by_sync[sy].append((k, c, s, e, w))
+            f = list(map(int, line.split()))
+            sy, k, c, s, e, w = f[:6]
+            by_sync[sy].append((k, c, s, e, w, f[6] if len(f) > 6 else None))  # (older traces: no cycles)
     if not by_sync:
         sys.exit("empty trace")
     sy = args.sync if args.sync is not None else max(by_sync)

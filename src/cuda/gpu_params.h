@@ -47,6 +47,7 @@ struct GpuStep {
 struct TraceRecord {
   uint64_t start, end;
   uint32_t wait_ns;
+  uint32_t cycles;  // SM cycles over the task (clock64): with end - start, its mean SM clock
   uint16_t cta;
   uint16_t kind;
 };

@@ -67,6 +67,7 @@ struct alignas(1024) Smem {
   int abort;
   int last_cta;
   uint64_t task_start;  // MOK_PROFILE: this task's start (globaltimer, ns)
+  uint64_t task_clock;  // and in SM cycles (clock64): the two give the task's mean SM clock
   uint32_t wait_ns;     // MOK_PROFILE: this task's time in wait_counter
   uint32_t knobs;       // MOK_KNOBS (gpu_params.h)
 };
@@ -144,6 +145,7 @@ __device__ __forceinline__ void profile_start(Smem& sm, const GpuStep& st) {
   if (!st.prof || threadIdx.x != 0) return;
   sm.wait_ns = 0;
   sm.task_start = globaltimer_ns();
+  sm.task_clock = clock64();
 }
 
 // MOK_PROFILE: adds the task's wall time to its kind's slot; MOK_TRACE: records it.
@@ -154,7 +156,8 @@ __device__ __forceinline__ void profile_task(Smem& sm, const GpuStep& st, int sl
   atomicAdd(&st.prof[2 * slot + 1], 1ull);
   if (st.trace) {
     const uint32_t i = atomicAdd(st.trace_len, 1u);
-    if (i < st.trace_cap) st.trace[i] = TraceRecord{t0, t1, sm.wait_ns, (uint16_t)blockIdx.x, (uint16_t)slot};
+    if (i < st.trace_cap) st.trace[i] = TraceRecord{t0, t1, sm.wait_ns, (uint32_t)(clock64() - sm.task_clock), (uint16_t)blockIdx.x,
+                                                 (uint16_t)slot};
   }
 }
 
