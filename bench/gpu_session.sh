@@ -11,6 +11,8 @@
 #   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
 #   comm          the 2-GPU NCCL case alone (comm.peer_exchange_w2)
+#   stalls        a MOK_STALL_PROFILE build (build-stall/: thread 0's cycles in each wait
+#                 of the GEMM tasks, by kind) traced per shape, beside the plain trace's rates
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
 # Example, built here and carried: make build/libmok.so build/mok_gpu_tests, then the
 # device tool with carry ["build/libmok.so", "build/mok_gpu_tests"] runs
@@ -49,7 +51,7 @@ for part in "$@"; do
         MOK_TRACE="$OUT/trace-$s.txt" python3 bench/bench_moe.py --profile --uniform-only --shapes "$s" > /dev/null 2>&1
         python3 bench/trace_report.py "$OUT/trace-$s.txt" --shape "$s" > "$OUT/report-$s.txt" 2>&1
         echo "== $s"
-        grep -E "span|TFLOP" "$OUT/report-$s.txt"
+        grep -E "span|TFLOP|clock" "$OUT/report-$s.txt"
         gzip -f "$OUT/trace-$s.txt"
       done
       ;;
@@ -63,8 +65,24 @@ for part in "$@"; do
     comm)
       ./build/mok_gpu_tests -k comm.peer_exchange_w2 2>&1 | tail -4
       ;;
+    stalls)
+      # (NVFLAGS from the environment: the Makefile appends its own flags to it)
+      if [ -z "${PREBUILT:-}" ] || [ ! -f build-stall/libmok.so ]; then
+        NVFLAGS="-O3 -DMOK_STALL_PROFILE" make -j"$(nproc)" BUILD=build-stall build-stall/libmok.so \
+          > "$OUT/build-stall.log" 2>&1 || { tail -30 "$OUT/build-stall.log"; exit 1; }
+      fi
+      for s in ${SHAPES//,/ }; do
+        rm -f "$OUT/stalls-$s.txt"
+        MOK_LIBRARY="$PWD/build-stall/libmok.so" MOK_TRACE="$OUT/stalls-$s.txt" \
+          python3 bench/bench_moe.py --profile --uniform-only --shapes "$s" > /dev/null 2>&1
+        python3 bench/trace_report.py "$OUT/stalls-$s.txt" --shape "$s" > "$OUT/stalls-report-$s.txt" 2>&1
+        echo "== $s (MOK_STALL_PROFILE build)"
+        grep -E "span|TFLOP|waiting|clock" "$OUT/stalls-report-$s.txt"
+        gzip -f "$OUT/stalls-$s.txt"
+      done
+      ;;
     *)
-      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm)"
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls)"
       exit 2
       ;;
   esac

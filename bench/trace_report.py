@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a step's time goes, from a MOK_TRACE file (one line per task:
-"sync kind cta start_ns end_ns wait_ns [cycles]", wall clock from %globaltimer, cycles
-from clock64).
+"sync kind cta start_ns end_ns wait_ns [cycles [5 stall counts]]", wall clock from
+%globaltimer, cycles from clock64).
 
     MOK_TRACE=/tmp/t.txt python3 bench/bench_moe.py --profile --shapes mixtral-8x7b
     python3 bench/trace_report.py /tmp/t.txt --shape mixtral-8x7b [--sync N]
@@ -11,7 +11,9 @@ task start to last task end), per task kind the CTA time working and waiting for
 dependencies, the GEMM rate while working (TFLOP/s if every SM ran that kind at that
 pace), the mean SM clock over that kind's tasks (the board's power limit lowers it
 within a step, and a variant that does less work runs at a higher clock), the CTAs' idle time (before their first task, between tasks, after their last),
-and a timeline: per time bin, how many CTAs run each kind.
+and a timeline: per time bin, how many CTAs run each kind. From a MOK_STALL_PROFILE
+build (bench/gpu_session.sh stalls), per GEMM kind also thread 0's share of the kind's
+cycles in each wait of gemm_tiles (STALLS below, gpu_params.h's TraceRecord).
 """
 import argparse
 import collections
@@ -22,6 +24,7 @@ from shapes import SHAPES  # bench/ is this script's directory
 FWD = ["route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2", "combine"]
 BWD = ["dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13", "rw", "tree", "dxsum"]
 NAMES = FWD + BWD
+STALLS = ["full", "empty", "spare", "drain", "epilogue"]
 
 
 
@@ -49,13 +52,16 @@ def report(recs, kinds, label, flops, num_sms, bins=60):
     count = collections.Counter()
     cycles = collections.Counter()
     span_ns = collections.Counter()
-    for k, c, s, e, w, cy in recs:
+    stall = collections.defaultdict(lambda: [0] * len(STALLS))
+    for k, c, s, e, w, cy, st in recs:
         work[NAMES[k]] += e - s - w
         wait[NAMES[k]] += w
         count[NAMES[k]] += 1
         if cy is not None:
             cycles[NAMES[k]] += cy
             span_ns[NAMES[k]] += e - s
+        for i, v in enumerate(st):
+            stall[NAMES[k]][i] += v
     print(f"  {'kind':9} {'tasks':>6} {'work ms':>8} {'wait ms':>8}  (CTA-ms / {n}; work rate; mean SM clock)")
     for k in kinds:
         if count[k] == 0:
@@ -66,9 +72,12 @@ def report(recs, kinds, label, flops, num_sms, bins=60):
         if span_ns[k] > 0:
             line += f"  {1e3 * cycles[k] / span_ns[k]:5.0f} MHz"
         print(line)
+        if any(stall[k]) and cycles[k] > 0:
+            shares = ", ".join(f"{n} {100 * v / cycles[k]:.1f}%" for n, v in zip(STALLS, stall[k]))
+            print(f"  {'':9} thread 0's cycles waiting: {shares}")
     head = gaps = tail = 0
     by_cta = collections.defaultdict(list)
-    for k, c, s, e, w, _ in recs:
+    for k, c, s, e, w, _, _ in recs:
         by_cta[c].append((s, e))
     for c, iv in by_cta.items():
         iv.sort()
@@ -84,7 +93,7 @@ def report(recs, kinds, label, flops, num_sms, bins=60):
     # timeline: CTAs running each kind per bin (time-weighted)
     width = span / bins
     grid = collections.defaultdict(lambda: [0.0] * bins)
-    for k, c, s, e, w, _ in recs:
+    for k, c, s, e, w, _, _ in recs:
         b0 = int((s - t0) / width)
         b1 = min(bins - 1, int((e - t0) / width))
         for b in range(b0, b1 + 1):
@@ -114,7 +123,8 @@ def main():
         for line in f:
             f = list(map(int, line.split()))
             sy, k, c, s, e, w = f[:6]
-            by_sync[sy].append((k, c, s, e, w, f[6] if len(f) > 6 else None))  # (older traces: no cycles)
+            # (older traces: no cycles, no stall counts)
+            by_sync[sy].append((k, c, s, e, w, f[6] if len(f) > 6 else None, f[7:12]))
     if not by_sync:
         sys.exit("empty trace")
     sy = args.sync if args.sync is not None else max(by_sync)

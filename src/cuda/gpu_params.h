@@ -44,12 +44,19 @@ struct GpuStep {
 
 // MOK_TRACE: a task's wall-clock span (%globaltimer, ns) on one CTA, and the part of it
 // spent waiting for dependencies; kind is the profile slot.
+// MOK_STALL_PROFILE builds only (zero otherwise): thread 0's cycles in a GEMM task's
+// waits, by kind: for a stage's data (full barrier: load latency or bandwidth), for a
+// stage to empty before refilling it (the other warpgroup behind), for the epilogue's
+// stores to read the spare stage before refilling it, for the last wgmmas of a tile
+// (drain), and in the epilogue itself (thread 0's view, its barriers included).
+enum { kStallFull, kStallEmpty, kStallSpare, kStallDrain, kStallEpilogue, kStallKinds };
 struct TraceRecord {
   uint64_t start, end;
   uint32_t wait_ns;
   uint32_t cycles;  // SM cycles over the task (clock64): with end - start, its mean SM clock
   uint16_t cta;
   uint16_t kind;
+  uint32_t stall[kStallKinds];
 };
 
 // Profile slots: forward task kinds 0..7, backward 8..18, waits 19 (forward) and 20.

@@ -69,6 +69,7 @@ struct alignas(1024) Smem {
   uint64_t task_start;  // MOK_PROFILE: this task's start (globaltimer, ns)
   uint64_t task_clock;  // and in SM cycles (clock64): the two give the task's mean SM clock
   uint32_t wait_ns;     // MOK_PROFILE: this task's time in wait_counter
+  uint32_t stall[kStallKinds];  // MOK_STALL_PROFILE builds: thread 0's GEMM cycles by kind
   uint32_t knobs;       // MOK_KNOBS (gpu_params.h)
 };
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
@@ -144,6 +145,8 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
 __device__ __forceinline__ void profile_start(Smem& sm, const GpuStep& st) {
   if (!st.prof || threadIdx.x != 0) return;
   sm.wait_ns = 0;
+#pragma unroll
+  for (int i = 0; i < kStallKinds; i++) sm.stall[i] = 0;
   sm.task_start = globaltimer_ns();
   sm.task_clock = clock64();
 }
@@ -156,8 +159,12 @@ __device__ __forceinline__ void profile_task(Smem& sm, const GpuStep& st, int sl
   atomicAdd(&st.prof[2 * slot + 1], 1ull);
   if (st.trace) {
     const uint32_t i = atomicAdd(st.trace_len, 1u);
-    if (i < st.trace_cap) st.trace[i] = TraceRecord{t0, t1, sm.wait_ns, (uint32_t)(clock64() - sm.task_clock), (uint16_t)blockIdx.x,
-                                                 (uint16_t)slot};
+    if (i < st.trace_cap) {
+      TraceRecord r{t0, t1, sm.wait_ns, (uint32_t)(clock64() - sm.task_clock), (uint16_t)blockIdx.x, (uint16_t)slot, {}};
+#pragma unroll
+      for (int k = 0; k < kStallKinds; k++) r.stall[k] = sm.stall[k];
+      st.trace[i] = r;
+    }
   }
 }
 
@@ -216,6 +223,18 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 
 // ---- the tile GEMM ----
 
+// MOK_STALL_PROFILE (a measurement build, bench/gpu_session.sh stalls): thread 0 adds
+// the cycles of each GEMM wait to sm.stall[kind] (gpu_params.h names the kinds); other
+// builds compile none of it.
+#ifdef MOK_STALL_PROFILE
+#define MOK_STALL_FROM(t) const uint64_t t = clock64()
+#define MOK_STALL_ADD(kind, t) \
+  if (threadIdx.x == 0) sm.stall[kind] += (uint32_t)(clock64() - (t))
+#else
+#define MOK_STALL_FROM(t)
+#define MOK_STALL_ADD(kind, t)
+#endif
+
 // A run of output tiles through one continuous pipeline: for tile i, setup(i, A, B,
 // num_kb, k_valid_last) names its operands, then acc (per thread: kAcc floats) =
 // A[128 x K] B[K x 256] over num_kb K blocks of 64, then epi(i, acc, wg, warp, lane, spare).
@@ -249,11 +268,15 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     if ((int)s == c.spare_slot) {
       // the last epilogue's stores from this stage went out first; only its final
       // group (from sm.epi) may still be reading
+      MOK_STALL_FROM(t_spare);
       bulk_wait_read<1>();
+      MOK_STALL_ADD(kStallSpare, t_spare);
       c.spare_slot = -1;
     }
+    MOK_STALL_FROM(t_empty);
     while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
     }
+    MOK_STALL_ADD(kStallEmpty, t_empty);
     const uint32_t knobs = sm.knobs;  // (once: the TMA asm's memory clobber would re-read it)
     const bool skip_b = knobs & 16;   // MOK_KNOBS 16: B stays what the stage held
     mbar_arrive_expect_tx(&sm.full[s], skip_b ? 2 * kBoxBytes : kStageBytes);
@@ -292,8 +315,10 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
     for (int kb = 0; kb < num_kb; kb++, it++) {
       const uint32_t s = it % kStages, ph = (it / kStages) & 1;
+      MOK_STALL_FROM(t_full);
       while (!mbar_try_wait(&sm.full[s], ph)) {
       }
+      MOK_STALL_ADD(kStallFull, t_full);
       uint8_t* stage = sm.stage[s];
       if (kb == num_kb - 1 && k_valid_last < BK) {
         // zero k rows [k_valid_last, 64) of all six boxes (MN-major: a k row = 128 B)
@@ -321,14 +346,18 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       if (kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
       if (tid == 0) load_next();
     }
+    MOK_STALL_FROM(t_drain);
     wgmma_wait<0>();
+    MOK_STALL_ADD(kStallDrain, t_drain);
     if (num_kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
     // The stage of the tile's last K block is free until thread 0 refills it (its next
     // load, after the epilogue): the epilogue may use it as a second buffer (`spare`),
     // after a CTA barrier (the other warpgroup's wgmmas may still read it until then).
     const int et = tid_here();
     uint8_t* spare = num_kb > 0 ? sm.stage[(it - 1) % kStages] : nullptr;
+    MOK_STALL_FROM(t_epi);
     epi(tile, acc, et / 128, (et % 128) / 32, et % 32, spare);
+    MOK_STALL_ADD(kStallEpilogue, t_epi);
     if (tid == 0 && num_kb > 0) c.spare_slot = (int)((it - 1) % kStages);
   }
   __syncthreads();
