@@ -10,9 +10,10 @@ For the forward and the backward launch of one sync it prints: the launch's span
 task start to last task end), per task kind the CTA time working and waiting for
 dependencies, the GEMM rate while working (TFLOP/s if every SM ran that kind at that
 pace), the mean SM clock over that kind's tasks (the board's power limit lowers it
-within a step, and a variant that does less work runs at a higher clock), the CTAs' idle time (before their first task, between tasks, after their last),
-and a timeline: per time bin, how many CTAs run each kind. From a MOK_STALL_PROFILE
-build (bench/gpu_session.sh stalls), per GEMM kind also thread 0's share of the kind's
+within a step, and a variant that does less work runs at a higher clock), the CTAs'
+idle time (before their first task, between tasks, after their last), and a timeline:
+per time bin, how many CTAs run each kind. From a MOK_STALL_PROFILE build
+(bench/gpu_session.sh stalls), per GEMM kind also thread 0's share of the kind's
 cycles in each wait of gemm_tiles (STALLS below, gpu_params.h's TraceRecord).
 """
 import argparse
@@ -121,10 +122,10 @@ def main():
     by_sync = collections.defaultdict(list)
     with open(args.trace) as f:
         for line in f:
-            f = list(map(int, line.split()))
-            sy, k, c, s, e, w = f[:6]
+            v = list(map(int, line.split()))
+            sy, k, c, s, e, w = v[:6]
             # (older traces: no cycles, no stall counts)
-            by_sync[sy].append((k, c, s, e, w, f[6] if len(f) > 6 else None, f[7:12]))
+            by_sync[sy].append((k, c, s, e, w, v[6] if len(v) > 6 else None, v[7:12]))
     if not by_sync:
         sys.exit("empty trace")
     sy = args.sync if args.sync is not None else max(by_sync)

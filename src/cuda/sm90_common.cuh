@@ -228,11 +228,15 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 // builds compile none of it.
 #ifdef MOK_STALL_PROFILE
 #define MOK_STALL_FROM(t) const uint64_t t = clock64()
-#define MOK_STALL_ADD(kind, t) \
-  if (threadIdx.x == 0) sm.stall[kind] += (uint32_t)(clock64() - (t))
+#define MOK_STALL_ADD(kind, t)                                             \
+  do {                                                                     \
+    if (threadIdx.x == 0) sm.stall[kind] += (uint32_t)(clock64() - (t)); \
+  } while (0)
 #else
 #define MOK_STALL_FROM(t)
-#define MOK_STALL_ADD(kind, t)
+#define MOK_STALL_ADD(kind, t) \
+  do {                         \
+  } while (0)
 #endif
 
 // A run of output tiles through one continuous pipeline: for tile i, setup(i, A, B,
