@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where a step's time goes, from a MOK_TRACE file (one line per task:
-"sync kind cta start_ns end_ns wait_ns [cycles [5 stall counts]]", wall clock from
+"sync kind cta start_ns end_ns wait_ns [cycles [stall counts]]", wall clock from
 %globaltimer, cycles from clock64).
 
     MOK_TRACE=/tmp/t.txt python3 bench/bench_moe.py --profile --shapes mixtral-8x7b
@@ -25,7 +25,8 @@ from shapes import SHAPES  # bench/ is this script's directory
 FWD = ["route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2", "combine"]
 BWD = ["dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13", "rw", "tree", "dxsum"]
 NAMES = FWD + BWD
-STALLS = ["full", "empty", "spare", "drain", "epilogue"]
+# gpu_params.h's kStall* in order; the last three are parts of "epilogue"
+STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barriers", "epi-issue"]
 
 
 
@@ -125,7 +126,7 @@ def main():
             v = list(map(int, line.split()))
             sy, k, c, s, e, w = v[:6]
             # (older traces: no cycles, no stall counts)
-            by_sync[sy].append((k, c, s, e, w, v[6] if len(v) > 6 else None, v[7:12]))
+            by_sync[sy].append((k, c, s, e, w, v[6] if len(v) > 6 else None, v[7 : 7 + len(STALLS)]))
     if not by_sync:
         sys.exit("empty trace")
     sy = args.sync if args.sync is not None else max(by_sync)

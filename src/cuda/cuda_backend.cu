@@ -214,8 +214,8 @@ void mok_cuda_destroy(mok_context_t* ctx) {
 // MOK_PROFILE=1: CTA time per task kind since the last sync, summed over CTAs (wall-clock
 // ms from %globaltimer), to stderr; a measurement aid for choosing what to speed up next.
 // MOK_TRACE=file: also appends every task of those launches to the file, one line each:
-// "sync kind cta start_ns end_ns wait_ns cycles" and the five stall counts of
-// TraceRecord (bench/trace_report.py reads it).
+// "sync kind cta start_ns end_ns wait_ns cycles" and TraceRecord's stall counts
+// (bench/trace_report.py reads it).
 static mok_status_t print_profile(mok_context_t* ctx) {
   static const char* names[kProfSlots] = {"route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2",
                                           "combine", "dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13",
@@ -240,10 +240,12 @@ static mok_status_t print_profile(mok_context_t* ctx) {
   CUDA_TRY(ctx, cudaMemcpy(r.data(), g->trace, sizeof(TraceRecord) * n, cudaMemcpyDeviceToHost));
   FILE* f = fopen(getenv("MOK_TRACE"), "a");
   if (!f) return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT, "MOK_TRACE=%s: cannot open for appending", getenv("MOK_TRACE"));
-  for (const TraceRecord& t : r)
-    fprintf(f, "%d %d %d %llu %llu %u %u %u %u %u %u %u\n", g->syncs, (int)t.kind, (int)t.cta,
-            (unsigned long long)t.start, (unsigned long long)t.end, t.wait_ns, t.cycles, t.stall[kStallFull],
-            t.stall[kStallEmpty], t.stall[kStallSpare], t.stall[kStallDrain], t.stall[kStallEpilogue]);
+  for (const TraceRecord& t : r) {
+    fprintf(f, "%d %d %d %llu %llu %u %u", g->syncs, (int)t.kind, (int)t.cta, (unsigned long long)t.start,
+            (unsigned long long)t.end, t.wait_ns, t.cycles);
+    for (int k = 0; k < kStallKinds; k++) fprintf(f, " %u", t.stall[k]);
+    fprintf(f, "\n");
+  }
   fclose(f);
   g->syncs++;
   return MOK_STATUS_SUCCESS;

@@ -44,12 +44,24 @@ struct GpuStep {
 
 // MOK_TRACE: a task's wall-clock span (%globaltimer, ns) on one CTA, and the part of it
 // spent waiting for dependencies; kind is the profile slot.
-// MOK_STALL_PROFILE builds only (zero otherwise): thread 0's cycles in a GEMM task's
-// waits, by kind: for a stage's data (full barrier: load latency or bandwidth), for a
+// MOK_STALL_PROFILE builds only (zero otherwise): thread 0's cycles in a GEMM task, by
+// kind: waiting for a stage's data (full barrier: load latency or bandwidth), for a
 // stage to empty before refilling it (the other warpgroup behind), for the epilogue's
 // stores to read the spare stage before refilling it, for the last wgmmas of a tile
-// (drain), and in the epilogue itself (thread 0's view, its barriers included).
-enum { kStallFull, kStallEmpty, kStallSpare, kStallDrain, kStallEpilogue, kStallKinds };
+// (drain); in the epilogue, whole (thread 0's view), and the parts of it spent waiting
+// for earlier TMA stores to read sm.epi, in the epilogues' CTA barriers, and issuing
+// the TMA stores.
+enum {
+  kStallFull,
+  kStallEmpty,
+  kStallSpare,
+  kStallDrain,
+  kStallEpilogue,
+  kStallEpiStores,
+  kStallEpiBarrier,
+  kStallEpiIssue,
+  kStallKinds
+};
 struct TraceRecord {
   uint64_t start, end;
   uint32_t wait_ns;

@@ -460,16 +460,22 @@ __device__ __forceinline__ float silu(float g) { return __fdiv_rn(g, __fadd_rn(1
 
 // sm.epi may be written: the previous tile's TMA stores (thread 0's) have read it and
 // every thread is done with it.
-__device__ __forceinline__ void epi_acquire() {
-  if (tid_here() == 0) bulk_wait_read();
+__device__ __forceinline__ void epi_acquire(Smem& sm) {
+  if (tid_here() == 0) {
+    MOK_STALL_FROM(t_stores);
+    bulk_wait_read();
+    MOK_STALL_ADD(kStallEpiStores, t_stores);
+  }
+  MOK_STALL_FROM(t_bar);
   __syncthreads();
+  MOK_STALL_ADD(kStallEpiBarrier, t_bar);
 }
 
 // Accumulator pairs [i0, i0 + n) into sm.epi (n = 16 bf16 or 8 fp32: one part), at their
 // column minus 8 * i0.
 template <bool kBf16>
 __device__ __forceinline__ void epi_put(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int i0, int n) {
-  epi_acquire();
+  epi_acquire(sm);
   const int r = acc_row(wg, w, l, 0), sw = r % 8, q = l % 4;  // rows r and r + 8: same r % 8
   const uint32_t row0 = smem_addr(sm.epi) + r * 256, row1 = row0 + 8 * 256;
 #pragma unroll
@@ -526,9 +532,11 @@ __device__ __forceinline__ void epi_put_boxes(uint32_t buf, int wg, int w, int l
 }
 
 // The boxes just written are complete for every thread and for the TMA stores.
-__device__ __forceinline__ void epi_publish() {
+__device__ __forceinline__ void epi_publish(Smem& sm) {
   fence_proxy_async_smem();
+  MOK_STALL_FROM(t_bar);
   __syncthreads();
+  MOK_STALL_ADD(kStallEpiBarrier, t_bar);
 }
 
 // Rows [0, rows) of boxes [0, nb) at buf out, as one store group: store(b, map, r, src)
@@ -536,15 +544,17 @@ __device__ __forceinline__ void epi_publish() {
 // one of st's; dst(b, r) is where row r of box b goes (64 bf16), or null. Returns whether
 // threads read buf for rows past the last whole 16-row box.
 template <class Store, class Dst>
-__device__ __forceinline__ bool epi_write_boxes(const uint8_t* buf, const StoreMap* st, int nb, int rows, Store store,
-                                                Dst dst) {
+__device__ __forceinline__ bool epi_write_boxes(Smem& sm, const uint8_t* buf, const StoreMap* st, int nb, int rows,
+                                                Store store, Dst dst) {
   const int tid = tid_here();
   const int full = rows == BM ? 1 : rows / kStoreRows, height = rows == BM ? BM : kStoreRows;
   if (tid == 0) {
+    MOK_STALL_FROM(t_issue);
     const CUtensorMap* map = rows == BM ? &st->full : &st->part;
     for (int rg = 0; rg < full; rg++)
       for (int b = 0; b < nb; b++) store(b, map, rg * height, buf + b * kBox + rg * (height * 128));
     bulk_commit();
+    MOK_STALL_ADD(kStallEpiIssue, t_issue);
   }
   const int first = height * full, rest = rows - first;
   for (int q = tid; q < rest * nb * 8; q += kThreads) {
@@ -567,17 +577,17 @@ __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc
   auto pair = [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); };
   auto write = [&](const uint8_t* buf, int cb) {  // boxes 0, 1 of buf: columns cb.. cb + 127
     return epi_write_boxes(
-        buf, st, 2, rows,
+        sm, buf, st, 2, rows,
         [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
           if (cb + 64 * b < ncols) tma_store_2d(map, src, cb + 64 * b, map_row + r);
         },
         [&](int b, int r) { return cb + 64 * b < ncols ? out + (int64_t)(row0 + r) * ld + cb + 64 * b : nullptr; });
   };
   if (spare) {
-    epi_acquire();
+    epi_acquire(sm);
     epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 0, pair);
     epi_put_boxes<2>(smem_addr(spare), wg, w, l, 2, pair);
-    epi_publish();
+    epi_publish(sm);
     const bool tail = write(spare, c0 + 128);
     write(sm.epi, c0);
     if (tail) __syncthreads();  // the spare's tail rows read before thread 0 refills it
@@ -585,9 +595,9 @@ __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc
   }
 #pragma unroll
   for (int half = 0; half < 2; half++) {  // boxes 2 half, 2 half + 1 (128 columns)
-    epi_acquire();
+    epi_acquire(sm);
     epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 2 * half, pair);
-    epi_publish();
+    epi_publish(sm);
     write(sm.epi, c0 + 128 * half);
   }
 }
@@ -648,7 +658,7 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
   };
   auto write_a = [&](const uint8_t* buf, int half) {  // gate (half 0) or up (1): 2 boxes
     epi_write_boxes(
-        buf, st_a, 2, rows,
+        sm, buf, st_a, 2, rows,
         [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
           if (f0 + 64 * b < F) tma_store_3d(map, src, f0 + 64 * b, half, map_row + r);
         },
@@ -659,7 +669,7 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
   };
   auto write_h = [&](const uint8_t* buf, int b0, int nb) {  // h boxes b0 .. b0 + nb - 1
     epi_write_boxes(
-        buf, st_h, nb, rows,
+        sm, buf, st_h, nb, rows,
         [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
           if (f0 + 64 * (b0 + b) < F) tma_store_2d(map, src, f0 + 64 * (b0 + b), map_row + r);
         },
@@ -669,30 +679,30 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
         });
   };
   if (spare) {
-    epi_acquire();
+    epi_acquire(sm);
     epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 0, apair);
     epi_put_boxes<2>(smem_addr(spare), wg, w, l, 2, apair);
     epi_put_boxes<1>(smem_addr(spare) + 2 * kBox, wg, w, l, 0, hpair);
-    epi_publish();
+    epi_publish(sm);
     write_a(spare, 1);
     write_h(spare + 2 * kBox, 0, 1);
     write_a(sm.epi, 0);
-    epi_acquire();  // (its barrier also orders the tail reads of the spare before a refill)
+    epi_acquire(sm);  // (its barrier also orders the tail reads of the spare before a refill)
     epi_put_boxes<1>(smem_addr(sm.epi), wg, w, l, 1, hpair);
-    epi_publish();
+    epi_publish(sm);
     write_h(sm.epi, 1, 1);
     return;
   }
 #pragma unroll
   for (int half = 0; half < 2; half++) {  // gate (boxes 0, 1), then up (boxes 2, 3)
-    epi_acquire();
+    epi_acquire(sm);
     epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 2 * half, apair);
-    epi_publish();
+    epi_publish(sm);
     write_a(sm.epi, half);
   }
-  epi_acquire();
+  epi_acquire(sm);
   epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 0, hpair);
-  epi_publish();
+  epi_publish(sm);
   write_h(sm.epi, 0, 2);
 }
 

@@ -63,7 +63,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     }
   }
   if (s.fused) {
-    epi_acquire();  // warp_scratch shares sm.epi with a previous task's TMA stores
+    epi_acquire(sm);  // warp_scratch shares sm.epi with a previous task's TMA stores
     const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
     const float TK = (float)s.T * (float)K;
     for (int t = t0 + warp; t < t1; t += kThreads / 32) {
