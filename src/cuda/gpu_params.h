@@ -50,7 +50,8 @@ struct GpuStep {
 // stores to read the spare stage before refilling it, for the last wgmmas of a tile
 // (drain); in the epilogue, whole (thread 0's view), and the parts of it spent waiting
 // for earlier TMA stores to read sm.epi, in the epilogues' CTA barriers, and issuing
-// the TMA stores.
+// the TMA stores; and at the task's end (any task), waiting for its TMA stores to land
+// plus the fence before its counter's release (signal_counter).
 enum {
   kStallFull,
   kStallEmpty,
@@ -60,6 +61,7 @@ enum {
   kStallEpiStores,
   kStallEpiBarrier,
   kStallEpiIssue,
+  kStallSignal,
   kStallKinds
 };
 struct TraceRecord {

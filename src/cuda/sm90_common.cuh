@@ -140,6 +140,22 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
   return sm.abort == 0;
 }
 
+// MOK_STALL_PROFILE (a measurement build, bench/gpu_session.sh stalls): thread 0 adds
+// the cycles of each GEMM wait to sm.stall[kind] (gpu_params.h names the kinds); other
+// builds compile none of it.
+#ifdef MOK_STALL_PROFILE
+#define MOK_STALL_FROM(t) const uint64_t t = clock64()
+#define MOK_STALL_ADD(kind, t)                                             \
+  do {                                                                     \
+    if (threadIdx.x == 0) sm.stall[kind] += (uint32_t)(clock64() - (t)); \
+  } while (0)
+#else
+#define MOK_STALL_FROM(t)
+#define MOK_STALL_ADD(kind, t) \
+  do {                         \
+  } while (0)
+#endif
+
 // MOK_PROFILE: a task's start (thread 0's clock), kept in shared memory: a register
 // would be live across the whole task.
 __device__ __forceinline__ void profile_start(Smem& sm, const GpuStep& st) {
@@ -168,12 +184,16 @@ __device__ __forceinline__ void profile_task(Smem& sm, const GpuStep& st, int sl
   }
 }
 
-// Marks one unit of a counter done, after every thread's writes of this task.
-__device__ __forceinline__ void signal_counter(uint32_t* counter) {
+// Marks one unit of a counter done, after every thread's writes of this task. The whole
+// CTA waits for thread 0 here (at the next task's barrier) while the task's TMA stores
+// land: MOK_STALL_PROFILE counts it as kStallSignal.
+__device__ __forceinline__ void signal_counter(Smem& sm, uint32_t* counter) {
   __syncthreads();
   if (threadIdx.x == 0) {
+    MOK_STALL_FROM(t_signal);
     bulk_wait_all();  // the task's TMA stores (issued by thread 0) have landed
     __threadfence();
+    MOK_STALL_ADD(kStallSignal, t_signal);
     red_release_add(counter, 1);
   }
 }
@@ -222,22 +242,6 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 }
 
 // ---- the tile GEMM ----
-
-// MOK_STALL_PROFILE (a measurement build, bench/gpu_session.sh stalls): thread 0 adds
-// the cycles of each GEMM wait to sm.stall[kind] (gpu_params.h names the kinds); other
-// builds compile none of it.
-#ifdef MOK_STALL_PROFILE
-#define MOK_STALL_FROM(t) const uint64_t t = clock64()
-#define MOK_STALL_ADD(kind, t)                                             \
-  do {                                                                     \
-    if (threadIdx.x == 0) sm.stall[kind] += (uint32_t)(clock64() - (t)); \
-  } while (0)
-#else
-#define MOK_STALL_FROM(t)
-#define MOK_STALL_ADD(kind, t) \
-  do {                         \
-  } while (0)
-#endif
 
 // A run of output tiles through one continuous pipeline: for tile i, setup(i, A, B,
 // num_kb, k_valid_last) names its operands, then acc (per thread: kAcc floats) =
