@@ -44,14 +44,16 @@ struct GpuStep {
 
 // MOK_TRACE: a task's wall-clock span (%globaltimer, ns) on one CTA, and the part of it
 // spent waiting for dependencies; kind is the profile slot.
-// MOK_STALL_PROFILE builds only (zero otherwise): thread 0's cycles in a GEMM task, by
-// kind: waiting for a stage's data (full barrier: load latency or bandwidth), for a
-// stage to empty before refilling it (the other warpgroup behind), for the epilogue's
-// stores to read the spare stage before refilling it, for the last wgmmas of a tile
-// (drain); in the epilogue, whole (thread 0's view), and the parts of it spent waiting
-// for earlier TMA stores to read sm.epi, in the epilogues' CTA barriers, and issuing
-// the TMA stores; and at the task's end (any task), waiting for its TMA stores to land
-// plus the fence before its counter's release (signal_counter).
+// MOK_STALL_PROFILE builds only (zero otherwise): thread 0's cycles in a task, by kind.
+// In GEMM tasks, waiting:
+// - for a stage's data (full barrier: load latency or bandwidth);
+// - for a stage to empty before refilling it (the other warpgroup behind);
+// - for the epilogue's stores to read the spare stage before refilling it;
+// - for the last wgmmas of a tile (drain).
+// Then the epilogue, whole (thread 0's view), and three parts of it: waiting for
+// earlier TMA stores to read sm.epi, the epilogues' CTA barriers, issuing the TMA
+// stores. Last, at any task's end: waiting for its TMA stores to land, plus the fence
+// before its counter's release (signal_counter).
 enum {
   kStallFull,
   kStallEmpty,

@@ -69,7 +69,7 @@ struct alignas(1024) Smem {
   uint64_t task_start;  // MOK_PROFILE: this task's start (globaltimer, ns)
   uint64_t task_clock;  // and in SM cycles (clock64): the two give the task's mean SM clock
   uint32_t wait_ns;     // MOK_PROFILE: this task's time in wait_counter
-  uint32_t stall[kStallKinds];  // MOK_STALL_PROFILE builds: thread 0's GEMM cycles by kind
+  uint32_t stall[kStallKinds];  // MOK_STALL_PROFILE builds: thread 0's waits (kStall*)
   uint32_t knobs;       // MOK_KNOBS (gpu_params.h)
 };
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
@@ -141,7 +141,7 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
 }
 
 // MOK_STALL_PROFILE (a measurement build, bench/gpu_session.sh stalls): thread 0 adds
-// the cycles of each GEMM wait to sm.stall[kind] (gpu_params.h names the kinds); other
+// the cycles of each of its waits to sm.stall[kind] (gpu_params.h's kStall*); other
 // builds compile none of it.
 #ifdef MOK_STALL_PROFILE
 #define MOK_STALL_FROM(t) const uint64_t t = clock64()
@@ -176,7 +176,8 @@ __device__ __forceinline__ void profile_task(Smem& sm, const GpuStep& st, int sl
   if (st.trace) {
     const uint32_t i = atomicAdd(st.trace_len, 1u);
     if (i < st.trace_cap) {
-      TraceRecord r{t0, t1, sm.wait_ns, (uint32_t)(clock64() - sm.task_clock), (uint16_t)blockIdx.x, (uint16_t)slot, {}};
+      const uint32_t cycles = (uint32_t)(clock64() - sm.task_clock);
+      TraceRecord r{t0, t1, sm.wait_ns, cycles, (uint16_t)blockIdx.x, (uint16_t)slot, {}};
 #pragma unroll
       for (int k = 0; k < kStallKinds; k++) r.stall[k] = sm.stall[k];
       st.trace[i] = r;
