@@ -191,25 +191,67 @@ def step_fingerprint(y, x, params):
     return [fingerprint(y), fingerprint(x.grad)] + [fingerprint(p.grad) for p in params]
 
 
+class Problem:
+    """One named shape on the GPU: a mok.MoE layer (seeded weights; "skewed" makes E/32
+    experts, at least one, hot through bias_select), x and dy, and one training step of
+    mok or of the PyTorch peer on them (the same weights, inputs and routing)."""
+
+    def __init__(self, name, skewed=False):
+        T, H, Fd, E, K = SHAPES[name]
+        torch.manual_seed(0)
+        self.K = K
+        self.layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda")
+        with torch.no_grad():
+            self.layer.bias_select.zero_()
+            if skewed:
+                self.layer.bias_select[: max(1, E // 32)] = 1.0
+        self.x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+        self.dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        self.params = [self.layer.w_router, self.layer.w13, self.layer.w2]
+        self.peer = self.bias = None  # at the first peer_step
+
+    def zero(self):
+        self.x.grad = None
+        for p in self.params:
+            p.grad = None
+
+    def mok_step(self):
+        self.zero()
+        y = self.layer(self.x)
+        y.backward(self.dy)
+        return y
+
+    def mok_forward(self):
+        with torch.no_grad():
+            self.layer(self.x)
+
+    def peer_step(self):
+        if self.peer is None:
+            self.peer = torch.compile(peer_forward, dynamic=False)
+            self.bias = self.layer.bias_select.detach().float()
+        self.zero()
+        w = self.layer
+        y = self.peer(self.x, w.w_router, self.bias, w.w13, w.w2, self.K)
+        y.backward(self.dy)
+        return y
+
+    def release(self):
+        """Frees the tensors and mok's contexts and workspaces: the next shape starts empty."""
+        del self.layer, self.x, self.dy, self.params, self.peer, self.bias
+        mok.clear_cache()
+        torch.cuda.empty_cache()
+
+
 def profile_shape(name, skewed):
     """MOK_PROFILE=1: the library prints CTA time per task kind at each mok.synchronize()."""
-    T, H, Fd, E, K = SHAPES[name]
-    layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda")
-    with torch.no_grad():
-        layer.bias_select.zero_()
-        if skewed:
-            layer.bias_select[: max(1, E // 32)] = 1.0
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    pb = Problem(name, skewed)
     for _ in range(2):
-        layer(x).backward(dy)
+        pb.mok_step()
     mok.synchronize()
     print(f"{name} {'skewed' if skewed else 'uniform'}: one step", file=sys.stderr, flush=True)
-    layer(x).backward(dy)
+    pb.mok_step()
     mok.synchronize()
-    del layer, x, dy
-    mok.clear_cache()
-    torch.cuda.empty_cache()
+    pb.release()
 
 
 def gpu_profile(label, step, steps, in_order=False):
@@ -244,94 +286,37 @@ def kernel_times(name, steps=5):
     in launch order, so that each grouped GEMM's time can be set against its FLOPs
     (forward: gate|up 4 R H F, down 2 R H F; backward twice each; R = T K)."""
     T, H, Fd, E, K = SHAPES[name]
-    layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda")
-    with torch.no_grad():
-        layer.bias_select.zero_()
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    params = [layer.w_router, layer.w13, layer.w2]
-
-    def zero():
-        x.grad = None
-        for p in params:
-            p.grad = None
-
-    def mok_step():
-        zero()
-        layer(x).backward(dy)
-
     R = T * K
     print(f"{name}: GEMM GFLOP a step: forward gate|up {4 * R * H * Fd / 1e9:.0f}, down {2 * R * H * Fd / 1e9:.0f}")
-    gpu_profile(f"{name} mok", mok_step, steps)
-    bias = layer.bias_select.detach().float()
-    compiled = torch.compile(peer_forward, dynamic=False)
-
-    def peer_step():
-        zero()
-        compiled(x, layer.w_router, bias, layer.w13, layer.w2, K).backward(dy)
-
-    gpu_profile(f"{name} peer", peer_step, steps, in_order=True)
-    del layer, x, dy, params
-    mok.clear_cache()
-    torch.cuda.empty_cache()
+    pb = Problem(name)
+    gpu_profile(f"{name} mok", pb.mok_step, steps)
+    gpu_profile(f"{name} peer", pb.peer_step, steps, in_order=True)
+    pb.release()
 
 
 def bench_shape(name, skewed, steps, ceiling):
     T, H, Fd, E, K = SHAPES[name]
-    torch.manual_seed(0)
-    dev = "cuda"
-    layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device=dev)
-    hot = max(1, E // 32)
-    with torch.no_grad():
-        layer.bias_select.zero_()
-        if skewed:
-            layer.bias_select[:hot] = 1.0
-    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16).requires_grad_(True)
-    dy = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-    params = [layer.w_router, layer.w13, layer.w2]
+    pb = Problem(name, skewed)
+    x, params, mok_step, peer_step = pb.x, pb.params, pb.mok_step, pb.peer_step
     result = {"shape": name, "routing": "skewed" if skewed else "uniform", "T": T, "H": H, "F": Fd, "E": E, "K": K}
     fl = flops(T, H, Fd, E, K)
 
-    def zero():
-        x.grad = None
-        for p in params:
-            p.grad = None
-
     # ---- mok ----
-    def mok_step():
-        zero()
-        y = layer(x)
-        y.backward(dy)
-        return y
-
-    def mok_forward():
-        with torch.no_grad():
-            layer(x)
-
     torch.cuda.reset_peak_memory_stats()
     power = {}
     ms = timed(mok_step, steps, power)
     mem = torch.cuda.max_memory_allocated()
     ms_iso = time_isolated_ms(mok_step, steps)
-    ms_fwd = time_ms(mok_forward, steps)
+    ms_fwd = time_ms(pb.mok_forward, steps)
     y1 = mok_step().detach()
     ref = [y1.float(), x.grad.float()]  # for the peer's difference to mok
     f1 = step_fingerprint(y1, x, params)
     f2 = step_fingerprint(mok_step(), x, params)
     result["mok"] = {"ms": ms, "isolated_ms": ms_iso, "forward_ms": ms_fwd, "tflops": fl / ms / 1e9, "forward_tflops": fl / 3 / ms_fwd / 1e9,
                      "peak_gib": mem / 2**30, "deterministic": f1 == f2, **power}
-    zero()
+    pb.zero()
 
     # ---- PyTorch peer ----
-    bias = layer.bias_select.detach().float()
-    compiled = torch.compile(peer_forward, dynamic=False)
-
-    def peer_step():
-        zero()
-        y = compiled(x, layer.w_router, bias, layer.w13, layer.w2, K)
-        y.backward(dy)
-        return y
-
     try:
         torch.cuda.reset_peak_memory_stats()
         power_p = {}
@@ -347,9 +332,8 @@ def bench_shape(name, skewed, steps, ceiling):
     except Exception as e:  # report, do not hide
         result["peer"] = {"error": repr(e)[:300]}
     result["ceiling_tflops"] = ceiling
-    del layer, x, dy, params, ref
-    mok.clear_cache()  # the layer's contexts and workspaces: the next shape starts empty
-    torch.cuda.empty_cache()
+    del x, params, mok_step, peer_step, ref
+    pb.release()
     return result
 
 

@@ -39,6 +39,20 @@ else
   }
 fi
 export MOK_LIBRARY="$PWD/build/libmok.so"
+
+# trace_shapes NAME: MOK_TRACE of one step per shape with the library in $MOK_LIBRARY,
+# into $OUT/NAME-<shape>.txt(.gz), bench/trace_report.py's report beside it, its rates,
+# clocks and (a MOK_STALL_PROFILE build) stall shares printed.
+trace_shapes() {
+  for s in ${SHAPES//,/ }; do
+    rm -f "$OUT/$1-$s.txt"
+    MOK_TRACE="$OUT/$1-$s.txt" python3 bench/bench_moe.py --profile --uniform-only --shapes "$s" > /dev/null 2>&1
+    python3 bench/trace_report.py "$OUT/$1-$s.txt" --shape "$s" > "$OUT/$1-report-$s.txt" 2>&1
+    echo "== $s ($1)"
+    grep -E "span|TFLOP|waiting|clock" "$OUT/$1-report-$s.txt"
+    gzip -f "$OUT/$1-$s.txt"
+  done
+}
 for part in "$@"; do
   case "$part" in
     test)
@@ -46,14 +60,7 @@ for part in "$@"; do
       echo "test-gpu (exit $?): $(tail -1 "$OUT/test-gpu.log")"
       ;;
     trace)
-      for s in ${SHAPES//,/ }; do
-        rm -f "$OUT/trace-$s.txt"
-        MOK_TRACE="$OUT/trace-$s.txt" python3 bench/bench_moe.py --profile --uniform-only --shapes "$s" > /dev/null 2>&1
-        python3 bench/trace_report.py "$OUT/trace-$s.txt" --shape "$s" > "$OUT/report-$s.txt" 2>&1
-        echo "== $s"
-        grep -E "span|TFLOP|clock" "$OUT/report-$s.txt"
-        gzip -f "$OUT/trace-$s.txt"
-      done
+      trace_shapes trace
       ;;
     kernel-times)
       python3 bench/bench_moe.py --kernel-times --shapes "$SHAPES" 2>&1 | tee "$OUT/kernel-times.txt"
@@ -71,15 +78,7 @@ for part in "$@"; do
         NVFLAGS="-O3 -DMOK_STALL_PROFILE" make -j"$(nproc)" BUILD=build-stall build-stall/libmok.so \
           > "$OUT/build-stall.log" 2>&1 || { tail -30 "$OUT/build-stall.log"; exit 1; }
       fi
-      for s in ${SHAPES//,/ }; do
-        rm -f "$OUT/stalls-$s.txt"
-        MOK_LIBRARY="$PWD/build-stall/libmok.so" MOK_TRACE="$OUT/stalls-$s.txt" \
-          python3 bench/bench_moe.py --profile --uniform-only --shapes "$s" > /dev/null 2>&1
-        python3 bench/trace_report.py "$OUT/stalls-$s.txt" --shape "$s" > "$OUT/stalls-report-$s.txt" 2>&1
-        echo "== $s (MOK_STALL_PROFILE build)"
-        grep -E "span|TFLOP|waiting|clock" "$OUT/stalls-report-$s.txt"
-        gzip -f "$OUT/stalls-$s.txt"
-      done
+      MOK_LIBRARY="$PWD/build-stall/libmok.so" trace_shapes stalls
       ;;
     *)
       echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls)"
