@@ -294,7 +294,7 @@ def kernel_times(name, steps=5):
     pb.release()
 
 
-def bench_shape(name, skewed, steps, ceiling):
+def bench_shape(name, skewed, steps, ceiling, mok_only=False):
     T, H, Fd, E, K = SHAPES[name]
     pb = Problem(name, skewed)
     x, params, mok_step, peer_step = pb.x, pb.params, pb.mok_step, pb.peer_step
@@ -318,6 +318,8 @@ def bench_shape(name, skewed, steps, ceiling):
 
     # ---- PyTorch peer ----
     try:
+        if mok_only:
+            raise RuntimeError("not run (--mok-only)")
         torch.cuda.reset_peak_memory_stats()
         power_p = {}
         ms_p = timed(peer_step, steps, power_p)
@@ -344,6 +346,8 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--uniform-only", action="store_true")
     ap.add_argument("--profile", action="store_true", help="mok only: CTA time per task kind (MOK_PROFILE=1)")
+    ap.add_argument("--mok-only", action="store_true",
+                    help="no peer: A/B runs of two builds (bench/gpu_session.sh ab), alternating in one call")
     ap.add_argument("--commit", default="", help="commit to print when the tree has no .git")
     ap.add_argument("--kernel-times", action="store_true",
                     help="mok and peer: per step, the GPU's kernel times against the step's wall time (torch.profiler)")
@@ -371,7 +375,7 @@ def main():
     rows = []
     for name in args.shapes.split(","):
         for skewed in ([False] if args.uniform_only else [False, True]):
-            r = bench_shape(name, skewed, args.steps, ceiling)
+            r = bench_shape(name, skewed, args.steps, ceiling, args.mok_only)
             rows.append(r)
             m, p = r["mok"], r["peer"]
             det = lambda d: "yes" if d else "no"  # noqa: E731

@@ -11,6 +11,10 @@
 #   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
 #   comm          the 2-GPU NCCL case alone (comm.peer_exchange_w2)
+#   ab            mok alone (bench_moe.py --mok-only, uniform routing), REF's library (a
+#                 build of another commit, carried) and this one, alternating, twice:
+#                 variants compared in one call, at the same temperature
+#                 (REF=build-ref/libmok.so by default)
 #   stalls        a MOK_STALL_PROFILE build (build-stall/: thread 0's cycles in each wait
 #                 of the GEMM tasks, by kind) traced per shape, beside the plain trace's rates
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
@@ -69,6 +73,16 @@ for part in "$@"; do
       python3 bench/bench_moe.py --shapes "$SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" 2>&1 |
         tee "$OUT/bench.txt"
       ;;
+    ab)
+      REF=${REF:-build-ref/libmok.so}
+      for round in 1 2; do
+        for lib in "$REF" build/libmok.so; do
+          echo "== ab round $round: $lib"
+          MOK_LIBRARY="$PWD/$lib" python3 bench/bench_moe.py --mok-only --uniform-only --shapes "$SHAPES" \
+            --commit "$lib" 2>&1 | grep -v "^-\|^shape" | tee -a "$OUT/ab.txt"
+        done
+      done
+      ;;
     comm)
       ./build/mok_gpu_tests -k comm.peer_exchange_w2 2>&1 | tail -4
       ;;
@@ -81,7 +95,7 @@ for part in "$@"; do
       MOK_LIBRARY="$PWD/build-stall/libmok.so" trace_shapes stalls
       ;;
     *)
-      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls)"
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab)"
       exit 2
       ;;
   esac

@@ -26,7 +26,7 @@ FWD = ["route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2", "c
 BWD = ["dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13", "rw", "tree", "dxsum"]
 NAMES = FWD + BWD
 # gpu_params.h's kStall* in order; epi-* are parts of "epilogue"
-STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barriers", "epi-issue", "signal"]
+STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barriers", "epi-issue", "signal", "epi-loads"]
 
 
 

@@ -296,8 +296,9 @@ static mok_status_t make_map(mok_context_t* ctx, CUtensorMap* map, const void* b
   return encode_map(ctx, map, base, 2, dims, strides, box, name);
 }
 
-// A store map of a gate|up buffer [rows, 2F] seen as [rows][2][F] (64 x 1 x box_rows
-// boxes), so that a box of gate columns never spills into the up half.
+// A map of a gate|up buffer [rows, 2F] seen as [rows][2][F] (64 x 1 x box_rows boxes),
+// so that a box of gate columns never spills into the up half: the SwiGLU epilogues'
+// TMA stores and (128-row boxes) the backward's loads of gate and up.
 static mok_status_t make_gate_up_map(mok_context_t* ctx, CUtensorMap* map, const void* base, int64_t rows, int64_t F,
                                      const char* name, uint32_t box_rows) {
   const cuuint64_t dims[3] = {(cuuint64_t)F, 2, (cuuint64_t)std::max<int64_t>(rows, 1)};
@@ -457,6 +458,10 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
   MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
   MAP_TRY(make_map(ctx, &p.m_das, Fs ? p.d_a_s : nullptr, T, 2 * Fs, "d_a_s"));
+  MAP_TRY(make_gate_up_map(ctx, &p.m_arows_gu, p.sv.a_rows, R, F, "a_rows", BM));
+  MAP_TRY(make_gate_up_map(ctx, &p.m_sa_gu, Fs ? p.sv.sa : nullptr, T, Fs, "shared_a", BM));
+  MAP_TRY(make_gate_up_store_map(ctx, &p.st_da, p.d_a, R, F, "d_a"));
+  MAP_TRY(make_gate_up_store_map(ctx, &p.st_das, Fs ? p.d_a_s : nullptr, T, Fs, "d_a_s"));
   MAP_TRY(make_store_map(ctx, &p.st_dxrows, p.dx_rows, R, H, "dx_rows"));
   MAP_TRY(make_store_map(ctx, &p.st_dw13, p.wgrad_fp32 ? nullptr : a->d_w13, E * 2 * F, H, "d_w13"));
   MAP_TRY(make_store_map(ctx, &p.st_dw2, p.wgrad_fp32 ? nullptr : a->d_w2, E * H, F, "d_w2"));

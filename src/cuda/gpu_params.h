@@ -53,7 +53,8 @@ struct GpuStep {
 // Then the epilogue, whole (thread 0's view), and three parts of it: waiting for
 // earlier TMA stores to read sm.epi, the epilogues' CTA barriers, issuing the TMA
 // stores. Last, at any task's end: waiting for its TMA stores to land, plus the fence
-// before its counter's release (signal_counter).
+// before its counter's release (signal_counter). And, in the SwiGLU backward epilogue,
+// waiting for its TMA loads of gate and up.
 enum {
   kStallFull,
   kStallEmpty,
@@ -64,6 +65,7 @@ enum {
   kStallEpiBarrier,
   kStallEpiIssue,
   kStallSignal,
+  kStallEpiLoads,
   kStallKinds
 };
 struct TraceRecord {
@@ -184,6 +186,10 @@ struct BwdParams {
   CUtensorMap m_ws2;    // ws2 [H, Fs]
   CUtensorMap m_sh;     // sh [T, Fs]
   CUtensorMap m_das;    // d_a_s [T, 2Fs]
+  CUtensorMap m_arows_gu;  // a_rows as [R][2][F], 128-row boxes (swiglu_bwd_store's loads)
+  CUtensorMap m_sa_gu;     // sa as [T][2][Fs], likewise
+  StoreMap st_da;       // d_a as [R][2][F]
+  StoreMap st_das;      // d_a_s as [T][2][Fs]
   StoreMap st_dxrows;  // store maps: dx_rows [R, H]
   StoreMap st_dw13;    // d_w13 [E*2F, H] (bf16 gradients only)
   StoreMap st_dw2;     // d_w2 [E*H, F] (bf16 gradients only)

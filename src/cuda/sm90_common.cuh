@@ -61,6 +61,7 @@ struct alignas(1024) Smem {
   };
   uint64_t full[kStages];
   uint64_t empty[kStages];
+  uint64_t epi_full[2];  // swiglu_bwd_store's TMA loads: [0] into the spare stage, [1] into epi
   uint32_t ring_it;  // K blocks this CTA has put through the stage ring so far
   LoadCursor load;
   int task;
@@ -97,6 +98,7 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
       mbar_init(&sm.full[s], 1);
       mbar_init(&sm.empty[s], 2);  // one arrival per warpgroup
     }
+    for (int b = 0; b < 2; b++) mbar_init(&sm.epi_full[b], 1);
     sm.abort = 0;
     sm.ring_it = 0;
     sm.load.spare_slot = -1;
@@ -456,7 +458,12 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
   *reinterpret_cast<uint4*>(dst) = raw;
 }
 
-__device__ __forceinline__ float silu(float g) { return __fdiv_rn(g, __fadd_rn(1.f, __expf(-g))); }
+// sigmoid and silu through the SFU (ex2 and rcp, approximate; no division's slow-path
+// branch, so the SwiGLU epilogues' 64-128 evaluations a thread interleave). DESIGN.md
+// fixes the rounding points around them (bf16 gate and up in, bf16 h or d_a out), not
+// their last fp32 bit; every run and every SM gives the same bits.
+__device__ __forceinline__ float sigmoid_fast(float g) { return rcp_approx(__fadd_rn(1.f, __expf(-g))); }
+__device__ __forceinline__ float silu(float g) { return __fmul_rn(g, sigmoid_fast(g)); }
 
 // ---- epilogues: accumulators -> sm.epi -> 16-byte global stores ----
 // The plain layout of sm.epi: 128 rows of 256 bytes (128 bf16 or 64 fp32 columns), the
@@ -711,52 +718,90 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
   write_h(sm.epi, 0, 2);
 }
 
-// SwiGLU backward epilogue of a dh tile (columns f0 .. f0 + 255), given a = gate|up:
-// d_a = bf16(dh up silu'(gate) | dh silu(gate)) into d_a [.., 2F], rows [row0, row_end).
-// Per 64-column quarter, each thread loads all of its 4 pieces of gate and up (8 f of a
-// row each), then dh goes through sm.epi (fp32) while they arrive.
+// SwiGLU backward epilogue of a dh tile (columns f0 .. f0 + 255 of dh, rows [row0,
+// row_end)), given a = gate|up (ld_a: a load map of it as [rows][2][F], row a_row =
+// row0): d_a = bf16(dh up silu'(gate) | dh silu(gate)) into d_a [.., 2F] (store map
+// st_da as [rows][2][F], row map_row = row0). Four rounds, one per 64-column quarter q,
+// alternating between the spare stage (q = 0, 2) and sm.epi (q = 1, 3): TMA brings the
+// quarter's gate and up boxes (128 x 64 bf16 each, 32 KB), each thread turns the words
+// under its own accumulators into d_a words in place (the boxes' swizzled layout is
+// epi_put_boxes'), and TMA stores send them to d_a. Quarter q + 2's loads go out once
+// quarter q's stores have read the buffer, so they land while quarter q + 1 computes.
+// The last store group comes from sm.epi (gemm_tiles' refill of the spare waits for
+// all groups but the newest). epi_full[b] completes two phases a tile: quarter q
+// waits for parity q / 2.
 __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0,
-                                                 int row_end, int f0, int F, const bf16* a_rows, bf16* d_a) {
+                                                 int row_end, int f0, int F, const CUtensorMap* ld_a, int a_row,
+                                                 const StoreMap* st_da, int map_row, bf16* d_a, uint8_t* spare) {
   if (sm.knobs & 2) return;
-  constexpr int kPer = BM * 8 / kThreads;  // pieces a thread: 4
-#pragma unroll 1
-  for (int part = 0; part < 4; part++) {
-    const int tid = tid_here();
-    uint4 gr[kPer], ur[kPer];  // loaded first: their latency passes during epi_put
-#pragma unroll
-    for (int k = 0; k < kPer; k++) {
-      const int q = tid + kThreads * k, r = q / 8, f = f0 + 64 * part + 8 * (q % 8);
-      if (row0 + r < row_end && f < F) {
-        const bf16* ar = a_rows + (int64_t)(row0 + r) * 2 * F;
-        gr[k] = *reinterpret_cast<const uint4*>(ar + f);
-        ur[k] = *reinterpret_cast<const uint4*>(ar + F + f);
-      }
+  const int tid = tid_here(), rows = min(BM, row_end - row0);
+  auto load = [&](int q) {  // thread 0: quarter q's gate and up boxes (none past F)
+    uint8_t* buf = q % 2 ? sm.epi : spare;
+    uint64_t* bar = &sm.epi_full[q % 2];
+    const bool in = f0 + 64 * q < F;
+    mbar_arrive_expect_tx(bar, in ? 2 * kBox : 0);
+    if (in) {
+      tma_load_3d(buf, ld_a, bar, f0 + 64 * q, 0, a_row);
+      tma_load_3d(buf + kBox, ld_a, bar, f0 + 64 * q, 1, a_row);
     }
-    epi_put<false>(sm, acc, wg, w, l, 8 * part, 8);
+  };
+  if (tid == 0) bulk_wait_read();  // earlier stores from sm.epi have read it
+  __syncthreads();                 // both warpgroups' wgmmas are done with the spare
+  if (tid == 0) load(0), load(1);
+  const int r = acc_row(wg, w, l, 0), sw = r % 8;  // rows r and r + 8: same swizzle
+  bool tail = false;  // threads read rows past the last whole 16-row box (the same each quarter)
 #pragma unroll
-    for (int k = 0; k < kPer; k++) {
-      const int q = tid + kThreads * k, r = q / 8, c = q % 8, f = f0 + 64 * part + 8 * c;
-      if (row0 + r >= row_end || f >= F) continue;
-      const bf16* gv = reinterpret_cast<const bf16*>(&gr[k]);
-      const bf16* uv = reinterpret_cast<const bf16*>(&ur[k]);
-      const uint4 d0 = epi_piece(sm, r, 2 * c), d1 = epi_piece(sm, r, 2 * c + 1);
-      const float* p0 = reinterpret_cast<const float*>(&d0);
-      const float* p1 = reinterpret_cast<const float*>(&d1);
-      float dg[8], du[8];
+  for (int q = 0; q < 4; q++) {
+    uint8_t* buf = q % 2 ? sm.epi : spare;
+    MOK_STALL_FROM(t_loads);
+    while (!mbar_try_wait(&sm.epi_full[q % 2], q / 2)) {
+    }
+    MOK_STALL_ADD(kStallEpiLoads, t_loads);
+    if (f0 + 64 * q < F) {
+      const uint32_t row_a = smem_addr(buf) + r * 128 + 4 * (l % 4);
 #pragma unroll
-      for (int x = 0; x < 8; x++) {
-        const float gate = bf(gv[x]), up = bf(uv[x]), dh = x < 4 ? p0[x] : p1[x - 4];
-        const float sg = __frcp_rn(__fadd_rn(1.f, __expf(-gate)));  // = __fdiv_rn(1, .): both RN(1/x)
-        const float si = __fmul_rn(gate, sg);
-        const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
-        dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
-        du[x] = __fmul_rn(dh, si);
+      for (int j = 0; j < 8; j++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const uint32_t at = row_a + h * 8 * 128 + (j ^ sw) * 16;  // gate; up one box on
+          const uint32_t g2 = ld_shared_b32(at), u2 = ld_shared_b32(at + kBox);
+          float dg[2], du[2];
+#pragma unroll
+          for (int x = 0; x < 2; x++) {
+            const float gate = __uint_as_float(x ? g2 & 0xFFFF0000u : g2 << 16);
+            const float up = __uint_as_float(x ? u2 & 0xFFFF0000u : u2 << 16);
+            const float dh = acc[4 * (8 * q + j) + 2 * h + x];
+            const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
+            const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
+            dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
+            du[x] = __fmul_rn(dh, si);
+          }
+          st_shared_b32(at, pack_bf16x2(dg[0], dg[1]));
+          st_shared_b32(at + kBox, pack_bf16x2(du[0], du[1]));
+        }
       }
-      bf16* dr = d_a + (int64_t)(row0 + r) * 2 * F;
-      store_bf16x8(dr + f, dg);
-      store_bf16x8(dr + F + f, du);
+      epi_publish(sm);
+      tail = epi_write_boxes(
+          sm, buf, st_da, 2, rows,
+          [&](int b, const CUtensorMap* map, int rr, const uint8_t* src) {
+            tma_store_3d(map, src, f0 + 64 * q, b, map_row + rr);
+          },
+          [&](int b, int rr) { return d_a + (int64_t)(row0 + rr) * 2 * F + b * F + f0 + 64 * q; });
+    }
+    if (q < 2) {
+      if (tail) __syncthreads();  // the tail rows read before the buffer is refilled
+      if (tid == 0) {
+        MOK_STALL_FROM(t_stores);
+        bulk_wait_read();
+        MOK_STALL_ADD(kStallEpiStores, t_stores);
+        load(q + 2);
+      }
     }
   }
+  if (tail) __syncthreads();
+  // no quarter 3 (the last tile of an F that is not a multiple of 256): the last group
+  // came from the spare, so it must be read before gemm_tiles refills the spare
+  if (tid == 0 && f0 + 192 >= F) bulk_wait_read();
 }
 
 // GEMM phases over (m-tile, column group): the ticket order visits kBand m-tiles for each

@@ -159,7 +159,7 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
         B = wide(&p.m_ws2, nt * BN, 0);
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-        swiglu_bwd_store(sm, acc, wg, w, l, t0, s.T, nt * BN, s.Fs, p.sv.sa, p.d_a_s);
+        swiglu_bwd_store(sm, acc, wg, w, l, t0, s.T, nt * BN, s.Fs, &p.m_sa_gu, t0, &p.st_das, t0, p.d_a_s, spare);
       });
   signal_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DHS_ALL], 1);
@@ -177,7 +177,8 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
           B = wide(&p.m_w2, nt * BN, e * s.H);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-          swiglu_bwd_store(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, p.sv.a_rows, p.d_a);
+          swiglu_bwd_store(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da, row0,
+                           p.d_a, spare);
         });
   signal_counter(sm, &p.st.sync->counter[B_FIXED + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
