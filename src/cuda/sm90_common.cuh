@@ -472,10 +472,12 @@ __device__ __forceinline__ float silu(float g) { return __fmul_rn(g, sigmoid_fas
 
 // sm.epi may be written: the previous tile's TMA stores (thread 0's) have read it and
 // every thread is done with it.
+// kPending: the newest store groups that may still be reading (other buffers than sm.epi).
+template <int kPending = 0>
 __device__ __forceinline__ void epi_acquire(Smem& sm) {
   if (tid_here() == 0) {
     MOK_STALL_FROM(t_stores);
-    bulk_wait_read();
+    bulk_wait_read<kPending>();
     MOK_STALL_ADD(kStallEpiStores, t_stores);
   }
   MOK_STALL_FROM(t_bar);
@@ -655,8 +657,9 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
 // rows [row0, row_end), f < F: a = bf16(gate | up) into a_rows [.., 2F] (store map st_a:
 // [rows][2][F], row map_row = row0), and h = bf16(silu(a_gate) * a_up) into h_rows
 // [.., F] (store map st_h). A thread holds gate and up of the same columns (pairs i and
-// i + 16), so h comes from registers. With a spare stage two rounds (up and h's first
-// box from the spare, gate from sm.epi; then h's second box), without three.
+// i + 16), so h comes from registers. With a spare stage two rounds (gate from sm.epi,
+// up and h's first box from the spare; then h's second box, once the gate's stores alone
+// have read sm.epi), without three.
 __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0, int row_end,
                                              int f0, int F, bf16* a_rows, bf16* h_rows, const StoreMap* st_a,
                                              const StoreMap* st_h, int map_row, uint8_t* spare) {
@@ -696,10 +699,10 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
     epi_put_boxes<2>(smem_addr(spare), wg, w, l, 2, apair);
     epi_put_boxes<1>(smem_addr(spare) + 2 * kBox, wg, w, l, 0, hpair);
     epi_publish(sm);
+    write_a(sm.epi, 0);  // first: the next round waits for this group alone
     write_a(spare, 1);
     write_h(spare + 2 * kBox, 0, 1);
-    write_a(sm.epi, 0);
-    epi_acquire(sm);  // (its barrier also orders the tail reads of the spare before a refill)
+    epi_acquire<2>(sm);  // (its barrier also orders the tail reads of the spare before a refill)
     epi_put_boxes<1>(smem_addr(sm.epi), wg, w, l, 1, hpair);
     epi_publish(sm);
     write_h(sm.epi, 1, 1);

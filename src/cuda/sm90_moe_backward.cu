@@ -233,9 +233,22 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
   signal_counter(sm, &p.st.sync->counter[B_DX]);
 }
 
-// dW[e] rows [mt*128, +128): every 128-wide column tile in one pipeline; each tile sums
-// over the expert's rows in order, 64 per K block.
-__device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt) {
+// Column tiles of a weight-gradient task: about 128 K blocks of work, from the mean rows
+// an expert gets (T K / E), at most 32 tiles. Grouping only decides which CTA takes a
+// tile, never its sum (one accumulator chain per tile), so it may depend on T.
+// Why not all of a row tile's column tiles in one task: the row tile's A slice (128
+// columns of dy_rows or d_a over the expert's rows) is read again for every column
+// tile, and 132 CTAs each holding a different slice outgrow L2 when the rows are many
+// (mixtral: 132 x 512 KB). In band order (kBand row tiles a column group) the CTAs
+// running at once share fewer slices.
+__device__ __forceinline__ int wgrad_group(const Shape& s) {
+  const int nk = max(1, cdivb(cdivb(s.T * s.K, s.E), BK));  // mean K blocks a tile
+  return min(32, max(1, 128 / nk));
+}
+
+// dW[e] rows [mt*128, +128), column tiles [g * wgrad_group, +wgrad_group) in one
+// pipeline; each tile sums over the expert's rows in order, 64 per K block.
+__device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt, int g) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
   const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
@@ -243,27 +256,32 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
+  const int size = wgrad_group(s), n0 = g * size;  // column tiles n0 + nt
   if (which == 2) {  // dw2[e] [H, F] = dy_rows^T h_rows
     gemm_tiles<1, 1>(
-        sm, cdivb(s.F, BN),
-        [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
+        sm, min(size, cdivb(s.F, BN) - n0),
+        [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
+          const int nt = n0 + t;
           A = rows128(&p.m_dyrows, mt * BM, off);
           B = wide(&p.m_hrows, nt * BN, off);
           num_kb = nk, kv = valid_last;
         },
-        [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+        [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          const int nt = n0 + t;
           store_wgrad(sm, p, acc, wg, w, l, mt * BM, s.H, nt * BN, s.F, (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize,
                       &p.st_dw2, e * s.H + mt * BM, spare);
         });
   } else {  // dw13[e] [2F, H] = d_a^T x_rows
     gemm_tiles<1, 1>(
-        sm, cdivb(s.H, BN),
-        [&](int nt, Operand& A, Operand& B, int& num_kb, int& kv) {
+        sm, min(size, cdivb(s.H, BN) - n0),
+        [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
+          const int nt = n0 + t;
           A = rows128(&p.m_da, mt * BM, off);
           B = wide(&p.m_xrows, nt * BN, off);
           num_kb = nk, kv = valid_last;
         },
-        [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+        [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          const int nt = n0 + t;
           store_wgrad(sm, p, acc, wg, w, l, mt * BM, 2 * s.F, nt * BN, s.H,
                       (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize, &p.st_dw13, e * 2 * s.F + mt * BM,
                       spare);
@@ -399,21 +417,22 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   // that the dispatch loop holds few registers across the task calls.
   __shared__ int phase_end[11], phase_cols[11];
   if (threadIdx.x == 0) {
-    const int nH = cdivb(s.H, BN), rwt = rw_tiles(s);
+    const int nH = cdivb(s.H, BN), rwt = rw_tiles(s), wg_size = wgrad_group(s);
     const int count[11] = {s.ns,
                            s.Fs ? s.smt * groups(cdivb(s.Fs, BN), s.H / BK) : 0,
                            s.max_mt * groups(cdivb(s.F, BN), s.H / BK),
                            s.fused ? s.nb * groups(nH, cdivb(s.E, BK)) : 0,
                            s.Fs ? s.smt * groups(nH, 2 * s.Fs / BK) : 0,
                            s.max_mt * groups(nH, 2 * s.F / BK),
-                           s.E * cdivb(s.H, BM),
-                           s.E * cdivb(2 * s.F, BM),
+                           s.E * cdivb(s.H, BM) * cdivb(cdivb(s.F, BN), wg_size),
+                           s.E * cdivb(2 * s.F, BM) * cdivb(nH, wg_size),
                            rwt ? s.chunks : 0,
                            rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0,
                            s.ns};
     const int cols[11] = {1, groups(cdivb(s.Fs, BN), s.H / BK), groups(cdivb(s.F, BN), s.H / BK),
                           groups(nH, cdivb(s.E, BK)), groups(nH, 2 * s.Fs / BK), groups(nH, 2 * s.F / BK),
-                          cdivb(s.H, BM), cdivb(2 * s.F, BM), 1, 1, 1};
+                          cdivb(s.H, BM) * cdivb(cdivb(s.F, BN), wg_size), cdivb(2 * s.F, BM) * cdivb(nH, wg_size),
+                          1, 1, 1};
     int end = 0;
     for (int k = 0; k < 11; k++) phase_end[k] = end += count[k], phase_cols[k] = cols[k] > 0 ? cols[k] : 1;
   }
@@ -432,8 +451,14 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
       case 3: dxr_task(sm, p, row, col); break;
       case 4: dxs_task(sm, p, row, col); break;
       case 5: band_order(local, s.max_mt, phase_cols[5], &row, &col), dx_task(sm, p, row, col); break;
-      case 6: wgrad_task(sm, p, 2, row, col); break;
-      case 7: wgrad_task(sm, p, 13, row, col); break;
+      case 6:  // row = expert; col: its (row tile, column group) in band order
+        band_order(col, cdivb(s.H, BM), cdivb(cdivb(s.F, BN), wgrad_group(s)), &row, &col);
+        wgrad_task(sm, p, 2, local / phase_cols[6], row, col);
+        break;
+      case 7:
+        band_order(col, cdivb(2 * s.F, BM), cdivb(cdivb(s.H, BN), wgrad_group(s)), &row, &col);
+        wgrad_task(sm, p, 13, local / phase_cols[7], row, col);
+        break;
       case 8: rw_task(sm, p, local); break;
       case 9: tree_task(sm, p, local, (uint32_t)(phase_end[8] - phase_end[7])); break;
       default: dxsum_task(sm, p, local); break;

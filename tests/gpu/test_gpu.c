@@ -30,7 +30,7 @@ typedef struct {
 #define BF16 MOK_WGRAD_BF16
 #define ACCUM MOK_WGRAD_FP32_ACCUM
 
-/* 24 shapes: tails of every tile, K = 1 and K = E, E up to 256, shared expert, replay,
+/* 25 shapes: tails of every tile, K = 1 and K = E, E up to 256, shared expert, replay,
  * sigmoid, accumulation, NaN input (edge cases of DESIGN.md section 6). */
 static const gpu_shape_t shapes[] = {
     {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
@@ -56,6 +56,8 @@ static const gpu_shape_t shapes[] = {
     {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5},
     {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
     {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
+    // 4096 rows an expert: weight-gradient tasks of 2 of the 3 column tiles (two groups)
+    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
     {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1},
 };
 
