@@ -14,7 +14,7 @@
 #   ab            mok alone (bench_moe.py --mok-only, uniform routing), REF's library (a
 #                 build of another commit, carried) and this one, alternating, twice:
 #                 variants compared in one call, at the same temperature
-#                 (REF=build-ref/libmok.so by default)
+#                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default)
 #   stalls        a MOK_STALL_PROFILE build (build-stall/: thread 0's cycles in each wait
 #                 of the GEMM tasks, by kind) traced per shape, beside the plain trace's rates
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
@@ -75,7 +75,7 @@ for part in "$@"; do
       ;;
     ab)
       REF=${REF:-build-ref/libmok.so}
-      for round in 1 2; do
+      for round in $(seq "${ROUNDS:-2}"); do
         for lib in "$REF" build/libmok.so; do
           echo "== ab round $round: $lib"
           MOK_LIBRARY="$PWD/$lib" python3 bench/bench_moe.py --mok-only --uniform-only --shapes "$SHAPES" \
