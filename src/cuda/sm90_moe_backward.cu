@@ -339,7 +339,64 @@ __device__ int rw_tiles(const Shape& s) {
   return (s.fused ? cdivb(s.E, BM) * nH : 0) + (s.Fs ? cdivb(2 * s.Fs, BM) * nH + cdivb(s.H, BM) * cdivb(s.Fs, BN) : 0);
 }
 
-// The fixed pairwise tree over the chunks for a slice of elements, then written out.
+// The fixed tree over one column's n chunk partials (col[c * stride], c < n): node i of
+// a level = node 2i + node 2i+1 of the level below, a lone last node moving up
+// (DESIGN.md section 2). Evaluated as a binary counter over the leaves in order:
+// node[L] holds the pending left node of level L (bit L of the leaves seen); a new node
+// of level L is added to it from the right and carries to level L + 1. Whole aligned
+// runs of 8 leaves go in as their complete level-3 subtree (the next run's 8 loads in
+// flight meanwhile), the rest one by one; at the end the pending nodes fold from the lowest level up, which
+// is the lone-node rule. The same bits as the level-by-level evaluation, each partial
+// read once (no in-place levels: 3x less traffic).
+constexpr int kTreeLevels = 26;  // chunks = ceil(T / 64) < 2^26 for any int32 T
+__device__ __forceinline__ float tree_column(const float* col, int64_t stride, int n) {
+  float node[kTreeLevels];
+  uint32_t seen = 0;
+  auto push = [&](float x, int level) {  // x: the subtree of leaves [seen, seen + 2^level)
+    bool carry = true;  // (no break: node stays in registers)
+#pragma unroll
+    for (int L = 0; L < kTreeLevels; L++) {
+      if (L < level || !carry) continue;
+      if ((seen >> L) & 1u) {
+        x = __fadd_rn(node[L], x);
+      } else {
+        node[L] = x;
+        carry = false;
+      }
+    }
+    seen += 1u << level;
+  };
+  int c = 0;
+  float next[8];  // the next run's leaves, loaded while this run is added up
+  if (n >= 8)
+#pragma unroll
+    for (int k = 0; k < 8; k++) next[k] = col[(int64_t)k * stride];
+  for (; c + 8 <= n; c += 8) {
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = next[k];
+    if (c + 16 <= n)
+#pragma unroll
+      for (int k = 0; k < 8; k++) next[k] = col[(int64_t)(c + 8 + k) * stride];
+#pragma unroll
+    for (int lv = 0; lv < 3; lv++)  // levels 1..3: 4, 2, 1 nodes
+#pragma unroll
+      for (int k = 0; k < (4 >> lv); k++) v[k] = __fadd_rn(v[2 * k], v[2 * k + 1]);
+    push(v[0], 3);
+  }
+  for (; c < n; c++) push(col[(int64_t)c * stride], 0);
+  float r = 0.f;
+  bool any = false;
+#pragma unroll
+  for (int L = 0; L < kTreeLevels; L++)
+    if ((seen >> L) & 1u) {
+      r = any ? __fadd_rn(node[L], r) : node[L];
+      any = true;
+    }
+  return r;
+}
+
+// Replicated gradients, slice of kTreeSlice columns: each column's tree over the chunks.
 __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_total) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20)) return;
@@ -348,28 +405,10 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, 
   for (int64_t x = (int64_t)slice * kTreeSlice + threadIdx.x; x < min(len, (int64_t)(slice + 1) * kTreeSlice);
        x += kThreads) {
     if (x < e1 && x >= er) continue;
-    float* col = p.partials + x;
-    // level by level in place: node i = node 2i + node 2i+1 (a lone last node moves up)
-    for (int n = s.chunks; n > 1; n = (n + 1) / 2) {
-      const int half = n / 2;
-      int i = 0;
-      for (; i + 4 <= half; i += 4) {  // a level's loads before its stores, 4 nodes at a time
-        const float l0 = col[(int64_t)(2 * i) * len], r0 = col[(int64_t)(2 * i + 1) * len];
-        const float l1 = col[(int64_t)(2 * i + 2) * len], r1 = col[(int64_t)(2 * i + 3) * len];
-        const float l2 = col[(int64_t)(2 * i + 4) * len], r2 = col[(int64_t)(2 * i + 5) * len];
-        const float l3 = col[(int64_t)(2 * i + 6) * len], r3 = col[(int64_t)(2 * i + 7) * len];
-        col[(int64_t)i * len] = __fadd_rn(l0, r0);
-        col[(int64_t)(i + 1) * len] = __fadd_rn(l1, r1);
-        col[(int64_t)(i + 2) * len] = __fadd_rn(l2, r2);
-        col[(int64_t)(i + 3) * len] = __fadd_rn(l3, r3);
-      }
-      for (; i < half; i++) col[(int64_t)i * len] = __fadd_rn(col[(int64_t)(2 * i) * len], col[(int64_t)(2 * i + 1) * len]);
-      if (n & 1) col[(int64_t)half * len] = col[(int64_t)(n - 1) * len];
-    }
-    const float v = s.chunks > 0 ? col[0] : 0.f;
     void* out = x < e1 ? p.d_w_router : x < e2 ? p.d_ws13 : p.d_ws2;
-    const int64_t k = x < e1 ? x : x < e2 ? x - e1 : x - e2;
     if (!out) continue;
+    const float v = tree_column(p.partials + x, len, s.chunks);
+    const int64_t k = x < e1 ? x : x < e2 ? x - e1 : x - e2;
     if (p.wgrad_fp32) reinterpret_cast<float*>(out)[k] = __fadd_rn(reinterpret_cast<float*>(out)[k], v);
     else reinterpret_cast<bf16*>(out)[k] = to_bf(v);
   }
