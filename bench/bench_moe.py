@@ -17,6 +17,7 @@ Determinism: two steps on the same inputs give equal y, dx and weight grads (com
 by two integer sums over their bits, so that no gradient is held twice).
 """
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -313,7 +314,8 @@ def bench_shape(name, skewed, steps, ceiling, mok_only=False):
     f1 = step_fingerprint(y1, x, params)
     f2 = step_fingerprint(mok_step(), x, params)
     result["mok"] = {"ms": ms, "isolated_ms": ms_iso, "forward_ms": ms_fwd, "tflops": fl / ms / 1e9, "forward_tflops": fl / 3 / ms_fwd / 1e9,
-                     "peak_gib": mem / 2**30, "deterministic": f1 == f2, **power}
+                     "peak_gib": mem / 2**30, "deterministic": f1 == f2,
+                     "bits": hashlib.sha1(repr(f1).encode()).hexdigest()[:12], **power}
     pb.zero()
 
     # ---- PyTorch peer ----
@@ -347,7 +349,8 @@ def main():
     ap.add_argument("--uniform-only", action="store_true")
     ap.add_argument("--profile", action="store_true", help="mok only: CTA time per task kind (MOK_PROFILE=1)")
     ap.add_argument("--mok-only", action="store_true",
-                    help="no peer: A/B runs of two builds (bench/gpu_session.sh ab), alternating in one call")
+                    help="no peer: A/B runs of two builds (bench/gpu_session.sh ab), alternating in one call; "
+                    "prints a digest of mok's outputs and gradients, equal when two builds give the same bits")
     ap.add_argument("--commit", default="", help="commit to print when the tree has no .git")
     ap.add_argument("--kernel-times", action="store_true",
                     help="mok and peer: per step, the GPU's kernel times against the step's wall time (torch.profiler)")
@@ -382,7 +385,7 @@ def main():
             line = (f"{name:15} {r['routing']:8} | {m['ms']:8.2f} {m['isolated_ms']:7.2f} {m['tflops']:8.0f} "
                     f"{m['forward_tflops']:8.0f} {100*m['tflops']/ceiling:5.0f}% {m['peak_gib']:6.1f} {det(m['deterministic']):>4} | ")
             if "error" in p:
-                line += f"peer failed: {p['error']}"
+                line += f"peer failed: {p['error']}" if not args.mok_only else f"mok's bits {m['bits']}"
             else:
                 line += (f"{p['ms']:8.2f} {p['isolated_ms']:7.2f} {p['tflops']:8.0f} {p['peak_gib']:6.1f} "
                          f"{det(p['deterministic']):>4} | {p['ms']/m['ms']:6.2f}")

@@ -13,7 +13,8 @@
 #   comm          the 2-GPU NCCL case alone (comm.peer_exchange_w2)
 #   ab            mok alone (bench_moe.py --mok-only, uniform routing), REF's library (a
 #                 build of another commit, carried) and this one, alternating, twice:
-#                 variants compared in one call, at the same temperature
+#                 variants compared in one call, at the same temperature; each line ends
+#                 with a digest of mok's outputs' bits (equal: the builds agree bit for bit)
 #                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default)
 #   stalls        a MOK_STALL_PROFILE build (build-stall/: thread 0's cycles in each wait
 #                 of the GEMM tasks, by kind) traced per shape, beside the plain trace's rates
