@@ -490,14 +490,13 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
       case 3: dxr_task(sm, p, row, col); break;
       case 4: dxs_task(sm, p, row, col); break;
       case 5: band_order(local, s.max_mt, phase_cols[5], &row, &col), dx_task(sm, p, row, col); break;
-      case 6:  // row = expert; col: its (row tile, column group) in band order
-        band_order(col, cdivb(s.H, BM), cdivb(cdivb(s.F, BN), wgrad_group(s)), &row, &col);
-        wgrad_task(sm, p, 2, local / phase_cols[6], row, col);
+      case 6:
+      case 7: {  // row = expert; col: its (row tile, column group) in band order
+        const int e = row, nmt = k == 6 ? cdivb(s.H, BM) : cdivb(2 * s.F, BM);
+        band_order(col, nmt, phase_cols[k] / nmt, &row, &col);
+        wgrad_task(sm, p, k == 6 ? 2 : 13, e, row, col);
         break;
-      case 7:
-        band_order(col, cdivb(2 * s.F, BM), cdivb(cdivb(s.H, BN), wgrad_group(s)), &row, &col);
-        wgrad_task(sm, p, 13, local / phase_cols[7], row, col);
-        break;
+      }
       case 8: rw_task(sm, p, local); break;
       case 9: tree_task(sm, p, local, (uint32_t)(phase_end[8] - phase_end[7])); break;
       default: dxsum_task(sm, p, local); break;
