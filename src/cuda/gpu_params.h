@@ -14,6 +14,11 @@ namespace mok {
 typedef __nv_bfloat16 bf16;
 
 constexpr int kSubTokens = 32;  // tokens per DISPATCH, COMBINE, DG and DXSUM task
+// Those tasks walk rows of H bf16 a warp at a time, lane chunks v = lane + 32 u of 16
+// bytes. With one CTA of 8 warps an SM, a lane must have several chunks in flight to
+// cover the memory latency (~128 B a lane): every load of a step is issued before any
+// of its data is used, and the sums keep their order (chunks in increasing v, slots in
+// increasing j).
 constexpr uint64_t MOK_SAVED_MAGIC_GPU = 0x6d6f6b2d67707573ull;  // header[0] of a saved buffer
 
 // Sync words of a step, zeroed by the last CTA of every launch (sm90_common.cuh).

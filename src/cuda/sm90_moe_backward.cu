@@ -428,15 +428,25 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   for (int t = t0 + warp; t < t1; t += kThreads / 32)
     for (int v = lane; v < H / 8; v += 32) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int j = 0; j < K; j++) {  // slots in order, then router, then shared
-        float d[8];
-        const int64_t i = (int64_t)t * K + j;
-        load_bf16x8(p.peer_dx_rows.rows[p.sv.idx[i] / s.e_loc] + (int64_t)p.sv.pos[i] * H + v * 8, d);
+      for (int j0 = 0; j0 < K; j0 += 4) {  // slots in order, 4 chunks in flight
+        uint4 raw[4];
 #pragma unroll
-        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], d[k]);
+        for (int jj = 0; jj < 4; jj++) {
+          const int64_t i = (int64_t)t * K + j0 + jj;
+          if (j0 + jj < K)
+            raw[jj] = reinterpret_cast<const uint4*>(p.peer_dx_rows.rows[p.sv.idx[i] / s.e_loc] +
+                                                     (int64_t)p.sv.pos[i] * H)[v];
+        }
+#pragma unroll
+        for (int jj = 0; jj < 4; jj++) {
+          if (j0 + jj >= K) continue;
+          const bf16* d = reinterpret_cast<const bf16*>(&raw[jj]);
+#pragma unroll
+          for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], bf(d[k]));
+        }
       }
 #pragma unroll
-      for (int k = 0; k < 8; k++) {
+      for (int k = 0; k < 8; k++) {  // then router, then shared
         if (s.fused) acc[k] = __fadd_rn(acc[k], p.dx_router[(int64_t)t * H + v * 8 + k]);
         if (s.Fs) acc[k] = __fadd_rn(acc[k], p.dx_shared[(int64_t)t * H + v * 8 + k]);
       }

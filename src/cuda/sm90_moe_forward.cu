@@ -200,7 +200,15 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     if (lane == 0) p.sv.pos[i] = pos;
     const uint4* src = reinterpret_cast<const uint4*>(p.x + (int64_t)t * H);
     uint4* dst = reinterpret_cast<uint4*>(p.peer_x_rows.rows[e / s.e_loc] + (int64_t)pos * H);
-    for (int v = lane; v < H / 8; v += 32) dst[v] = src[v];
+    for (int v0 = lane; v0 < H / 8; v0 += 32 * 4) {  // 4 chunks a lane in flight
+      uint4 r[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++)
+        if (v0 + 32 * u < H / 8) r[u] = src[v0 + 32 * u];
+#pragma unroll
+      for (int u = 0; u < 4; u++)
+        if (v0 + 32 * u < H / 8) dst[v0 + 32 * u] = r[u];
+    }
   }
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
 }
@@ -286,13 +294,23 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
   for (int t = t0 + warp; t < t1; t += kThreads / 32)
     for (int v = lane; v < H / 8; v += 32) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int j = 0; j < K; j++) {  // slots in order
-        const int64_t i = (int64_t)t * K + j;
-        const float g = p.sv.g[i];
-        float o[8];
-        load_bf16x8(p.peer_o_rows.rows[p.sv.idx[i] / s.e_loc] + (int64_t)p.sv.pos[i] * H + v * 8, o);
+      for (int j0 = 0; j0 < K; j0 += 4) {  // slots in order, 4 chunks in flight
+        uint4 raw[4];
+        float g[4];
 #pragma unroll
-        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], __fmul_rn(g, o[k]));
+        for (int jj = 0; jj < 4; jj++) {
+          const int64_t i = (int64_t)t * K + j0 + jj;
+          if (j0 + jj >= K) continue;
+          g[jj] = p.sv.g[i];
+          raw[jj] = reinterpret_cast<const uint4*>(p.peer_o_rows.rows[p.sv.idx[i] / s.e_loc] + (int64_t)p.sv.pos[i] * H)[v];
+        }
+#pragma unroll
+        for (int jj = 0; jj < 4; jj++) {
+          if (j0 + jj >= K) continue;
+          const bf16* o = reinterpret_cast<const bf16*>(&raw[jj]);
+#pragma unroll
+          for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], __fmul_rn(g[jj], bf(o[k])));
+        }
       }
       if (s.Fs > 0) {
         float o[8];
