@@ -11,8 +11,9 @@
 #   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
 #   comm          the 2-GPU NCCL case alone (comm.peer_exchange_w2)
-#   ab            mok alone (bench_moe.py --mok-only, uniform routing), REF's library (a
-#                 build of another commit, carried) and this one, alternating, twice:
+#   ab            mok alone (bench_moe.py --mok-only, uniform routing), REF's libraries
+#                 (builds of other commits or flags, carried; a space-separated list) and
+#                 this one, alternating, ROUNDS times:
 #                 variants compared in one call, at the same temperature; each line ends
 #                 with a digest of mok's outputs' bits (equal: the builds agree bit for bit)
 #                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default)
@@ -77,7 +78,7 @@ for part in "$@"; do
     ab)
       REF=${REF:-build-ref/libmok.so}
       for round in $(seq "${ROUNDS:-2}"); do
-        for lib in "$REF" build/libmok.so; do
+        for lib in $REF build/libmok.so; do
           echo "== ab round $round: $lib"
           MOK_LIBRARY="$PWD/$lib" python3 bench/bench_moe.py --mok-only --uniform-only --shapes "$SHAPES" \
             --commit "$lib" 2>&1 | grep -v "^-\|^shape" | tee -a "$OUT/ab.txt"
