@@ -243,25 +243,42 @@ class Problem:
         torch.cuda.empty_cache()
 
 
-def profile_shape(name, skewed):
-    """MOK_PROFILE=1: the library prints CTA time per task kind at each mok.synchronize()."""
+def warm_up(step, seconds):
+    """Calls step back to back for `seconds`: the board then sits at its power limit, at
+    the clock of a sustained run, as in the bench's timed runs (0: nothing)."""
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+
+
+def profile_shape(name, skewed, warm=0.0):
+    """MOK_PROFILE=1: the library prints CTA time per task kind at each mok.synchronize().
+    warm > 0: the peer's steps run that many seconds first (mok's own would all be
+    traced), so the traced step runs at a sustained run's clock."""
     pb = Problem(name, skewed)
     for _ in range(2):
         pb.mok_step()
     mok.synchronize()
+    warm_up(pb.peer_step, warm)
     print(f"{name} {'skewed' if skewed else 'uniform'}: one step", file=sys.stderr, flush=True)
     pb.mok_step()
     mok.synchronize()
     pb.release()
 
 
-def gpu_profile(label, step, steps, in_order=False):
+def gpu_profile(label, step, steps, in_order=False, warm=0.0):
     """`steps` calls of step under torch.profiler: the CUDA-event time of a call against
     the sum of the GPU's kernel and memset times, each kernel by name, and the GPU's idle
-    time inside the call. in_order: also the first call's kernels in launch order."""
+    time inside the call. in_order: also the first call's kernels in launch order.
+    warm: seconds of back-to-back calls first (a sustained run's clock)."""
     from torch.profiler import ProfilerActivity, profile
 
     time_ms(step, 1)  # warm-up calls, outside the profile
+    warm_up(step, warm)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = time_isolated_ms(step, steps, warmup=0)
     gpu = [e for e in prof.events() if e.device_type.name == "CUDA"]
@@ -281,7 +298,7 @@ def gpu_profile(label, step, steps, in_order=False):
             print(f"    {e.device_time_total / 1e3:8.3f} ms  {e.name[:100]}")
 
 
-def kernel_times(name, steps=5):
+def kernel_times(name, steps=5, warm=0.0):
     """Where a step's wall time goes on the GPU, mok's and the peer's (the first question
     of docs/PERF.md's "what to try next"): gpu_profile of each; the peer's kernels also
     in launch order, so that each grouped GEMM's time can be set against its FLOPs
@@ -290,8 +307,8 @@ def kernel_times(name, steps=5):
     R = T * K
     print(f"{name}: GEMM GFLOP a step: forward gate|up {4 * R * H * Fd / 1e9:.0f}, down {2 * R * H * Fd / 1e9:.0f}")
     pb = Problem(name)
-    gpu_profile(f"{name} mok", pb.mok_step, steps)
-    gpu_profile(f"{name} peer", pb.peer_step, steps, in_order=True)
+    gpu_profile(f"{name} mok", pb.mok_step, steps, warm=warm)
+    gpu_profile(f"{name} peer", pb.peer_step, steps, in_order=True, warm=warm)
     pb.release()
 
 
@@ -356,15 +373,18 @@ def main():
     ap.add_argument("--commit", default="", help="commit to print when the tree has no .git")
     ap.add_argument("--kernel-times", action="store_true",
                     help="mok and peer: per step, the GPU's kernel times against the step's wall time (torch.profiler)")
+    ap.add_argument("--warm", type=float, default=0.0,
+                    help="--profile, --kernel-times: seconds of back-to-back steps before the measured one(s), "
+                    "so that they run at a sustained run's clock (default 0: from idle, near full clock)")
     args = ap.parse_args()
     if args.kernel_times:
         for name in args.shapes.split(","):
-            kernel_times(name)
+            kernel_times(name, warm=args.warm)
         return
     if args.profile:
         for name in args.shapes.split(","):
             for skewed in ([False] if args.uniform_only else [False, True]):
-                profile_shape(name, skewed)
+                profile_shape(name, skewed, args.warm)
         return
     global SAMPLER
     SAMPLER = GpuSampler()

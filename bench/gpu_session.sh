@@ -19,6 +19,8 @@
 #                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default)
 #   stalls        a MOK_STALL_PROFILE build (build-stall/: thread 0's cycles in each wait
 #                 of the GEMM tasks, by kind) traced per shape, beside the plain trace's rates
+# WARM=S: trace, stalls and kernel-times first run S seconds of back-to-back steps, so
+# that the measured steps run at a sustained run's clock (default 0: from idle).
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
 # Example, built here and carried: make build/libmok.so build/mok_gpu_tests, then the
 # device tool with carry ["build/libmok.so", "build/mok_gpu_tests"] runs
@@ -52,7 +54,8 @@ export MOK_LIBRARY="$PWD/build/libmok.so"
 trace_shapes() {
   for s in ${SHAPES//,/ }; do
     rm -f "$OUT/$1-$s.txt"
-    MOK_TRACE="$OUT/$1-$s.txt" python3 bench/bench_moe.py --profile --uniform-only --shapes "$s" > /dev/null 2>&1
+    MOK_TRACE="$OUT/$1-$s.txt" python3 bench/bench_moe.py --profile --uniform-only --shapes "$s" \
+      --warm "${WARM:-0}" > /dev/null 2>&1
     python3 bench/trace_report.py "$OUT/$1-$s.txt" --shape "$s" > "$OUT/$1-report-$s.txt" 2>&1
     echo "== $s ($1)"
     grep -E "span|TFLOP|waiting|clock" "$OUT/$1-report-$s.txt"
@@ -69,7 +72,7 @@ for part in "$@"; do
       trace_shapes trace
       ;;
     kernel-times)
-      python3 bench/bench_moe.py --kernel-times --shapes "$SHAPES" 2>&1 | tee "$OUT/kernel-times.txt"
+      python3 bench/bench_moe.py --kernel-times --shapes "$SHAPES" --warm "${WARM:-0}" 2>&1 | tee "$OUT/kernel-times.txt"
       ;;
     bench)
       python3 bench/bench_moe.py --shapes "$SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" 2>&1 |
