@@ -338,12 +338,14 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       MOK_STALL_ADD(kStallFull, t_full);
       uint8_t* stage = sm.stage[s];
       if (kb == num_kb - 1 && k_valid_last < BK) {
-        // zero k rows [k_valid_last, 64) of all six boxes (MN-major: a k row = 128 B)
-        const int rows = BK - k_valid_last, chunks = 6 * rows * 8;
-        for (int i = tid; i < chunks; i += kThreads) {
-          const int box = i / (rows * 8), r = k_valid_last + (i / 8) % rows, c = i % 8;
-          *reinterpret_cast<uint4*>(stage + box * kBoxBytes + r * 128 + c * 16) = make_uint4(0, 0, 0, 0);
-        }
+        // The block ends early (MN-major operands whose k are rows of several experts):
+        // zero k rows [k_valid_last, 64) of all six boxes. A k row is 128 contiguous
+        // bytes of a box, so each box's rows to zero are one byte range. (Skipping the
+        // k16 steps past k_valid_last instead makes ptxas serialise every wgmma, C7520.)
+#pragma unroll
+        for (int box = 0; box < 6; box++)
+          for (int i = 8 * k_valid_last + tid; i < 8 * BK; i += kThreads)
+            *reinterpret_cast<uint4*>(stage + box * kBoxBytes + i * 16) = make_uint4(0, 0, 0, 0);
         fence_proxy_async_smem();
         __syncthreads();
       }
