@@ -313,11 +313,26 @@ static mok_status_t make_gate_up_map(mok_context_t* ctx, CUtensorMap* map, const
     if (s_ != MOK_STATUS_SUCCESS) return s_; \
   } while (0)
 
-// Both store maps of a 2-D output [rows, cols], or of a gate|up output [rows, 2F].
+// The store maps of a 2-D output [rows, cols], or of a gate|up output [rows, 2F]. The
+// pair map's strides are not increasing (a chunk of columns is 128 B, a row cols * 2):
+// where the driver refuses it, the stores take one box at a time (has_pair 0).
 static mok_status_t make_store_map(mok_context_t* ctx, StoreMap* m, const void* base, int64_t rows, int64_t cols,
                                    const char* name) {
   MAP_TRY(make_map(ctx, &m->full, base, rows, cols, name, BM));
-  return make_map(ctx, &m->part, base, rows, cols, name, kStoreRows);
+  MAP_TRY(make_map(ctx, &m->part, base, rows, cols, name, kStoreRows));
+  memset(&m->pair, 0, sizeof m->pair);
+  m->has_pair = 0;
+  if (base && cols % 64 == 0) {
+    const cuuint64_t dims[3] = {64, (cuuint64_t)std::max<int64_t>(rows, 1), (cuuint64_t)cols / 64};
+    const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, 128};
+    const cuuint32_t box[3] = {64, BM, 2};
+    const cuuint32_t elem[3] = {1, 1, 1};
+    m->has_pair = gpu(ctx)->encode(&m->pair, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims,
+                                   strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                   CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  }
+  return MOK_STATUS_SUCCESS;
 }
 static mok_status_t make_gate_up_store_map(mok_context_t* ctx, StoreMap* m, const void* base, int64_t rows, int64_t F,
                                            const char* name) {

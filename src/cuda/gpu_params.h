@@ -124,9 +124,12 @@ struct Shape {
 };
 
 // The TMA store maps of an output: 128-row boxes for whole tiles, kStoreRows-row boxes
-// for tiles cut short by the end of an expert's rows (sm90_common.cuh).
+// for tiles cut short by the end of an expert's rows (sm90_common.cuh), and `pair`, the
+// output seen as [cols / 64][rows][64] with 2 x 128 x 64 boxes: two adjacent 64-column
+// boxes of a whole tile in one store (has_pair: cols % 64 == 0 and the map encoded).
 struct StoreMap {
-  CUtensorMap full, part;
+  CUtensorMap full, part, pair;
+  int has_pair;
 };
 
 struct FwdParams {

@@ -602,6 +602,15 @@ __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc
   const int rows = min(BM, row_end - row0);
   auto pair = [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); };
   auto write = [&](const uint8_t* buf, int cb) {  // boxes 0, 1 of buf: columns cb.. cb + 127
+    if (rows == BM && st->has_pair) {  // both boxes in one store (the map clips a chunk past ncols)
+      if (tid_here() == 0) {
+        MOK_STALL_FROM(t_issue);
+        tma_store_3d(&st->pair, buf, 0, map_row, cb / 64);
+        bulk_commit();
+        MOK_STALL_ADD(kStallEpiIssue, t_issue);
+      }
+      return false;
+    }
     return epi_write_boxes(
         sm, buf, st, 2, rows,
         [&](int b, const CUtensorMap* map, int r, const uint8_t* src) {
