@@ -557,6 +557,27 @@ __device__ __forceinline__ void epi_put_boxes(uint32_t buf, int wg, int w, int l
   }
 }
 
+// epi_put_boxes through stmatrix, a quarter of the store instructions: one writes the
+// warp's 16 rows x 16 columns (chunks j, j + 1 of a box: four 8 x 8 matrices, h = 0 and
+// 1 of each chunk); lane l gives the address of row l % 8 of matrix l / 8, whose 8 rows
+// fall in 8 different 16-byte bank groups through the swizzle. (Plain bf16 tiles only:
+// in the SwiGLU epilogue its four live pairs make the forward spill.)
+template <int kBoxes, class Pair>
+__device__ __forceinline__ void epi_stmatrix_boxes(uint32_t buf, int wg, int w, int l, int b0, Pair pair) {
+  const int q = l / 8, rr = l % 8;                         // matrix q: row half q % 2, chunk j + q / 2
+  const int r = acc_row(wg, w, 0, 0) + rr + 8 * (q % 2);  // (acc_row(.., 0, 0) is a multiple of 8)
+  const uint32_t row = buf + r * 128;
+#pragma unroll
+  for (int j = 0; j < 8; j += 2) {
+    const uint32_t c = ((j + q / 2) ^ rr) * 16;
+#pragma unroll
+    for (int b = 0; b < kBoxes; b++) {
+      const int i = 8 * (b0 + b) + j;
+      stmatrix_x4(row + b * kBox + c, pair(i, 0), pair(i, 1), pair(i + 1, 0), pair(i + 1, 1));
+    }
+  }
+}
+
 // The boxes just written are complete for every thread and for the TMA stores.
 __device__ __forceinline__ void epi_publish(Smem& sm) {
   fence_proxy_async_smem();
@@ -620,8 +641,8 @@ __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc
   };
   if (spare) {
     epi_acquire(sm);
-    epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 0, pair);
-    epi_put_boxes<2>(smem_addr(spare), wg, w, l, 2, pair);
+    epi_stmatrix_boxes<2>(smem_addr(sm.epi), wg, w, l, 0, pair);
+    epi_stmatrix_boxes<2>(smem_addr(spare), wg, w, l, 2, pair);
     epi_publish(sm);
     const bool tail = write(spare, c0 + 128);
     write(sm.epi, c0);
@@ -631,7 +652,7 @@ __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc
 #pragma unroll
   for (int half = 0; half < 2; half++) {  // boxes 2 half, 2 half + 1 (128 columns)
     epi_acquire(sm);
-    epi_put_boxes<2>(smem_addr(sm.epi), wg, w, l, 2 * half, pair);
+    epi_stmatrix_boxes<2>(smem_addr(sm.epi), wg, w, l, 2 * half, pair);
     epi_publish(sm);
     write(sm.epi, c0 + 128 * half);
   }
