@@ -58,11 +58,16 @@ $(BUILD)/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h tools/*.h tests/*.h
 # Local memory in a kernel is a build error (issue 3): ptxas fails on a register spill,
 # and its report (kept beside the object) must show no stack frame, which is where
 # arrays indexed at run time go. The report's other lines (warnings) are shown.
+# LOCAL_MEM_OK=1: both checks off, spills only warned of, for measurement builds alone
+# (bench/gpu_session.sh stalls: the stall counters' code spills ~50 bytes in the
+# backward, values reloaded at task starts, not in the mainloop).
+comma := ,
+PTXAS_CHECK := $(if $(LOCAL_MEM_OK),-warn-spills,-warn-spills$(comma)-Werror)
 $(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*.h src/cuda/*.h src/cuda/*.cuh src/comm/*.h src/comm/*.cuh)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -Xptxas -v,-warn-spills,-Werror -c $< -o $@ 2> $@.ptxas || { cat $@.ptxas >&2; exit 1; }
+	$(NVCC) $(NVFLAGS) -Xptxas -v,$(PTXAS_CHECK) -c $< -o $@ 2> $@.ptxas || { cat $@.ptxas >&2; exit 1; }
 	@grep -vE '^ptxas info|bytes stack frame' $@.ptxas >&2 || true
-	@if grep -qE '[1-9][0-9]* bytes stack frame' $@.ptxas; then \
+	@if [ -z "$(LOCAL_MEM_OK)" ] && grep -qE '[1-9][0-9]* bytes stack frame' $@.ptxas; then \
 	  grep -B2 -E '[1-9][0-9]* bytes stack frame' $@.ptxas >&2; \
 	  echo "$<: a kernel uses local memory (stack frame above; full report in $@.ptxas)" >&2; rm -f $@; exit 1; fi
 

@@ -71,7 +71,8 @@ struct alignas(1024) Smem {
   uint64_t task_start;  // MOK_PROFILE: this task's start (globaltimer, ns)
   uint64_t task_clock;  // and in SM cycles (clock64): the two give the task's mean SM clock
   uint32_t wait_ns;     // MOK_PROFILE: this task's time in wait_counter
-  uint32_t stall[kStallKinds];  // MOK_STALL_PROFILE builds: thread 0's waits (kStall*)
+  uint32_t stall[kStallKinds];       // MOK_STALL_PROFILE builds: thread 0's waits (kStall*)
+  uint32_t stall_from[kStallKinds];  // and the start of the span in progress, per kind
   uint32_t knobs;       // MOK_KNOBS (gpu_params.h)
 };
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
@@ -146,17 +147,25 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
 
 // MOK_STALL_PROFILE (a measurement build, bench/gpu_session.sh stalls): thread 0 adds
 // the cycles of each of its waits to sm.stall[kind] (gpu_params.h's kStall*); other
-// builds compile none of it.
+// builds compile none of it. The span's start is kept in shared memory, per kind (so
+// spans nest), with the 32-bit %clock (a span is far below 2^32 cycles): a start in a
+// register is live in every thread across the wait, and beside the 128 accumulators
+// that made the backward spill.
 #ifdef MOK_STALL_PROFILE
-#define MOK_STALL_FROM(t) const uint64_t t = clock64()
-#define MOK_STALL_ADD(kind, t)                                             \
-  do {                                                                     \
-    if (threadIdx.x == 0) sm.stall[kind] += (uint32_t)(clock64() - (t)); \
+#define MOK_STALL_FROM(kind)                                    \
+  do {                                                          \
+    if (threadIdx.x == 0) sm.stall_from[kind] = (uint32_t)clock(); \
+  } while (0)
+#define MOK_STALL_ADD(kind)                                                         \
+  do {                                                                              \
+    if (threadIdx.x == 0) sm.stall[kind] += (uint32_t)clock() - sm.stall_from[kind]; \
   } while (0)
 #else
-#define MOK_STALL_FROM(t)
-#define MOK_STALL_ADD(kind, t) \
-  do {                         \
+#define MOK_STALL_FROM(kind) \
+  do {                       \
+  } while (0)
+#define MOK_STALL_ADD(kind) \
+  do {                      \
   } while (0)
 #endif
 
@@ -198,10 +207,10 @@ __device__ __forceinline__ void signal_counter(Smem& sm, const GpuStep& st, uint
   __syncthreads();
   if (threadIdx.x == 0) {
     if (sm.next_ticket < 0) sm.next_ticket = (int)atomicAdd(&st.sync->ticket, 1u);
-    MOK_STALL_FROM(t_signal);
+    MOK_STALL_FROM(kStallSignal);
     bulk_wait_all();  // the task's TMA stores (issued by thread 0) have landed
     __threadfence();
-    MOK_STALL_ADD(kStallSignal, t_signal);
+    MOK_STALL_ADD(kStallSignal);
     red_release_add(counter, 1);
   }
 }
@@ -285,15 +294,15 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     if ((int)s == c.spare_slot) {
       // the last epilogue's stores from this stage went out first; only its final
       // group (from sm.epi) may still be reading
-      MOK_STALL_FROM(t_spare);
+      MOK_STALL_FROM(kStallSpare);
       bulk_wait_read<1>();
-      MOK_STALL_ADD(kStallSpare, t_spare);
+      MOK_STALL_ADD(kStallSpare);
       c.spare_slot = -1;
     }
-    MOK_STALL_FROM(t_empty);
+    MOK_STALL_FROM(kStallEmpty);
     while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
     }
-    MOK_STALL_ADD(kStallEmpty, t_empty);
+    MOK_STALL_ADD(kStallEmpty);
     const uint32_t knobs = sm.knobs;  // (once: the TMA asm's memory clobber would re-read it)
     const bool skip_b = knobs & 16;   // MOK_KNOBS 16: B stays what the stage held
     mbar_arrive_expect_tx(&sm.full[s], skip_b ? 2 * kBoxBytes : kStageBytes);
@@ -332,12 +341,13 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
     for (int kb = 0; kb < num_kb; kb++, it++) {
       const uint32_t s = it % kStages, ph = (it / kStages) & 1;
-      MOK_STALL_FROM(t_full);
+      MOK_STALL_FROM(kStallFull);
       while (!mbar_try_wait(&sm.full[s], ph)) {
       }
-      MOK_STALL_ADD(kStallFull, t_full);
+      MOK_STALL_ADD(kStallFull);
       uint8_t* stage = sm.stage[s];
       if (kb == num_kb - 1 && k_valid_last < BK) {
+        MOK_STALL_FROM(kStallZero);
         // The block ends early (MN-major operands whose k are rows of several experts):
         // zero k rows [k_valid_last, 64) of all six boxes. A k row is 128 contiguous
         // bytes of a box, so each box's rows to zero are one byte range. (Skipping the
@@ -348,6 +358,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
             *reinterpret_cast<uint4*>(stage + box * kBoxBytes + i * 16) = make_uint4(0, 0, 0, 0);
         fence_proxy_async_smem();
         __syncthreads();
+        MOK_STALL_ADD(kStallZero);
       }
       wgmma_fence();
 #pragma unroll
@@ -361,22 +372,24 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       wgmma_commit();
       // keep this block's wgmmas in flight; the previous block's are done: free its
       // stage, then (thread 0) refill the ring kStages - 1 blocks ahead
+      MOK_STALL_FROM(kStallMma);
       wgmma_wait<1>();
+      MOK_STALL_ADD(kStallMma);
       if (kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
       if (tid == 0) load_next();
     }
-    MOK_STALL_FROM(t_drain);
+    MOK_STALL_FROM(kStallDrain);
     wgmma_wait<0>();
-    MOK_STALL_ADD(kStallDrain, t_drain);
+    MOK_STALL_ADD(kStallDrain);
     if (num_kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
     // The stage of the tile's last K block is free until thread 0 refills it (its next
     // load, after the epilogue): the epilogue may use it as a second buffer (`spare`),
     // after a CTA barrier (the other warpgroup's wgmmas may still read it until then).
     const int et = tid_here();
     uint8_t* spare = num_kb > 0 ? sm.stage[(it - 1) % kStages] : nullptr;
-    MOK_STALL_FROM(t_epi);
+    MOK_STALL_FROM(kStallEpilogue);
     epi(tile, acc, et / 128, (et % 128) / 32, et % 32, spare);
-    MOK_STALL_ADD(kStallEpilogue, t_epi);
+    MOK_STALL_ADD(kStallEpilogue);
     if (tid == 0 && num_kb > 0) c.spare_slot = (int)((it - 1) % kStages);
   }
   __syncthreads();
@@ -488,13 +501,13 @@ __device__ __forceinline__ float silu(float g) { return __fmul_rn(g, sigmoid_fas
 template <int kPending = 0>
 __device__ __forceinline__ void epi_acquire(Smem& sm) {
   if (tid_here() == 0) {
-    MOK_STALL_FROM(t_stores);
+    MOK_STALL_FROM(kStallEpiStores);
     bulk_wait_read<kPending>();
-    MOK_STALL_ADD(kStallEpiStores, t_stores);
+    MOK_STALL_ADD(kStallEpiStores);
   }
-  MOK_STALL_FROM(t_bar);
+  MOK_STALL_FROM(kStallEpiBarrier);
   __syncthreads();
-  MOK_STALL_ADD(kStallEpiBarrier, t_bar);
+  MOK_STALL_ADD(kStallEpiBarrier);
 }
 
 // Accumulator pairs [i0, i0 + n) into sm.epi (n = 16 bf16 or 8 fp32: one part), at their
@@ -581,9 +594,9 @@ __device__ __forceinline__ void epi_stmatrix_boxes(uint32_t buf, int wg, int w, 
 // The boxes just written are complete for every thread and for the TMA stores.
 __device__ __forceinline__ void epi_publish(Smem& sm) {
   fence_proxy_async_smem();
-  MOK_STALL_FROM(t_bar);
+  MOK_STALL_FROM(kStallEpiBarrier);
   __syncthreads();
-  MOK_STALL_ADD(kStallEpiBarrier, t_bar);
+  MOK_STALL_ADD(kStallEpiBarrier);
 }
 
 // Rows [0, rows) of boxes [0, nb) at buf out, as one store group: store(b, map, r, src)
@@ -596,12 +609,12 @@ __device__ __forceinline__ bool epi_write_boxes(Smem& sm, const uint8_t* buf, co
   const int tid = tid_here();
   const int full = rows == BM ? 1 : rows / kStoreRows, height = rows == BM ? BM : kStoreRows;
   if (tid == 0) {
-    MOK_STALL_FROM(t_issue);
+    MOK_STALL_FROM(kStallEpiIssue);
     const CUtensorMap* map = rows == BM ? &st->full : &st->part;
     for (int rg = 0; rg < full; rg++)
       for (int b = 0; b < nb; b++) store(b, map, rg * height, buf + b * kBox + rg * (height * 128));
     bulk_commit();
-    MOK_STALL_ADD(kStallEpiIssue, t_issue);
+    MOK_STALL_ADD(kStallEpiIssue);
   }
   const int first = height * full, rest = rows - first;
   for (int q = tid; q < rest * nb * 8; q += kThreads) {
@@ -625,10 +638,10 @@ __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc
   auto write = [&](const uint8_t* buf, int cb) {  // boxes 0, 1 of buf: columns cb.. cb + 127
     if (rows == BM && st->has_pair) {  // both boxes in one store (the map clips a chunk past ncols)
       if (tid_here() == 0) {
-        MOK_STALL_FROM(t_issue);
+        MOK_STALL_FROM(kStallEpiIssue);
         tma_store_3d(&st->pair, buf, 0, map_row, cb / 64);
         bulk_commit();
-        MOK_STALL_ADD(kStallEpiIssue, t_issue);
+        MOK_STALL_ADD(kStallEpiIssue);
       }
       return false;
     }
@@ -798,10 +811,10 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
 #pragma unroll
   for (int q = 0; q < 4; q++) {
     uint8_t* buf = q % 2 ? sm.epi : spare;
-    MOK_STALL_FROM(t_loads);
+    MOK_STALL_FROM(kStallEpiLoads);
     while (!mbar_try_wait(&sm.epi_full[q % 2], q / 2)) {
     }
-    MOK_STALL_ADD(kStallEpiLoads, t_loads);
+    MOK_STALL_ADD(kStallEpiLoads);
     if (f0 + 64 * q < F) {
       const uint32_t row_a = smem_addr(buf) + r * 128 + 4 * (l % 4);
 #pragma unroll
@@ -836,9 +849,9 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
     if (q < 2) {
       if (tail) __syncthreads();  // the tail rows read before the buffer is refilled
       if (tid == 0) {
-        MOK_STALL_FROM(t_stores);
+        MOK_STALL_FROM(kStallEpiStores);
         bulk_wait_read();
-        MOK_STALL_ADD(kStallEpiStores, t_stores);
+        MOK_STALL_ADD(kStallEpiStores);
         load(q + 2);
       }
     }
