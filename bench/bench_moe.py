@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 if "--profile" in sys.argv:
     os.environ["MOK_PROFILE"] = "1"  # read by libmok when a context is created
@@ -246,8 +247,6 @@ class Problem:
 def warm_up(step, seconds):
     """Calls step back to back for `seconds`: the board then sits at its power limit, at
     the clock of a sustained run, as in the bench's timed runs (0: nothing)."""
-    import time
-
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
         for _ in range(5):

@@ -19,6 +19,8 @@
 #                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default)
 #   stalls        a MOK_STALL_PROFILE build (build-stall/: thread 0's cycles in each wait
 #                 of the GEMM tasks, by kind) traced per shape, beside the plain trace's rates
+#   peer-cycles   the peer's six grouped GEMMs per shape under ncu, FLOPs per SM cycle
+#                 (bench/peer_cycles.py; compare with trace's "% of peak per cycle")
 # WARM=S: trace, stalls and kernel-times first run S seconds of back-to-back steps, so
 # that the measured steps run at a sustained run's clock (default 0: from idle).
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
@@ -100,8 +102,17 @@ for part in "$@"; do
       fi
       MOK_LIBRARY="$PWD/build-stall/libmok.so" trace_shapes stalls
       ;;
+    peer-cycles)
+      NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      for s in ${SHAPES//,/ }; do
+        $NCU --clock-control none --kernel-name device_kernel --csv \
+          --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__cycles_elapsed.avg.per_second \
+          python3 bench/peer_cycles.py --run "$s" > "$OUT/ncu-peer-$s.csv" 2> "$OUT/ncu-peer-$s.err"
+        python3 bench/peer_cycles.py --report "$OUT/ncu-peer-$s.csv" --shape "$s"
+      done
+      ;;
     *)
-      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab)"
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab, peer-cycles)"
       exit 2
       ;;
   esac

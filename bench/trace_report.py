@@ -32,6 +32,9 @@ STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barr
 
 
 
+SM_FLOPS_PER_CYCLE = 4096  # dense bf16, one Hopper SM (bench/peer_cycles.py's peer rows compare)
+
+
 def gemm_flops(shape):
     """FLOPs of each GEMM task kind over a whole step (no shared expert)."""
     T, H, F, E, K = shape
@@ -75,6 +78,9 @@ def report(recs, kinds, label, flops, num_sms, bins=60):
             line += f"  {flops[k] / (work[k] / n) / 1e3:6.0f} TFLOP/s"
         if span_ns[k] > 0:
             line += f"  {1e3 * cycles[k] / span_ns[k]:5.0f} MHz"
+            if k in flops and work[k] > 0:  # FLOPs per SM cycle of work: free of the clock
+                work_cycles = cycles[k] * work[k] / span_ns[k]
+                line += f"  {100 * flops[k] / work_cycles / SM_FLOPS_PER_CYCLE:5.1f}% of peak per cycle"
         print(line)
         if any(stall[k]) and cycles[k] > 0:
             shares = ", ".join(f"{n} {100 * v / cycles[k]:.1f}%" for n, v in zip(STALLS, stall[k]))
