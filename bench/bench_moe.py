@@ -49,7 +49,6 @@ def time_ms(fn, steps, warmup=3):
         fn()
     torch.cuda.synchronize()
     global LAST_WINDOW
-    import time
     t0 = time.time()
     runs = []
     for _ in range(3):
@@ -105,7 +104,6 @@ class GpuSampler:
         threading.Thread(target=read, daemon=True).start()
 
     def mean(self, t0, t1):
-        import time
         deadline = time.time() + 2.0  # samples up to t1 may still be on their way
         while time.time() < deadline and not any(x[0] >= t1 for x in list(self.samples)):
             time.sleep(0.05)
