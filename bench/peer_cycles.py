@@ -19,17 +19,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES  # noqa: E402
+from trace_report import SM_FLOPS_PER_CYCLE, gemm_flops  # noqa: E402
 
-GEMMS = ["gate|up", "down", "dh", "dW2", "dx", "dW13"]
-SM_FLOPS_PER_CYCLE = 4096  # dense bf16, one Hopper SM
-
-
-def gemm_gflop(shape):
-    """GFLOP of each of the peer's six grouped GEMMs (R = T K rows)."""
-    T, H, F, E, K = SHAPES[shape]
-    R = T * K
-    down = 2 * R * H * F / 1e9
-    return [2 * down, down, down, down, 2 * down, 2 * down]
+# the peer's six grouped GEMMs in launch order, and mok's task kind doing the same work
+GEMMS = [("gate|up", "gemm1"), ("down", "gemm2"), ("dh", "dh"), ("dW2", "wgrad2"), ("dx", "dx"),
+         ("dW13", "wgrad13")]
 
 
 def report(path, shape, num_sms):
@@ -44,10 +38,11 @@ def report(path, shape, num_sms):
     for r in rows:
         kernels.setdefault(int(r[col["ID"]]), {})[r[col["Metric Name"]]] = float(r[col["Metric Value"]].replace(",", ""))
     last = [kernels[k] for k in sorted(kernels)[-len(GEMMS):]]
+    flops = gemm_flops(SHAPES[shape])
     print(f"peer {shape}: the last step's grouped GEMMs, each alone under ncu")
-    for name, gflop, m in zip(GEMMS, gemm_gflop(shape), last):
+    for (name, kind), m in zip(GEMMS, last):
         cycles = m["sm__cycles_elapsed.avg"]
-        share = gflop * 1e9 / (cycles * num_sms) / SM_FLOPS_PER_CYCLE
+        share = flops[kind] / (cycles * num_sms) / SM_FLOPS_PER_CYCLE
         print(f"  {name:8} {m['gpu__time_duration.sum'] / 1e6:7.3f} ms {cycles:12.0f} SM cycles "
               f"{m['sm__cycles_elapsed.avg.per_second'] / 1e6:5.0f} MHz  {100 * share:5.1f}% of peak per cycle")
 

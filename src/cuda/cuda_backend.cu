@@ -265,17 +265,22 @@ mok_status_t mok_cuda_sync(mok_context_t* ctx) {
 
 // A bf16 tensor map of `rank` dimensions (dims[0] innermost, in elements; strides of
 // dims 1.. in bytes), 128-byte swizzle; out-of-bound elements read as zero and are not
-// written by stores. Zeroed, and not used, when base is null (a buffer this
-// configuration does not have).
+// written by stores.
+static CUresult encode_tiled(mok_context_t* ctx, CUtensorMap* map, const void* base, cuuint32_t rank,
+                             const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {
+  const cuuint32_t elem[3] = {1, 1, 1};
+  return gpu(ctx)->encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides, box,
+                          elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                          CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+// encode_tiled, a failure an error naming the map; zeroed, and not used, when base is
+// null (a buffer this configuration does not have).
 static mok_status_t encode_map(mok_context_t* ctx, CUtensorMap* map, const void* base, cuuint32_t rank,
                                const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
                                const char* name) {
   memset(map, 0, sizeof *map);
   if (!base) return MOK_STATUS_SUCCESS;
-  const cuuint32_t elem[3] = {1, 1, 1};
-  CUresult r = gpu(ctx)->encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides,
-                                box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode_tiled(ctx, map, base, rank, dims, strides, box);
   if (r != CUDA_SUCCESS) {
     char shape[96];
     int n = 0;
@@ -326,11 +331,7 @@ static mok_status_t make_store_map(mok_context_t* ctx, StoreMap* m, const void* 
     const cuuint64_t dims[3] = {64, (cuuint64_t)std::max<int64_t>(rows, 1), (cuuint64_t)cols / 64};
     const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, 128};
     const cuuint32_t box[3] = {64, BM, 2};
-    const cuuint32_t elem[3] = {1, 1, 1};
-    m->has_pair = gpu(ctx)->encode(&m->pair, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims,
-                                   strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                   CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    m->has_pair = encode_tiled(ctx, &m->pair, base, 3, dims, strides, box) == CUDA_SUCCESS;
   }
   return MOK_STATUS_SUCCESS;
 }
