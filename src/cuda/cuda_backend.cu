@@ -123,7 +123,7 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   return w;
 }
 struct BwdWsPlan {
-  size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, partials, total;
+  size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, partials, cta_maps, total;
   int64_t partial_len;
 };
 static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
@@ -140,6 +140,7 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   w.dx_router = p.take(T * c.H * 4);
   w.dx_shared = p.take(T * c.H * 4);
   w.partials = p.take(chunks * w.partial_len * 4);
+  w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
   w.total = p.at;
   return w;
 }
@@ -170,6 +171,10 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   if (c.num_ctas > g.num_sms)
     return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT, "cfg.num_ctas = %d must be <= the %d SMs of device %d",
                    c.num_ctas, g.num_sms, g.device);
+  if ((c.num_ctas > 0 ? c.num_ctas : g.num_sms) > kMaxCtas)
+    return MOK_ERR(ctx, MOK_STATUS_BACKEND_UNAVAILABLE,
+                   "device %d has %d SMs: a launch of more than %d CTAs needs a larger kMaxCtas (gpu_params.h)",
+                   g.device, g.num_sms, kMaxCtas);
   cudaDriverEntryPointQueryResult q;
   void* fn = nullptr;
   CUDA_TRY(ctx, cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
@@ -460,6 +465,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.dx_shared = reinterpret_cast<float*>(ws + wp.dx_shared);
   p.partials = reinterpret_cast<float*>(ws + wp.partials);
   p.partial_len = wp.partial_len;
+  p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
   MAP_TRY(make_map(ctx, &p.m_dy, a->dy, T, H, "dy"));
   MAP_TRY(make_map(ctx, &p.m_x, a->x, T, H, "x"));
   MAP_TRY(make_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router"));

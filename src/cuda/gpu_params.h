@@ -136,6 +136,9 @@ struct StoreMap {
   int has_pair;
 };
 
+// The most CTAs a launch has (cfg.num_ctas or the SM count): sizes per-CTA scratch.
+constexpr int kMaxCtas = 256;
+
 struct FwdParams {
   CUtensorMap m_x;      // x [T, H]
   CUtensorMap m_wr;     // w_router [E, H]
@@ -234,6 +237,7 @@ struct BwdParams {
   float* dx_shared;     // [T, H]
   float* partials;      // [chunks, E*H + 3*Fs*H]
   int64_t partial_len;  // E*H + 3*Fs*H
+  CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's maps of its weight-gradient task's expert
 };
 
 }  // namespace mok

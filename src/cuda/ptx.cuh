@@ -93,6 +93,28 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
 }
+// Tensor maps made on the device (sm_90a): a copy in shared memory (128-byte aligned)
+// gets a new base address and outer extent, then the warp copies it to global memory,
+// releasing it to the tensor-map proxy; the thread that then issues TMA with it first
+// acquires it (its caches may hold the slot's previous map).
+__device__ __forceinline__ void tensormap_set_base(uint32_t smem_map, const void* base) {
+  asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;" ::"r"(smem_map), "l"(base)
+               : "memory");
+}
+__device__ __forceinline__ void tensormap_set_outer_dim(uint32_t smem_map, uint32_t n) {  // dimension 1 of a 2-D map
+  asm volatile("tensormap.replace.tile.global_dim.shared::cta.b1024.b32 [%0], 1, %1;" ::"r"(smem_map), "r"(n)
+               : "memory");
+}
+__device__ __forceinline__ void tensormap_publish(void* gmem_map, uint32_t smem_map) {  // the whole warp
+  asm volatile(
+      "tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.cta.sync.aligned [%0], [%1], 128;" ::"l"(
+          gmem_map),
+      "r"(smem_map)
+      : "memory");
+}
+__device__ __forceinline__ void tensormap_acquire(const void* gmem_map) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.cta [%0], 128;" ::"l"(gmem_map) : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // This thread's bulk store groups, all but the newest kPending, have read their shared
 // memory (it may be written again).

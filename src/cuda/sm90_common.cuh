@@ -59,6 +59,7 @@ struct alignas(1024) Smem {
     alignas(1024) uint8_t epi[kEpiBytes];    // an output tile on its way to global memory
     float warp_scratch[kThreads / 32][256];  // per warp: one token's expert scores
   };
+  alignas(128) uint8_t maps[2][128];  // tensor maps in the making (cut_maps)
   uint64_t full[kStages];
   uint64_t empty[kStages];
   uint64_t epi_full[2];  // swiglu_bwd_store's TMA loads: [0] into the spare stage, [1] into epi
@@ -395,6 +396,34 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
   __syncthreads();
   if (tid == 0) sm.ring_it = it;
   __syncthreads();
+}
+
+// Copies of two 2-D tensor maps ([rows, cols], ld elements a row) cut to rows [row0,
+// row0 + n) (at least one row: a map's extent must not be 0), at dst[0] and dst[1]
+// (global memory, 128-byte aligned, this CTA's alone): loads through them read zeros
+// from row n on, as TMA fills what lies outside a tensor. Warp 0 makes them; thread 0,
+// the one that issues TMA, acquires them. The slot's previous maps are no longer in
+// use: a task's loads have all landed before it ends.
+__device__ __forceinline__ void cut_maps(Smem& sm, CUtensorMap* dst, const CUtensorMap* a, const bf16* a_base,
+                                         int64_t a_ld, const CUtensorMap* b, const bf16* b_base, int64_t b_ld,
+                                         int64_t row0, int n) {
+  const int tid = threadIdx.x;
+  if (tid >= 32) return;
+  if (tid < 16)  // 16 bytes a lane: lanes 0-7 copy a, 8-15 b
+    reinterpret_cast<uint4*>(sm.maps[tid / 8])[tid % 8] = reinterpret_cast<const uint4*>(tid < 8 ? a : b)[tid % 8];
+  __syncwarp();
+  if (tid < 2) {
+    const uint32_t m = smem_addr(sm.maps[tid]);
+    tensormap_set_base(m, tid == 0 ? a_base + row0 * a_ld : b_base + row0 * b_ld);
+    tensormap_set_outer_dim(m, (uint32_t)max(n, 1));
+  }
+  __syncwarp();
+  tensormap_publish(dst, smem_addr(sm.maps[0]));
+  tensormap_publish(dst + 1, smem_addr(sm.maps[1]));
+  if (tid == 0) {
+    tensormap_acquire(dst);
+    tensormap_acquire(dst + 1);
+  }
 }
 
 // GEMM tasks own a group of column tiles of one row tile (one pipeline): about
