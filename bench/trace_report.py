@@ -26,9 +26,9 @@ FWD = ["route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2", "c
 BWD = ["dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13", "rw", "tree", "dxsum"]
 NAMES = FWD + BWD
 # gpu_params.h's kStall* in order; epi-* are parts of "epilogue"; mma: each block's wgmma_wait<1>
-# (the tensor core running the previous block), zero: the fill of a block that ends early
+# (the tensor core running the previous block)
 STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barriers", "epi-issue", "signal", "epi-loads",
-          "mma", "zero"]
+          "mma"]
 
 
 

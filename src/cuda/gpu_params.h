@@ -59,9 +59,8 @@ struct GpuStep {
 // earlier TMA stores to read sm.epi, the epilogues' CTA barriers, issuing the TMA
 // stores. Last, at any task's end: waiting for its TMA stores to land, plus the fence
 // before its counter's release (signal_counter). And, in the SwiGLU backward epilogue,
-// waiting for its TMA loads of gate and up. Besides the waits, two spans of the
-// mainloop: each block's wgmma_wait<1> (the tensor core running the previous block's
-// wgmmas: how long a block's MMAs take), and the zero fill of a block that ends early.
+// waiting for its TMA loads of gate and up. Besides the waits, a span of the mainloop:
+// each block's wgmma_wait<1> (the tensor core running the previous block's wgmmas).
 enum {
   kStallFull,
   kStallEmpty,
@@ -74,7 +73,6 @@ enum {
   kStallSignal,
   kStallEpiLoads,
   kStallMma,
-  kStallZero,
   kStallKinds
 };
 struct TraceRecord {

@@ -21,6 +21,7 @@
 #pragma once
 #include "gpu_params.h"
 #include "ptx.cuh"
+#include <type_traits>
 
 namespace mok {
 
@@ -268,8 +269,9 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 // Thread 0 loads kStages - 1 K blocks ahead of the wgmmas, across tile boundaries, so
 // the next tile's first blocks arrive during this tile's epilogue; epi also gets `spare`,
 // the stage of the tile's last K block (48 KB, or null), free during the epilogue.
-// TA / TB = 1 when that operand is MN-major. k_valid_last < 64 zeroes the k rows past
-// it in the last block (MN-major operands whose k are rows of several experts).
+// TA / TB = 1 when that operand is MN-major. k_valid_last < 64: the operands' k rows
+// past it in the last block are zeros (TMA's fill, through maps cut there: cut_maps),
+// and that block's k16 steps past it are skipped.
 // Epilogue rows: wg*64 + warp*16 + lane/4 (+8); columns 8*i + 2*(lane%4) (+1) for
 // acc[4i..4i+3], i < 32.
 template <int TA, int TB, class Setup, class Epi>
@@ -347,30 +349,27 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       }
       MOK_STALL_ADD(kStallFull);
       uint8_t* stage = sm.stage[s];
-      if (kb == num_kb - 1 && k_valid_last < BK) {
-        MOK_STALL_FROM(kStallZero);
-        // The block ends early (MN-major operands whose k are rows of several experts):
-        // zero k rows [k_valid_last, 64) of all six boxes. A k row is 128 contiguous
-        // bytes of a box, so each box's rows to zero are one byte range. (Skipping the
-        // k16 steps past k_valid_last instead makes ptxas serialise every wgmma, C7520.)
+      // the last block of a tile whose operands end early (k_valid_last < 64; its rows
+      // past k_valid_last are zeros) skips its k16 steps past them. Each count is its
+      // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
+      // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
+      const int k_steps = kb == num_kb - 1 ? (k_valid_last + 15) / 16 : BK / 16;
+      auto mma = [&](auto n) {  // the block's first n k16 steps, one group
+        wgmma_fence();
 #pragma unroll
-        for (int box = 0; box < 6; box++)
-          for (int i = 8 * k_valid_last + tid; i < 8 * BK; i += kThreads)
-            *reinterpret_cast<uint4*>(stage + box * kBoxBytes + i * 16) = make_uint4(0, 0, 0, 0);
-        fence_proxy_async_smem();
-        __syncthreads();
-        MOK_STALL_ADD(kStallZero);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < BK / 16; ks++) {
-        const uint8_t* a = stage + wg * kBoxBytes;
-        const uint8_t* b = stage + 2 * kBoxBytes;
-        const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
-        const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
-        wgmma_m64n256k16<TA, TB>(acc, da, db, 1);
-      }
-      wgmma_commit();
+        for (int ks = 0; ks < decltype(n)::value; ks++) {
+          const uint8_t* a = stage + wg * kBoxBytes;
+          const uint8_t* b = stage + 2 * kBoxBytes;
+          const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
+          const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
+          wgmma_m64n256k16<TA, TB>(acc, da, db, 1);
+        }
+        wgmma_commit();
+      };
+      if (k_steps == 4) mma(std::integral_constant<int, 4>{});
+      else if (k_steps == 3) mma(std::integral_constant<int, 3>{});
+      else if (k_steps == 2) mma(std::integral_constant<int, 2>{});
+      else mma(std::integral_constant<int, 1>{});
       // keep this block's wgmmas in flight; the previous block's are done: free its
       // stage, then (thread 0) refill the ring kStages - 1 blocks ahead
       MOK_STALL_FROM(kStallMma);

@@ -249,13 +249,14 @@ __device__ __forceinline__ int wgrad_group(const Shape& s) {
 // dW[e] rows [mt*128, +128), column tiles [g * wgrad_group, +wgrad_group) in one
 // pipeline; each tile sums over the expert's rows in order, 64 per K block. Its
 // operands come through maps cut to the expert's rows (cut_maps): the last K block's
-// rows past the expert arrive as zeros.
+// rows past the expert arrive as zeros, and its k16 steps past them are skipped.
 __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt, int g) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
   const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
   if (!wait_counter(sm, dep, target, p.st, 20)) return;
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
+  const int valid_last = n - (nk - 1) * BK;  // rows of the last K block
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
   const int size = wgrad_group(s), n0 = g * size;  // column tiles n0 + nt
   CUtensorMap* maps = p.cta_maps + 2 * blockIdx.x;  // [0] A, [1] B
@@ -268,7 +269,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
           const int nt = n0 + t;
           A = rows128(maps, mt * BM, 0);
           B = wide(maps + 1, nt * BN, 0);
-          num_kb = nk, kv = BK;
+          num_kb = nk, kv = valid_last;
         },
         [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           const int nt = n0 + t;
@@ -282,7 +283,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
           const int nt = n0 + t;
           A = rows128(maps, mt * BM, 0);
           B = wide(maps + 1, nt * BN, 0);
-          num_kb = nk, kv = BK;
+          num_kb = nk, kv = valid_last;
         },
         [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           const int nt = n0 + t;
