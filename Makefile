@@ -45,8 +45,8 @@ LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(if $(NVCC),$(CU_SRC:%.cu=$(BUILD)/%.cu
 TOOL_OBJ := $(TOOL_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 
-.PHONY: all test test-gpu run test-asan clean info
-all: info $(BUILD)/libmok.a $(BUILD)/libmok.so $(BUILD)/mok $(BUILD)/mok_tests
+.PHONY: all test test-gpu run test-asan clean info micro
+all: info $(BUILD)/libmok.a $(BUILD)/libmok.so $(BUILD)/mok $(BUILD)/mok_tests $(MICRO)
 
 info:
 	@echo "mok: CC=$(CC) nvcc=$(if $(NVCC),$(NVCC),not found) .cu files=$(words $(CU_SRC)) nccl=$(if $(NCCL_HOME),$(NCCL_HOME),not found)"
@@ -95,6 +95,14 @@ $(BUILD)/tests/gpu/runner.o: tests/runner.c $(wildcard include/*.h tools/*.h tes
 GPU_TEST_OBJ := $(BUILD)/tests/gpu/test_gpu.o $(if $(NCCL_HOME),$(BUILD)/tests/gpu/test_gpu_comm.o $(BUILD)/tests/gpu/peer_exchange.cu.o)
 $(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(GPU_TEST_OBJ) $(BUILD)/tests/reference.o $(TOOL_OBJ) $(BUILD)/libmok.a
 	$(CC) -o $@ $^ $(LDLIBS)
+
+# Microbenchmarks of the GPU itself (bench/micro/*.cu, run on an H200 by hand or by
+# bench/gpu_session.sh micro); built with everything else when nvcc is found.
+MICRO := $(if $(NVCC),$(patsubst bench/micro/%.cu,$(BUILD)/micro/%,$(wildcard bench/micro/*.cu)))
+micro: $(MICRO)
+$(BUILD)/micro/%: bench/micro/%.cu src/cuda/ptx.cuh
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -o $@ $<
 
 test-gpu: $(BUILD)/mok_gpu_tests $(BUILD)/libmok.so
 	MOK_LIBRARY=$(abspath $(BUILD))/libmok.so $(PYTHON) -m pytest -q python/tests/test_cuda.py

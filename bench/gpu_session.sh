@@ -21,6 +21,9 @@
 #                 of the GEMM tasks, by kind) traced per shape, beside the plain trace's rates
 #   peer-cycles   the peer's six grouped GEMMs per shape under ncu, FLOPs per SM cycle
 #                 (bench/peer_cycles.py; compare with trace's "% of peak per cycle")
+#   block-cycles  SM cycles a K block of each GEMM kind at several token counts, for the
+#                 first shape of SHAPES (bench/block_cycles.py; TOKENS=4096,8192,16384)
+#   micro         the GPU microbenchmarks (bench/micro/: conversion pipes, wgmma ring)
 # WARM=S: trace, stalls and kernel-times first run S seconds of back-to-back steps, so
 # that the measured steps run at a sustained run's clock (default 0: from idle).
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
@@ -111,8 +114,16 @@ for part in "$@"; do
         python3 bench/peer_cycles.py --report "$OUT/ncu-peer-$s.csv" --shape "$s"
       done
       ;;
+    block-cycles)
+      python3 bench/block_cycles.py --shape "${SHAPES%%,*}" --tokens "${TOKENS:-4096,8192,16384}" 2>&1 |
+        grep -v "^mok profile\|one step$" | tee "$OUT/block-cycles.txt"
+      ;;
+    micro)
+      make -j"$(nproc)" micro > "$OUT/build-micro.log" 2>&1 || { tail -20 "$OUT/build-micro.log"; exit 1; }
+      for m in build/micro/*; do echo "== $m"; "$m"; done 2>&1 | tee "$OUT/micro.txt"
+      ;;
     *)
-      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab, peer-cycles)"
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab, peer-cycles, block-cycles, micro)"
       exit 2
       ;;
   esac

@@ -1,0 +1,122 @@
+// wgmma_ring.cu — the tensor core's rate in the megakernels' mainloop shape, with no
+// other work: two warpgroups, m64n256k16, four k16 steps a 64-deep K block (A two
+// 64 x 64 boxes, B four: 48 KB a stage, 128-byte swizzle), one group a block in
+// flight (`wgmma.wait_group 1`), a ring of 4 stages. Each operand K-major or MN-major
+// (TA, TB); with `loads`, thread 0 refills each stage kStages - 1 blocks ahead with 48
+// KB bulk copies from an L2-resident buffer behind full/empty mbarriers, as
+// sm90_common.cuh's gemm_tiles does with TMA (a linear copy: the same bytes, not the
+// same banks). Prints SM cycles a K block: 1024 is the peak (docs/PERF.md, seventh
+// session). The operands are arbitrary bf16 bits; only the time is read.
+//   make micro && build/micro/wgmma_ring
+#include <cuda.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "cuda/ptx.cuh"
+
+using namespace mok;
+
+constexpr int kCtas = 132, kThreads = 256, kBox = 64 * 64 * 2, kStageBytes = 6 * kBox, kStages = 4;
+constexpr int kBlocks = 2048;        // K blocks a CTA
+constexpr int kSourceStages = 64;    // the loads' source: 3 MB, L2-resident
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+template <int TA, int TB, bool kLoads>
+__global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* sink, long long* cycles) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* stages = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  __shared__ uint64_t full[kStages], empty[kStages];
+  for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += kThreads)
+    reinterpret_cast<uint32_t*>(stages)[i] = 0x3c003c00u ^ ((i * 2654435761u) & 0x00ff00ffu);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 2);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  const int tid = threadIdx.x, wg = tid / 128;
+  auto load = [&](int b) {  // thread 0: block b into its stage, once both warpgroups freed it
+    const int s = b % kStages;
+    if (b >= kStages)
+      while (!mbar_try_wait(&empty[s], ((b / kStages) & 1) ^ 1)) {
+      }
+    mbar_arrive_expect_tx(&full[s], kStageBytes);
+    bulk_load(stages + s * kStageBytes, src + (size_t)((b * 7 + blockIdx.x) % kSourceStages) * kStageBytes,
+              kStageBytes, &full[s]);
+  };
+  if (kLoads && tid == 0)
+    for (int b = 0; b < kStages - 1; b++) load(b);
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; i++) acc[i] = 0.f;
+  const long long t0 = clock64();
+  for (int b = 0; b < kBlocks; b++) {
+    const uint8_t* stage = stages + (b % kStages) * kStageBytes;
+    if (kLoads)
+      while (!mbar_try_wait(&full[b % kStages], (b / kStages) & 1)) {
+      }
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) {
+      const uint8_t* a = stage + wg * kBox;
+      const uint8_t* bb = stage + 2 * kBox;
+      const uint64_t da = TA ? smem_desc(a + ks * 2048, kBox, 1024) : smem_desc(a + ks * 32, 16, 1024);
+      const uint64_t db = TB ? smem_desc(bb + ks * 2048, kBox, 1024) : smem_desc(bb + ks * 32, 16, 1024);
+      wgmma_m64n256k16<TA, TB>(acc, da, db, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (kLoads) {
+      if (b > 0 && tid % 128 == 0) mbar_arrive(&empty[(b - 1) % kStages]);
+      if (tid == 0 && b + kStages - 1 < kBlocks) load(b + kStages - 1);
+    }
+  }
+  wgmma_wait<0>();
+  const long long t1 = clock64();
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 128; i++) s += acc[i];
+  sink[blockIdx.x * kThreads + tid] = s;
+  if (tid == 0) cycles[blockIdx.x] = t1 - t0;
+}
+
+template <int TA, int TB, bool kLoads>
+static void run(const uint8_t* src, float* sink, long long* cycles) {
+  const int smem = kStages * kStageBytes + 1024;
+  cudaFuncSetAttribute(ring<TA, TB, kLoads>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  for (int rep = 0; rep < 2; rep++) ring<TA, TB, kLoads><<<kCtas, kThreads, smem>>>(src, sink, cycles);
+  long long h[kCtas];
+  cudaMemcpy(h, cycles, sizeof h, cudaMemcpyDeviceToHost);
+  double mean = 0;
+  for (long long c : h) mean += (double)c / kCtas;
+  printf("%-8s A %-8s B %-8s %7.1f SM cycles a K block\n", kLoads ? "loads" : "no loads", TA ? "MN-major" : "K-major",
+         TB ? "MN-major" : "K-major", mean / kBlocks);
+}
+
+int main() {
+  uint8_t* src;
+  float* sink;
+  long long* cycles;
+  if (cudaMalloc(&src, (size_t)kSourceStages * kStageBytes) != cudaSuccess ||
+      cudaMalloc(&sink, sizeof(float) * kCtas * kThreads) != cudaSuccess ||
+      cudaMalloc(&cycles, sizeof(long long) * kCtas) != cudaSuccess) {
+    fprintf(stderr, "wgmma_ring: no GPU memory\n");
+    return 1;
+  }
+  cudaMemset(src, 0x11, (size_t)kSourceStages * kStageBytes);
+  run<0, 0, false>(src, sink, cycles);
+  run<1, 1, false>(src, sink, cycles);
+  run<0, 0, true>(src, sink, cycles);
+  run<0, 1, true>(src, sink, cycles);
+  run<1, 0, true>(src, sink, cycles);
+  run<1, 1, true>(src, sink, cycles);
+  const cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) fprintf(stderr, "wgmma_ring: %s\n", cudaGetErrorString(e));
+  return e != cudaSuccess;
+}
