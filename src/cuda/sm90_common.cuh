@@ -67,7 +67,6 @@ struct alignas(1024) Smem {
   uint32_t ring_it;  // K blocks this CTA has put through the stage ring so far
   LoadCursor load;
   int task;
-  int next_ticket;  // a ticket signal_counter took for the next task (-1: none)
   int abort;
   int last_cta;
   uint64_t task_start;  // MOK_PROFILE: this task's start (globaltimer, ns)
@@ -104,7 +103,6 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
     }
     for (int b = 0; b < 2; b++) mbar_init(&sm.epi_full[b], 1);
     sm.abort = 0;
-    sm.next_ticket = -1;
     sm.ring_it = 0;
     sm.load.spare_slot = -1;
     sm.knobs = knobs;
@@ -202,13 +200,10 @@ __device__ __forceinline__ void profile_task(Smem& sm, const GpuStep& st, int sl
 
 // Marks one unit of a counter done, after every thread's writes of this task. The whole
 // CTA waits for thread 0 here (at the next task's barrier) while the task's TMA stores
-// land: MOK_STALL_PROFILE counts it as kStallSignal. Thread 0 takes the next task's
-// ticket first (next_task then uses it), so the ticket's round trip to L2 overlaps
-// that wait: taking it early is safe, since a task only waits on lower tickets.
-__device__ __forceinline__ void signal_counter(Smem& sm, const GpuStep& st, uint32_t* counter) {
+// land: MOK_STALL_PROFILE counts it as kStallSignal.
+__device__ __forceinline__ void signal_counter(Smem& sm, uint32_t* counter) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (sm.next_ticket < 0) sm.next_ticket = (int)atomicAdd(&st.sync->ticket, 1u);
     MOK_STALL_FROM(kStallSignal);
     bulk_wait_all();  // the task's TMA stores (issued by thread 0) have landed
     __threadfence();
@@ -226,8 +221,7 @@ __device__ __forceinline__ void raise_error(const GpuStep& st, mok_status_t s) {
 __device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_tasks, int* task) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    int t = sm.next_ticket >= 0 ? sm.next_ticket : (int)atomicAdd(&st.sync->ticket, 1u);
-    sm.next_ticket = -1;
+    int t = (int)atomicAdd(&st.sync->ticket, 1u);
     if (*(volatile uint32_t*)&st.sync->error != 0) t = num_tasks;
     sm.task = t;
   }

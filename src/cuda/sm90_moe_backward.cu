@@ -120,7 +120,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
         if (lane + 32 * i < E) p.dlogits[(int64_t)t * E + lane + 32 * i] = to_bf(dl[i]);
     }
   }
-  signal_counter(sm, p.st, &p.st.sync->counter[B_DG]);
+  signal_counter(sm, &p.st.sync->counter[B_DG]);
 }
 
 // Weight-gradient tile out: bf16 written, or added into fp32 buffers.
@@ -161,7 +161,7 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         swiglu_bwd_store(sm, acc, wg, w, l, t0, s.T, nt * BN, s.Fs, &p.m_sa_gu, t0, &p.st_das, t0, p.d_a_s, spare);
       });
-  signal_counter(sm, p.st, &p.st.sync->counter[B_FIXED + s.max_mt + mt]);
+  signal_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DHS_ALL], 1);
 }
 
@@ -180,7 +180,7 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
           swiglu_bwd_store(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da, row0,
                            p.d_a, spare);
         });
-  signal_counter(sm, p.st, &p.st.sync->counter[B_FIXED + mt]);
+  signal_counter(sm, &p.st.sync->counter[B_FIXED + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
 }
 
@@ -197,7 +197,7 @@ __device__ __forceinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, in
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_router, s.H);
       });
-  signal_counter(sm, p.st, &p.st.sync->counter[B_DXR]);
+  signal_counter(sm, &p.st.sync->counter[B_DXR]);
 }
 
 __device__ __forceinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, int g) {
@@ -213,7 +213,7 @@ __device__ __forceinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, i
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.dx_shared, s.H);
       });
-  signal_counter(sm, p.st, &p.st.sync->counter[B_DXS]);
+  signal_counter(sm, &p.st.sync->counter[B_DXS]);
 }
 
 __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g) {
@@ -230,7 +230,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H, &p.st_dxrows, row0, spare);
         });
-  signal_counter(sm, p.st, &p.st.sync->counter[B_DX]);
+  signal_counter(sm, &p.st.sync->counter[B_DX]);
 }
 
 // Column tiles of a weight-gradient task: about 128 K blocks of work, from the mean rows
@@ -336,7 +336,7 @@ __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
                          s.Fs);
         }
       });
-  signal_counter(sm, p.st, &p.st.sync->counter[B_RW]);
+  signal_counter(sm, &p.st.sync->counter[B_RW]);
 }
 
 __device__ int rw_tiles(const Shape& s) {
@@ -472,23 +472,16 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   __shared__ int phase_end[11], phase_cols[11];
   if (threadIdx.x == 0) {
     const int nH = cdivb(s.H, BN), rwt = rw_tiles(s), wg_size = wgrad_group(s);
-    const int count[11] = {s.ns,
-                           s.Fs ? s.smt * groups(cdivb(s.Fs, BN), s.H / BK) : 0,
-                           s.max_mt * groups(cdivb(s.F, BN), s.H / BK),
-                           s.fused ? s.nb * groups(nH, cdivb(s.E, BK)) : 0,
-                           s.Fs ? s.smt * groups(nH, 2 * s.Fs / BK) : 0,
-                           s.max_mt * groups(nH, 2 * s.F / BK),
-                           s.E * cdivb(s.H, BM) * cdivb(cdivb(s.F, BN), wg_size),
-                           s.E * cdivb(2 * s.F, BM) * cdivb(nH, wg_size),
-                           rwt ? s.chunks : 0,
-                           rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0,
-                           s.ns};
+    // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
+    const int rows[11] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt, s.E,
+                          s.E, rwt ? s.chunks : 0, rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0,
+                          s.ns};
     const int cols[11] = {1, groups(cdivb(s.Fs, BN), s.H / BK), groups(cdivb(s.F, BN), s.H / BK),
                           groups(nH, cdivb(s.E, BK)), groups(nH, 2 * s.Fs / BK), groups(nH, 2 * s.F / BK),
                           cdivb(s.H, BM) * cdivb(cdivb(s.F, BN), wg_size), cdivb(2 * s.F, BM) * cdivb(nH, wg_size),
                           1, 1, 1};
     int end = 0;
-    for (int k = 0; k < 11; k++) phase_end[k] = end += count[k], phase_cols[k] = cols[k] > 0 ? cols[k] : 1;
+    for (int k = 0; k < 11; k++) phase_end[k] = end += rows[k] * cols[k], phase_cols[k] = cols[k] > 0 ? cols[k] : 1;
   }
   __syncthreads();
   int task;

@@ -120,7 +120,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
         p.chunk_stats[(int64_t)(b * 2 + c) * (E + 1) + e] = acc;
       }
     }
-  signal_counter(sm, p.st, &p.st.sync->counter[C_ROUTE]);
+  signal_counter(sm, &p.st.sync->counter[C_ROUTE]);
 }
 
 // ---- PREFIX ----
@@ -185,7 +185,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       if (p.out_idx) p.out_idx[i] = p.sv.idx[i];
       if (p.out_w) p.out_w[i] = p.sv.g[i];
     }
-  signal_counter(sm, p.st, &p.st.sync->counter[C_PREFIX]);
+  signal_counter(sm, &p.st.sync->counter[C_PREFIX]);
 }
 
 // ---- DISPATCH ----
@@ -210,7 +210,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
         if (v0 + 32 * u < H / 8) dst[v0 + 32 * u] = r[u];
     }
   }
-  signal_counter(sm, p.st, &p.st.sync->counter[C_DISPATCH]);
+  signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
 }
 
 // ---- expert and shared GEMMs ----
@@ -231,7 +231,7 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt,
                        row0, spare);
         });
   }
-  signal_counter(sm, p.st, &p.st.sync->counter[C_FIXED + mt]);
+  signal_counter(sm, &p.st.sync->counter[C_FIXED + mt]);
 }
 
 __device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int mt, int g) {
@@ -246,7 +246,7 @@ __device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int m
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         swiglu_store(sm, acc, wg, w, l, t0, s.T, nt * BF, Fs, p.sv.sa, p.sv.sh, &p.st_sa, &p.st_sh, t0, spare);
       });
-  signal_counter(sm, p.st, &p.st.sync->counter[C_FIXED + s.max_mt + mt]);
+  signal_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt]);
 }
 
 __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int g) {
@@ -264,7 +264,7 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H, &p.st_orows, row0, spare);
         });
   }
-  signal_counter(sm, p.st, &p.st.sync->counter[C_G2]);
+  signal_counter(sm, &p.st.sync->counter[C_G2]);
 }
 
 __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int g) {
@@ -280,7 +280,7 @@ __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int m
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         store_tile<kStoreBf16>(sm, acc, wg, w, l, t0, s.T, nt * BN, s.H, p.shared_o, s.H, &p.st_shared_o, t0, spare);
       });
-  signal_counter(sm, p.st, &p.st.sync->counter[C_S2]);
+  signal_counter(sm, &p.st.sync->counter[C_S2]);
 }
 
 // ---- COMBINE ----
