@@ -86,10 +86,13 @@ static mok_status_t run_cuda(mok_problem_t* p, const mok_run_opts_t* o) {
 
 /* Routing of the GPU (gpu) against the CPU (cpu): the same experts in every slot, or a
  * near-tie (selection keys within 1e-6 in the double-precision reference: the two
- * backends' fp32 logits differ in summation order), and tokens_per_expert equal to the
- * count of the GPU's own top-K. Returns failures. */
-static int same_routing(const gpu_shape_t* s, uint64_t seed, const test_outputs_t* cpu, const test_outputs_t* gpu) {
+ * backends' fp32 logits differ in summation order; *tied is then 1), and
+ * tokens_per_expert equal to the count of the GPU's own top-K. Returns failures. */
+static int same_routing(const gpu_shape_t* s, uint64_t seed, const test_outputs_t* cpu, const test_outputs_t* gpu,
+                        int* tied) {
+  *tied = 0;
   if (test_same_bits(gpu, cpu, "topk_idx tokens_per_expert", "") == 0) return 0;
+  *tied = 1;
   const mok_tensor_view_t* gi = test_view(gpu, "topk_idx");
   const mok_tensor_view_t* ci = test_view(cpu, "topk_idx");
   const mok_tensor_view_t* gt = test_view(gpu, "tokens_per_expert");
@@ -113,22 +116,35 @@ static int same_routing(const gpu_shape_t* s, uint64_t seed, const test_outputs_
   return 0;
 }
 
-/* The GPU against the CPU on every shape. */
+/* The GPU against the CPU on every shape. A near-tie flipped in top-K changes that
+ * token's outputs and every gradient it feeds, on either backend rightly (d_w_router
+ * by 1.4e-2 once, in "tall"): such an input is checked for its routing alone, and the
+ * values on the next seed's input, up to 4 tries (then on the last, ties or not). */
 static int gpu_vs_cpu(void) {
   int bad = 0;
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
     const gpu_shape_t* s = &shapes[i];
-    mok_problem_t* p = shape_problem(s, test_case_seed() + i);
-    TEST_ASSERT(p, "problem");
-    mok_run_opts_t o = MOK_RUN_OPTS_INIT;
-    if (test_run(p, &o)) return 1;
     test_outputs_t cpu, gpu;
-    test_snapshot(p, 1, &cpu);
-    if (run_cuda(p, &o)) return 1;
-    test_snapshot(p, 1, &gpu);
-    int b = same_routing(s, test_case_seed() + i, &cpu, &gpu) +
-            test_close(&gpu, &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_w13 d_w2 d_ws13 d_ws2", 1e-2,
-                       s->name);
+    int b = 0;
+    for (int attempt = 0;; attempt++) {
+      const uint64_t seed = test_case_seed() + i + 0x9e3779b97f4a7c15ull * (uint64_t)attempt;
+      mok_problem_t* p = shape_problem(s, seed);
+      TEST_ASSERT(p, "problem");
+      mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+      if (test_run(p, &o)) return 1;
+      test_snapshot(p, 1, &cpu);
+      if (run_cuda(p, &o)) return 1;
+      test_snapshot(p, 1, &gpu);
+      int tied;
+      b = same_routing(s, seed, &cpu, &gpu, &tied);
+      if (b == 0 && tied && attempt < 3) {
+        printf("    %s: values compared on the next seed's input\n", s->name);
+        continue;
+      }
+      break;
+    }
+    b += test_close(&gpu, &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_w13 d_w2 d_ws13 d_ws2", 1e-2,
+                    s->name);
     if (b == 0) {
       double worst = 0;
       for (int k = 0; k < cpu.n; k++) {
