@@ -100,7 +100,7 @@ $(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(GPU_TEST_OBJ) $(BUILD)/tes
 # bench/gpu_session.sh micro); built with everything else when nvcc is found.
 MICRO := $(if $(NVCC),$(patsubst bench/micro/%.cu,$(BUILD)/micro/%,$(wildcard bench/micro/*.cu)))
 micro: $(MICRO)
-$(BUILD)/micro/%: bench/micro/%.cu src/cuda/ptx.cuh
+$(BUILD)/micro/%: bench/micro/%.cu $(wildcard src/cuda/*.h src/cuda/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -o $@ $<
 

@@ -16,7 +16,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe  # noqa: E402  (sets up torch and mok)
 from shapes import SHAPES  # noqa: E402
-from trace_report import BWD, FWD  # noqa: E402
+from trace_report import NAMES, read_trace  # noqa: E402
 
 BK = 64
 
@@ -45,8 +45,6 @@ def main():
     args = ap.parse_args()
     _, H, F, E, K = SHAPES[args.shape]
     kinds = ["gemm1", "gemm2", "dh", "dx", "wgrad2", "wgrad13"]
-    index = {k: FWD.index(k) for k in FWD if k in kinds}
-    index.update({k: len(FWD) + BWD.index(k) for k in BWD if k in kinds})
     print(f"{args.shape} (H {H}, F {F}, E {E}, K {K}): SM cycles a K block, median task of one traced step")
     print(f"{'T':>7} " + " ".join(f"{k:>9}" for k in kinds))
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,11 +54,11 @@ def main():
             path = os.path.join(tmp, f"trace-{T}.txt")
             os.environ["MOK_TRACE"] = path  # read when the step's context is created
             bench_moe.profile_shape(name, False)
-            recs = [list(map(int, line.split())) for line in open(path)]
-            last = max(r[0] for r in recs)
+            by_sync = read_trace(path)
+            recs = by_sync[max(by_sync)]
             row = []
             for k in kinds:
-                cycles = sorted(r[6] for r in recs if r[0] == last and r[1] == index[k])
+                cycles = sorted(r[5] for r in recs if r[0] == NAMES.index(k))
                 med = cycles[len(cycles) // 2] if cycles else 0
                 row.append(f"{med / blocks_a_task(k, T, H, F, E, K):9.1f}")
             print(f"{T:>7} " + " ".join(row), flush=True)

@@ -30,8 +30,6 @@ NAMES = FWD + BWD
 STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barriers", "epi-issue", "signal", "epi-loads",
           "mma"]
 
-
-
 SM_FLOPS_PER_CYCLE = 4096  # dense bf16, one Hopper SM (bench/peer_cycles.py's peer rows compare)
 
 
@@ -121,6 +119,19 @@ def report(recs, kinds, label, flops, num_sms, bins=60):
     print(f"  {'all':9} |{''.join(shades[min(9, int(round(9 * v)))] for v in busy)}|")
 
 
+def read_trace(path):
+    """A MOK_TRACE file's records by sync: (kind, cta, start_ns, end_ns, wait_ns, cycles
+    or None, stall counts)."""
+    by_sync = collections.defaultdict(list)
+    with open(path) as f:
+        for line in f:
+            v = list(map(int, line.split()))
+            sy, k, c, s, e, w = v[:6]
+            # (older traces: no cycles, no stall counts)
+            by_sync[sy].append((k, c, s, e, w, v[6] if len(v) > 6 else None, v[7 : 7 + len(STALLS)]))
+    return by_sync
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
@@ -128,13 +139,7 @@ def main():
     ap.add_argument("--sync", type=int, help="which sync (default: the last)")
     ap.add_argument("--sms", type=int, default=132)
     args = ap.parse_args()
-    by_sync = collections.defaultdict(list)
-    with open(args.trace) as f:
-        for line in f:
-            v = list(map(int, line.split()))
-            sy, k, c, s, e, w = v[:6]
-            # (older traces: no cycles, no stall counts)
-            by_sync[sy].append((k, c, s, e, w, v[6] if len(v) > 6 else None, v[7 : 7 + len(STALLS)]))
+    by_sync = read_trace(args.trace)
     if not by_sync:
         sys.exit("empty trace")
     sy = args.sync if args.sync is not None else max(by_sync)

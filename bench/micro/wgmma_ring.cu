@@ -1,25 +1,23 @@
 // wgmma_ring.cu — the tensor core's rate in the megakernels' mainloop shape, with no
-// other work: two warpgroups, m64n256k16, four k16 steps a 64-deep K block (A two
-// 64 x 64 boxes, B four: 48 KB a stage, 128-byte swizzle), one group a block in
-// flight (`wgmma.wait_group 1`), a ring of 4 stages. Each operand K-major or MN-major
-// (TA, TB); with `loads`, thread 0 refills each stage kStages - 1 blocks ahead with 48
-// KB bulk copies from an L2-resident buffer behind full/empty mbarriers, as
-// sm90_common.cuh's gemm_tiles does with TMA (a linear copy: the same bytes, not the
-// same banks). Prints SM cycles a K block: 1024 is the peak (docs/PERF.md, seventh
-// session). The operands are arbitrary bf16 bits; only the time is read.
+// other work: two warpgroups, each K block one sm90_common.cuh mma_block (four k16
+// steps of m64n256k16 over a 48 KB stage: A two 64 x 64 boxes, B four, 128-byte
+// swizzle), one group a block in flight (`wgmma.wait_group 1`), a ring of kStages
+// stages. Each operand K-major or MN-major (TA, TB); with `loads`, thread 0 refills each
+// stage kStages - 1 blocks ahead with 48 KB bulk copies from an L2-resident buffer
+// behind full/empty mbarriers, as gemm_tiles does with TMA (a linear copy: the same
+// bytes, not the same banks). Prints SM cycles a K block: 1024 is the peak (docs/PERF.md,
+// seventh session). The operands are arbitrary bf16 bits; only the time is read.
 //   make micro && build/micro/wgmma_ring
-#include <cuda.h>
-
 #include <cstdint>
 #include <cstdio>
 
-#include "cuda/ptx.cuh"
+#include "cuda/sm90_common.cuh"
 
 using namespace mok;
 
-constexpr int kCtas = 132, kThreads = 256, kBox = 64 * 64 * 2, kStageBytes = 6 * kBox, kStages = 4;
-constexpr int kBlocks = 2048;        // K blocks a CTA
-constexpr int kSourceStages = 64;    // the loads' source: 3 MB, L2-resident
+constexpr int kCtas = 132;
+constexpr int kBlocks = 2048;      // K blocks a CTA
+constexpr int kSourceStages = 64;  // the loads' source: 3 MB, L2-resident
 
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
@@ -52,25 +50,15 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
   };
   if (kLoads && tid == 0)
     for (int b = 0; b < kStages - 1; b++) load(b);
-  float acc[128];
+  float acc[kAcc];
 #pragma unroll
-  for (int i = 0; i < 128; i++) acc[i] = 0.f;
+  for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
   const long long t0 = clock64();
   for (int b = 0; b < kBlocks; b++) {
-    const uint8_t* stage = stages + (b % kStages) * kStageBytes;
     if (kLoads)
       while (!mbar_try_wait(&full[b % kStages], (b / kStages) & 1)) {
       }
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ks++) {
-      const uint8_t* a = stage + wg * kBox;
-      const uint8_t* bb = stage + 2 * kBox;
-      const uint64_t da = TA ? smem_desc(a + ks * 2048, kBox, 1024) : smem_desc(a + ks * 32, 16, 1024);
-      const uint64_t db = TB ? smem_desc(bb + ks * 2048, kBox, 1024) : smem_desc(bb + ks * 32, 16, 1024);
-      wgmma_m64n256k16<TA, TB>(acc, da, db, 1);
-    }
-    wgmma_commit();
+    mma_block<TA, TB, BK / 16>(acc, stages + (b % kStages) * kStageBytes, wg);
     wgmma_wait<1>();
     if (kLoads) {
       if (b > 0 && tid % 128 == 0) mbar_arrive(&empty[(b - 1) % kStages]);
@@ -81,7 +69,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
   const long long t1 = clock64();
   float s = 0.f;
 #pragma unroll
-  for (int i = 0; i < 128; i++) s += acc[i];
+  for (int i = 0; i < kAcc; i++) s += acc[i];
   sink[blockIdx.x * kThreads + tid] = s;
   if (tid == 0) cycles[blockIdx.x] = t1 - t0;
 }

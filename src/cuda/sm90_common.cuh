@@ -21,7 +21,6 @@
 #pragma once
 #include "gpu_params.h"
 #include "ptx.cuh"
-#include <type_traits>
 
 namespace mok {
 
@@ -257,6 +256,22 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 
 // ---- the tile GEMM ----
 
+// A K block's first kSteps k16 steps for warpgroup wg, as one wgmma group (fence ..
+// commit): acc (its 64 x 256 tile) += A box wg x B boxes 2..5 of the stage.
+template <int TA, int TB, int kSteps>
+__device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* stage, int wg) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ks++) {
+    const uint8_t* a = stage + wg * kBoxBytes;
+    const uint8_t* b = stage + 2 * kBoxBytes;
+    const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
+    const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
+    wgmma_m64n256k16<TA, TB>(acc, da, db, 1);
+  }
+  wgmma_commit();
+}
+
 // A run of output tiles through one continuous pipeline: for tile i, setup(i, A, B,
 // num_kb, k_valid_last) names its operands, then acc (per thread: kAcc floats) =
 // A[128 x K] B[K x 256] over num_kb K blocks of 64, then epi(i, acc, wg, warp, lane, spare).
@@ -348,22 +363,10 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
       // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
       const int k_steps = kb == num_kb - 1 ? (k_valid_last + 15) / 16 : BK / 16;
-      auto mma = [&](auto n) {  // the block's first n k16 steps, one group
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < decltype(n)::value; ks++) {
-          const uint8_t* a = stage + wg * kBoxBytes;
-          const uint8_t* b = stage + 2 * kBoxBytes;
-          const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
-          const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
-          wgmma_m64n256k16<TA, TB>(acc, da, db, 1);
-        }
-        wgmma_commit();
-      };
-      if (k_steps == 4) mma(std::integral_constant<int, 4>{});
-      else if (k_steps == 3) mma(std::integral_constant<int, 3>{});
-      else if (k_steps == 2) mma(std::integral_constant<int, 2>{});
-      else mma(std::integral_constant<int, 1>{});
+      if (k_steps == 4) mma_block<TA, TB, 4>(acc, stage, wg);
+      else if (k_steps == 3) mma_block<TA, TB, 3>(acc, stage, wg);
+      else if (k_steps == 2) mma_block<TA, TB, 2>(acc, stage, wg);
+      else mma_block<TA, TB, 1>(acc, stage, wg);
       // keep this block's wgmmas in flight; the previous block's are done: free its
       // stage, then (thread 0) refill the ring kStages - 1 blocks ahead
       MOK_STALL_FROM(kStallMma);
