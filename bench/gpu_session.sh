@@ -24,6 +24,10 @@
 #   block-cycles  SM cycles a K block of each GEMM kind at several token counts, for the
 #                 first shape of SHAPES (bench/block_cycles.py; TOKENS=4096,8192,16384)
 #   micro         the GPU microbenchmarks (bench/micro/: conversion pipes, wgmma ring)
+#   phase-ncu     ncu over the backward running only its weight gradients (MOK_KNOBS 64),
+#                 then only dx (128), for the first shape of SHAPES: the tensor pipe's
+#                 active share, L2 hit rate, DRAM bytes and shared-memory bank conflicts
+#                 of each phase alone
 # WARM=S: trace, stalls and kernel-times first run S seconds of back-to-back steps, so
 # that the measured steps run at a sustained run's clock (default 0: from idle).
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
@@ -118,12 +122,27 @@ for part in "$@"; do
       python3 bench/block_cycles.py --shape "${SHAPES%%,*}" --tokens "${TOKENS:-4096,8192,16384}" 2>&1 |
         grep -v "^mok profile\|one step$" | tee "$OUT/block-cycles.txt"
       ;;
+    phase-ncu)
+      NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      M=gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+      M=$M,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+      for knob in 64 128; do
+        MOK_KNOBS=$knob $NCU --clock-control none --replay-mode application --kernel-name regex:moe_backward \
+          --launch-skip 3 --launch-count 1 --csv --metrics "$M" \
+          python3 -c "import sys; sys.path.insert(0, 'bench'); import bench_moe as B, torch
+pb = B.Problem('${SHAPES%%,*}')
+for _ in range(4): pb.mok_step()
+torch.cuda.synchronize()" > "$OUT/ncu-phase-$knob.csv" 2> "$OUT/ncu-phase-$knob.err"
+        echo "== MOK_KNOBS=$knob"
+        grep moe_backward "$OUT/ncu-phase-$knob.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}'
+      done
+      ;;
     micro)
       make -j"$(nproc)" micro > "$OUT/build-micro.log" 2>&1 || { tail -20 "$OUT/build-micro.log"; exit 1; }
       for m in build/micro/*; do echo "== $m"; "$m"; done 2>&1 | tee "$OUT/micro.txt"
       ;;
     *)
-      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab, peer-cycles, block-cycles, micro)"
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab, peer-cycles, block-cycles, micro, phase-ncu)"
       exit 2
       ;;
   esac
