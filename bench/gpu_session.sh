@@ -24,6 +24,11 @@
 #   block-cycles  SM cycles a K block of each GEMM kind at several token counts, for the
 #                 first shape of SHAPES (bench/block_cycles.py; TOKENS=4096,8192,16384)
 #   micro         the GPU microbenchmarks (bench/micro/: conversion pipes, wgmma ring)
+#   phase-ncu     ncu over the backward running only its weight gradients (MOK_KNOBS 64),
+#                 then only dx (128), for the first shape of SHAPES: the tensor pipe's
+#                 active share, L2 hit rate and traffic by source, DRAM bytes, shared-
+#                 memory bank conflicts, and warp stalls per SASS instruction
+#                 ($OUT/ncu-phase-*-sass.csv) of each phase alone
 # WARM=S: trace, stalls and kernel-times first run S seconds of back-to-back steps, so
 # that the measured steps run at a sustained run's clock (default 0: from idle).
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
@@ -118,12 +123,41 @@ for part in "$@"; do
       python3 bench/block_cycles.py --shape "${SHAPES%%,*}" --tokens "${TOKENS:-4096,8192,16384}" 2>&1 |
         grep -v "^mok profile\|one step$" | tee "$OUT/block-cycles.txt"
       ;;
+    phase-ncu)
+      # each phase alone (MOK_KNOBS 64: weight gradients, 128: dx) under ncu, kernel
+      # replay of the 4th backward launch: (1) rates and traffic, (2) L2 traffic by
+      # source (the other L2 partition's share), (3) warp-state sampling per SASS
+      # instruction. Separate runs: one metric name this ncu lacks fails only its run.
+      NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      STEPS="import sys; sys.path.insert(0, 'bench'); import bench_moe as B, torch
+pb = B.Problem('${SHAPES%%,*}')
+for _ in range(4): pb.mok_step()
+torch.cuda.synchronize()"
+      NCU_ARGS="--clock-control none --kernel-name regex:moe_backward --launch-skip 3 --launch-count 1"
+      M1=gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+      M1=$M1,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+      M2=lts__t_sectors.sum,lts__t_sectors_srcunit_tex.sum,lts__t_sectors_srcunit_ltcfabric.sum,lts__t_sectors_srcunit_tex_lookup_hit.sum
+      for knob in 64 128; do
+        echo "== MOK_KNOBS=$knob"
+        for m in M1 M2; do
+          MOK_KNOBS=$knob $NCU $NCU_ARGS --csv --metrics "${!m}" python3 -c "$STEPS" \
+            > "$OUT/ncu-phase-$knob-$m.csv" 2> "$OUT/ncu-phase-$knob-$m.err"
+          grep moe_backward "$OUT/ncu-phase-$knob-$m.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}'
+        done
+        MOK_KNOBS=$knob $NCU $NCU_ARGS --section WarpStateStats --section SourceCounters \
+          -o "$OUT/ncu-phase-$knob" python3 -c "$STEPS" > "$OUT/ncu-phase-$knob-src.log" 2>&1
+        $NCU -i "$OUT/ncu-phase-$knob.ncu-rep" --page details --csv > "$OUT/ncu-phase-$knob-details.csv" 2>&1
+        $NCU -i "$OUT/ncu-phase-$knob.ncu-rep" --page source --csv --print-source sass \
+          > "$OUT/ncu-phase-$knob-sass.csv" 2>&1
+        grep -i "stall\|warp cycles" "$OUT/ncu-phase-$knob-details.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}' | head -40
+      done
+      ;;
     micro)
       make -j"$(nproc)" micro > "$OUT/build-micro.log" 2>&1 || { tail -20 "$OUT/build-micro.log"; exit 1; }
       for m in build/micro/*; do echo "== $m"; "$m"; done 2>&1 | tee "$OUT/micro.txt"
       ;;
     *)
-      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab, peer-cycles, block-cycles, micro)"
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab, peer-cycles, block-cycles, micro, phase-ncu)"
       exit 2
       ;;
   esac

@@ -44,8 +44,10 @@ struct GpuStep {
                              // 8 = bf16 tiles leave through the plain path, not TMA stores,
                              // 16 = GEMM loads skip the B operand (its L2 traffic and energy),
                              // 32 = every K block of B is the tile's first (same bytes moved,
-                             // repeated data)
+                             // repeated data), 64 / 128 = the backward runs only its
+                             // weight-gradient / dx tasks, which do not wait for their inputs
 };
+constexpr uint32_t kKnobOnlyWgrad = 64, kKnobOnlyDx = 128;
 
 // MOK_TRACE: a task's wall-clock span (%globaltimer, ns) on one CTA, and the part of it
 // spent waiting for dependencies; kind is the profile slot.

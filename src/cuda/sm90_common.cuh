@@ -511,6 +511,33 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
   *reinterpret_cast<uint4*>(dst) = raw;
 }
 
+// acc[k] += (kWeighted: the slot's weight g x) chunk v (8 bf16) of token t's K slot rows
+// (peer.rows[idx / e_loc] + pos * H), slots in increasing j: combine's and dxsum's sum.
+// 4 slots' loads go out before any is added (gpu_params.h's kSubTokens: latency).
+template <bool kWeighted>
+__device__ __forceinline__ void add_slot_rows(float (&acc)[8], const PeerRows& peer, const SavedView& sv,
+                                              const Shape& s, int t, int v) {
+  const int K = s.K;
+  for (int j0 = 0; j0 < K; j0 += 4) {
+    uint4 raw[4];
+    float g[4];
+#pragma unroll
+    for (int jj = 0; jj < 4; jj++) {
+      const int64_t i = (int64_t)t * K + j0 + jj;
+      if (j0 + jj >= K) continue;
+      if (kWeighted) g[jj] = sv.g[i];
+      raw[jj] = reinterpret_cast<const uint4*>(peer.rows[sv.idx[i] / s.e_loc] + (int64_t)sv.pos[i] * s.H)[v];
+    }
+#pragma unroll
+    for (int jj = 0; jj < 4; jj++) {
+      if (j0 + jj >= K) continue;
+      const bf16* x = reinterpret_cast<const bf16*>(&raw[jj]);
+#pragma unroll
+      for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], kWeighted ? __fmul_rn(g[jj], bf(x[k])) : bf(x[k]));
+    }
+  }
+}
+
 // sigmoid and silu through the SFU (ex2 and rcp, approximate; no division's slow-path
 // branch, so the SwiGLU epilogues' 64-128 evaluations a thread interleave). DESIGN.md
 // fixes the rounding points around them (bf16 gate and up in, bf16 h or d_a out), not

@@ -289,29 +289,12 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
   if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH2), p.st, 19)) return;
   if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nHs), p.st, 19)) return;
-  const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H;
+  const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = t0 + warp; t < t1; t += kThreads / 32)
     for (int v = lane; v < H / 8; v += 32) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int j0 = 0; j0 < K; j0 += 4) {  // slots in order, 4 chunks in flight
-        uint4 raw[4];
-        float g[4];
-#pragma unroll
-        for (int jj = 0; jj < 4; jj++) {
-          const int64_t i = (int64_t)t * K + j0 + jj;
-          if (j0 + jj >= K) continue;
-          g[jj] = p.sv.g[i];
-          raw[jj] = reinterpret_cast<const uint4*>(p.peer_o_rows.rows[p.sv.idx[i] / s.e_loc] + (int64_t)p.sv.pos[i] * H)[v];
-        }
-#pragma unroll
-        for (int jj = 0; jj < 4; jj++) {
-          if (j0 + jj >= K) continue;
-          const bf16* o = reinterpret_cast<const bf16*>(&raw[jj]);
-#pragma unroll
-          for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], __fmul_rn(g[jj], bf(o[k])));
-        }
-      }
+      add_slot_rows<true>(acc, p.peer_o_rows, p.sv, s, t, v);  // slots in order
       if (s.Fs > 0) {
         float o[8];
         load_bf16x8(p.shared_o + (int64_t)t * H + v * 8, o);
