@@ -256,20 +256,33 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 
 // ---- the tile GEMM ----
 
+// Shared-memory descriptors of warpgroup wg's A box and of the B boxes in a stage, at
+// their first k16 step. A later step's descriptor is this one plus the step's byte
+// offset / 16: the address field (bits 0-13, address / 16) cannot carry out, shared
+// memory ending below 256 KB.
+template <int TA, int TB>
+__device__ __forceinline__ void stage_descs(const uint8_t* stage, int wg, uint64_t& da, uint64_t& db) {
+  da = smem_desc(stage + wg * kBoxBytes, TA ? kBoxBytes : 16, 1024);
+  db = smem_desc(stage + 2 * kBoxBytes, TB ? kBoxBytes : 16, 1024);
+}
+
 // A K block's first kSteps k16 steps for warpgroup wg, as one wgmma group (fence ..
-// commit): acc (its 64 x 256 tile) += A box wg x B boxes 2..5 of the stage.
+// commit): acc (its 64 x 256 tile) += A box wg x B boxes 2..5 of the stage, da and db
+// from stage_descs. A k16 step is 2048 bytes further in an MN-major box (16 rows of
+// 128 bytes), 32 in a K-major one.
 template <int TA, int TB, int kSteps>
-__device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* stage, int wg) {
+__device__ __forceinline__ void mma_block(float (&acc)[kAcc], uint64_t da, uint64_t db) {
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < kSteps; ks++) {
-    const uint8_t* a = stage + wg * kBoxBytes;
-    const uint8_t* b = stage + 2 * kBoxBytes;
-    const uint64_t da = TA ? smem_desc(a + ks * 2048, kBoxBytes, 1024) : smem_desc(a + ks * 32, 16, 1024);
-    const uint64_t db = TB ? smem_desc(b + ks * 2048, kBoxBytes, 1024) : smem_desc(b + ks * 32, 16, 1024);
-    wgmma_m64n256k16<TA, TB>(acc, da, db, 1);
-  }
+  for (int ks = 0; ks < kSteps; ks++)
+    wgmma_m64n256k16<TA, TB>(acc, da + ks * (TA ? 2048 / 16 : 32 / 16), db + ks * (TB ? 2048 / 16 : 32 / 16), 1);
   wgmma_commit();
+}
+template <int TA, int TB, int kSteps>
+__device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* stage, int wg) {
+  uint64_t da, db;
+  stage_descs<TA, TB>(stage, wg, da, db);
+  mma_block<TA, TB, kSteps>(acc, da, db);
 }
 
 // A run of output tiles through one continuous pipeline: for tile i, setup(i, A, B,
@@ -353,20 +366,25 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
     for (int kb = 0; kb < num_kb; kb++, it++) {
       const uint32_t s = it % kStages, ph = (it / kStages) & 1;
+      // the descriptors are made before the wait (the empty asm pins them there; the
+      // compiler would sink them past it), so that the first wgmma issues as soon as the
+      // data lands: when the data comes late, every instruction between is tensor-core time
+      uint64_t da, db;
+      stage_descs<TA, TB>(sm.stage[s], wg, da, db);
+      asm volatile("" : "+l"(da), "+l"(db));
       MOK_STALL_FROM(kStallFull);
       while (!mbar_try_wait(&sm.full[s], ph)) {
       }
       MOK_STALL_ADD(kStallFull);
-      uint8_t* stage = sm.stage[s];
       // the last block of a tile whose operands end early (k_valid_last < 64; its rows
       // past k_valid_last are zeros) skips its k16 steps past them. Each count is its
       // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
       // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
       const int k_steps = kb == num_kb - 1 ? (k_valid_last + 15) / 16 : BK / 16;
-      if (k_steps == 4) mma_block<TA, TB, 4>(acc, stage, wg);
-      else if (k_steps == 3) mma_block<TA, TB, 3>(acc, stage, wg);
-      else if (k_steps == 2) mma_block<TA, TB, 2>(acc, stage, wg);
-      else mma_block<TA, TB, 1>(acc, stage, wg);
+      if (k_steps == 4) mma_block<TA, TB, 4>(acc, da, db);
+      else if (k_steps == 3) mma_block<TA, TB, 3>(acc, da, db);
+      else if (k_steps == 2) mma_block<TA, TB, 2>(acc, da, db);
+      else mma_block<TA, TB, 1>(acc, da, db);
       // keep this block's wgmmas in flight; the previous block's are done: free its
       // stage, then (thread 0) refill the ring kStages - 1 blocks ahead
       MOK_STALL_FROM(kStallMma);
