@@ -57,6 +57,7 @@ else
   }
 fi
 export MOK_LIBRARY="$PWD/build/libmok.so"
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)  # peer-cycles, phase-ncu
 
 # trace_shapes NAME: MOK_TRACE of one step per shape with the library in $MOK_LIBRARY,
 # into $OUT/NAME-<shape>.txt(.gz), bench/trace_report.py's report beside it, its rates,
@@ -111,7 +112,6 @@ for part in "$@"; do
       MOK_LIBRARY="$PWD/build-stall/libmok.so" trace_shapes stalls
       ;;
     peer-cycles)
-      NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
       for s in ${SHAPES//,/ }; do
         $NCU --clock-control none --kernel-name device_kernel --csv \
           --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__cycles_elapsed.avg.per_second \
@@ -128,7 +128,6 @@ for part in "$@"; do
       # replay of the 4th backward launch: (1) rates and traffic, (2) L2 traffic by
       # source (the other L2 partition's share), (3) warp-state sampling per SASS
       # instruction. Separate runs: one metric name this ncu lacks fails only its run.
-      NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
       STEPS="import sys; sys.path.insert(0, 'bench'); import bench_moe as B, torch
 pb = B.Problem('${SHAPES%%,*}')
 for _ in range(4): pb.mok_step()

@@ -878,8 +878,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
       tma_load_3d(buf + kBox, ld_a, bar, f0 + 64 * q, 1, a_row);
     }
   };
-  if (tid == 0) bulk_wait_read();  // earlier stores from sm.epi have read it
-  __syncthreads();                 // both warpgroups' wgmmas are done with the spare
+  epi_acquire(sm);  // (its CTA barrier: both warpgroups' wgmmas are also done with the spare)
   if (tid == 0) load(0), load(1);
   const int r = acc_row(wg, w, l, 0), sw = r % 8;  // rows r and r + 8: same swizzle
   bool tail = false;  // threads read rows past the last whole 16-row box (the same each quarter)
