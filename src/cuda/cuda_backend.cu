@@ -206,13 +206,17 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   const int smem = (int)sizeof(Smem) + 1024;
   CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  // Clusters of 2 when the grid is even and every pair fits at once (MOK_CLUSTER=0: never).
-  // An odd grid runs unclustered; the results are the same bits either way (D2). The
-  // default grid (one CTA per SM) shrinks to the pairs that fit when the GPCs leave an
-  // SM or two unpaired: halving the bytes of B each SM pulls from L2 pays for them.
+  // Clusters of 2 (cfg.cta_pairs) when the grid is even and every pair fits at once; an
+  // odd grid runs unclustered, and the bits are the same either way (D2). AUTO pairs
+  // where measured faster (docs/PERF.md, ninth session): experts of 2048 rows or more on
+  // average (mixtral-8x7b 1.5% faster; qwen3, gpt-oss and deepseek 2.5-5% slower, their
+  // shorter expert m-tile runs paying the pairs' lockstep and agreement). The default
+  // grid (one CTA per SM) shrinks to the pairs that fit when the GPCs leave an SM or two
+  // unpaired.
   g.grid = c.num_ctas > 0 ? c.num_ctas : g.num_sms;
-  const char* cl = getenv("MOK_CLUSTER");
-  if ((g.grid % 2 == 0 || c.num_ctas == 0) && !(cl && atoi(cl) == 0)) {
+  const bool want = c.cta_pairs == MOK_CTA_PAIRS_ON ||
+                    (c.cta_pairs == MOK_CTA_PAIRS_AUTO && c.T * c.K >= (int64_t)2048 * c.E);
+  if (want && (g.grid % 2 == 0 || c.num_ctas == 0)) {
     cudaLaunchConfig_t lc = {};
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeClusterDimension;
@@ -227,10 +231,9 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
       g.clusters = g.grid % 2 == 0 && 2 * pairs >= g.grid;
     }
     cudaGetLastError();  // (an occupancy query's failure leaves clusters off)
-    if (getenv("MOK_PROFILE") && atoi(getenv("MOK_PROFILE")) > 0)
-      fprintf(stderr, "mok: %d CTAs, clusters of 2 %s (at most %d / %d such clusters at once)\n", g.grid,
-              g.clusters ? "on" : "off", fwd, bwd);
   }
+  if (getenv("MOK_PROFILE") && atoi(getenv("MOK_PROFILE")) > 0)
+    fprintf(stderr, "mok: %d CTAs, clusters of 2 %s\n", g.grid, g.clusters ? "on" : "off");
   ctx->gpu = new GpuContext(g);
   return MOK_STATUS_SUCCESS;
 }
