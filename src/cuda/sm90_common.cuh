@@ -35,16 +35,11 @@ constexpr int kEpiBytes = 32 * 1024;       // the epilogue buffer: two 128 x 64 
 
 // One operand of a tile: the tensor map and, per box, the row (K-major) or the mn start
 // (MN-major): two boxes for A, four for B; k0 is the first k (inner coordinate for
-// K-major, outer for MN-major). live: the boxes to load (bit b: box b). A box wholly
-// past the rows or columns the epilogue stores (an expert's last m-tile, a tile past N)
-// is not loaded: its wgmmas read what the stage held before and feed only accumulators
-// that are never stored (each output element sums its own row of A and column of B).
-// Fewer bytes into shared memory make those blocks faster.
+// K-major, outer for MN-major).
 struct Operand {
   const CUtensorMap* map;
   int pos[4];
   int k0;
-  int live;
 };
 
 // Thread 0's TMA load cursor in gemm_tiles: K block kb (of num_kb) of tile `tile`, ring
@@ -95,14 +90,13 @@ struct alignas(1024) Smem {
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
 static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
 
-// B boxes of a 256-wide column tile starting at n0 (4 consecutive 64-wide boxes); those
-// at n_end or past it are not loaded (Operand::live).
-__device__ __forceinline__ Operand wide(const CUtensorMap* map, int n0, int k0, int n_end = 1 << 30) {
-  return Operand{map, {n0, n0 + 64, n0 + 128, n0 + 192}, k0, (n_end > n0 + 192 ? 15 : n_end > n0 + 128 ? 7 : n_end > n0 + 64 ? 3 : 1)};
+// B boxes of a 256-wide column tile starting at n0 (4 consecutive 64-wide boxes).
+__device__ __forceinline__ Operand wide(const CUtensorMap* map, int n0, int k0) {
+  return Operand{map, {n0, n0 + 64, n0 + 128, n0 + 192}, k0};
 }
-// A boxes of a 128-row tile starting at m0; the second not loaded when m_end <= m0 + 64.
-__device__ __forceinline__ Operand rows128(const CUtensorMap* map, int m0, int k0, int m_end = 1 << 30) {
-  return Operand{map, {m0, m0 + 64, 0, 0}, k0, m_end > m0 + 64 ? 3 : 1};
+// A boxes of a 128-row tile starting at m0.
+__device__ __forceinline__ Operand rows128(const CUtensorMap* map, int m0, int k0) {
+  return Operand{map, {m0, m0 + 64, 0, 0}, k0};
 }
 
 // The kernel's shared memory (dynamic, aligned here to 1024 B for the 128-byte swizzle),
@@ -412,16 +406,13 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     MOK_STALL_ADD(kStallEmpty);
     const uint32_t knobs = sm.knobs;              // (once: the TMA asm's memory clobber would re-read it)
     const bool skip_b = !PAIRED && (knobs & 16);  // MOK_KNOBS 16: B stays what the stage held
-    const int live_a = c.A.live, live_b = skip_b ? 0 : c.B.live;
-    // the bytes of the live boxes (paired: the partner's B boxes land here too)
-    mbar_arrive_expect_tx(&full[s], (__popc(live_a) + __popc(live_b)) * kBoxBytes);
+    mbar_arrive_expect_tx(&full[s], skip_b ? 2 * kBoxBytes : kStageBytes);
     uint8_t* dst = sm.stage[s];
     const int k = kb * BK;
     {
       const Operand A = c.A;
 #pragma unroll
       for (int b = 0; b < 2; b++) {
-        if (!(live_a >> b & 1)) continue;
         if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &full[s], A.pos[b], A.k0 + k);
         else tma_load_2d(dst + b * kBoxBytes, A.map, &full[s], A.k0 + k, A.pos[b]);
       }
@@ -432,15 +423,13 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
 #pragma unroll
       for (int i = 0; i < 2; i++) {
         const int b = hi ? 2 + i : i, pos = hi ? B.pos[2 + i] : B.pos[i];  // (no run-time index: local memory)
-        if (!(live_b >> b & 1)) continue;
         if (TB) tma_load_2d_multicast(dst + (2 + b) * kBoxBytes, B.map, &full[s], pos, B.k0 + k, 0x3);
         else tma_load_2d_multicast(dst + (2 + b) * kBoxBytes, B.map, &full[s], B.k0 + k, pos, 0x3);
       }
     } else {
       const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
 #pragma unroll
-      for (int b = 0; b < 4; b++) {
-        if (!(live_b >> b & 1)) continue;
+      for (int b = 0; b < 4 && !skip_b; b++) {
         if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &full[s], B.pos[b], B.k0 + kb_b);
         else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &full[s], B.k0 + kb_b, B.pos[b]);
       }

@@ -180,8 +180,8 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
     gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.F, BN), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = rows128(&p.m_dyrows, row0, 0, row_end);
-          B = wide(&p.m_w2, nt * BN, e * s.H, s.F);
+          A = rows128(&p.m_dyrows, row0, 0);
+          B = wide(&p.m_w2, nt * BN, e * s.H);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           swiglu_bwd_store(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da, row0,
@@ -236,8 +236,8 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
     gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.H, BN), 2 * s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = rows128(&p.m_da, row0, 0, row_end);
-          B = wide(&p.m_w13, nt * BN, e * 2 * s.F, s.H);
+          A = rows128(&p.m_da, row0, 0);
+          B = wide(&p.m_w13, nt * BN, e * 2 * s.F);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H, &p.st_dxrows, row0, spare);
@@ -290,8 +290,8 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
     gemm_tiles<1, 1, decltype(P)::value>(
         sm, min(size, cdivb(cols, BN) - n0),
         [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
-          A = rows128(maps, mt * BM, 0, rows);
-          B = wide(maps + 1, (n0 + t) * BN, 0, cols);
+          A = rows128(maps, mt * BM, 0);
+          B = wide(maps + 1, (n0 + t) * BN, 0);
           num_kb = nk, kv = valid_last;
         },
         [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {

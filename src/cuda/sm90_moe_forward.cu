@@ -233,9 +233,8 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt,
         sm, g, cdiv(F, BF), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
           const int gate = e * 2 * F + nt * BF, up = gate + F;
-          A = rows128(&p.m_xrows, row0, 0, row_end);
-          // boxes 1 and 3 (gate and up f0 + 64..) not loaded past F (Operand::live)
-          B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0, nt * BF + 64 < F ? 15 : 5};
+          A = rows128(&p.m_xrows, row0, 0);
+          B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           swiglu_store(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows, &p.st_hrows,
@@ -252,7 +251,7 @@ __device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int m
       sm, g, cdiv(Fs, BF), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
         A = rows128(&p.m_x, t0, 0);
-        B = Operand{&p.m_ws13, {nt * BF, nt * BF + 64, Fs + nt * BF, Fs + nt * BF + 64}, 0, nt * BF + 64 < Fs ? 15 : 5};
+        B = Operand{&p.m_ws13, {nt * BF, nt * BF + 64, Fs + nt * BF, Fs + nt * BF + 64}, 0};
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         swiglu_store(sm, acc, wg, w, l, t0, s.T, nt * BF, Fs, p.sv.sa, p.sv.sh, &p.st_sa, &p.st_sh, t0, spare);
@@ -271,8 +270,8 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
     gemm_group<0, 0, decltype(P)::value>(
         sm, g, cdiv(s.H, BN), s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = rows128(&p.m_hrows, row0, 0, row_end);
-          B = wide(&p.m_w2, e * s.H + nt * BN, 0, (e + 1) * s.H);
+          A = rows128(&p.m_hrows, row0, 0);
+          B = wide(&p.m_w2, e * s.H + nt * BN, 0);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H, &p.st_orows, row0, spare);
