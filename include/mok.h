@@ -89,6 +89,11 @@ typedef enum {
   MOK_NUMERICS_EXACT = 1  /* CPU only: every floating tensor is double, nothing is rounded;
                              for checking gradients against finite differences */
 } mok_numerics_t;
+typedef enum {
+  MOK_CTA_PAIRS_AUTO = 0, /* where measured faster: experts of 2048 rows or more on average (T K / E) */
+  MOK_CTA_PAIRS_OFF = 1,
+  MOK_CTA_PAIRS_ON = 2    /* whenever the grid is even and every pair fits at once */
+} mok_cta_pairs_t;
 
 typedef struct mok_cpu_comm mok_cpu_comm_t; /* in-process communicator for W CPU ranks */
 typedef struct mok_context mok_context_t;
@@ -123,13 +128,16 @@ typedef struct {
   double comm_timeout_s; /* bound on every wait for a peer; 0 = default (5 s) */
   mok_cpu_comm_t* cpu_comm; /* CPU backend with W > 1: the shared in-process communicator */
   int num_ctas;        /* CUDA: persistent CTAs per launch; 0 = one per SM (bits do not depend on it) */
+  mok_cta_pairs_t cta_pairs; /* CUDA: CTAs in clusters of 2 whose GEMM tasks on the same weight
+                                tile load half of it each, multicast to both (bits do not
+                                depend on it) */
 } mok_config_t;
 
 #define MOK_CONFIG_INIT                                                              \
   {                                                                                  \
     sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
         MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, MOK_WGRAD_BF16,                \
-        MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0                       \
+        MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0, MOK_CTA_PAIRS_AUTO   \
   }
 
 /* Tensors of one forward call. bf16 tensors are uint16_t bit patterns (double in

@@ -182,6 +182,8 @@ static mok_status_t validate_config(const mok_config_t* c) {
                    "cfg.numerics = MOK_NUMERICS_EXACT needs cfg.backend = MOK_BACKEND_CPU");
   if (c->num_ctas < 0)
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.num_ctas = %d must be >= 0 (0 = one per SM)", c->num_ctas);
+  if ((unsigned)c->cta_pairs > MOK_CTA_PAIRS_ON)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.cta_pairs = %d is not a mok_cta_pairs_t", (int)c->cta_pairs);
   if (c->backend == MOK_BACKEND_CUDA) {
 #ifndef MOK_HAVE_CUDA
     return CFG_ERR(MOK_STATUS_BACKEND_UNAVAILABLE,

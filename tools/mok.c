@@ -647,6 +647,14 @@ static int cmd_check(int argc, char** argv) {
     }
     check_run(&tally, label, backend, p, &other, &ref);
   }
+  /* and the GPU's CTAs in clusters of 2 sharing weight tiles, or each alone */
+  if (cuda) {
+    mok_run_opts_t on = one, off = one;
+    on.cta_pairs = MOK_CTA_PAIRS_ON;
+    off.cta_pairs = MOK_CTA_PAIRS_OFF;
+    check_run(&tally, "D2 CTA pairs on (vs the default)", backend, p, &on, &ref);
+    check_run(&tally, "D2 CTA pairs off (vs the default)", backend, p, &off, &ref);
+  }
 
   /* D3: the same global batch on every W of the list */
   if (cuda) {

@@ -461,6 +461,7 @@ mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, cha
   cfg.rank = 0;
   cfg.backend = MOK_BACKEND_CUDA;
   cfg.num_ctas = o->num_ctas;
+  cfg.cta_pairs = (mok_cta_pairs_t)o->cta_pairs;
   if (o->comm_timeout_s > 0) cfg.comm_timeout_s = o->comm_timeout_s;
   status = mok_context_create(&cfg, &ctx);
   if (status) {

@@ -75,8 +75,9 @@ typedef struct {
   int skip_rank;      /* a rank that never creates its context nor calls (fault test), or -1 */
   int num_ctas;       /* CUDA: persistent CTAs, 0 = one per SM */
   int graph;          /* CUDA: capture one forward + backward step in a CUDA graph and replay it */
+  int cta_pairs;      /* CUDA: cfg.cta_pairs (mok_cta_pairs_t) */
 } mok_run_opts_t;
-#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0}
+#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0, MOK_CTA_PAIRS_AUTO}
 
 /* Runs the problem; returns the first failing rank's status. The message of the first
  * failure is copied to err (size err_len) when err is not NULL. Gradient outputs in

@@ -90,6 +90,7 @@ class MokConfig(ctypes.Structure):
         ("comm_timeout_s", ctypes.c_double),
         ("cpu_comm", ctypes.c_void_p),
         ("num_ctas", ctypes.c_int),
+        ("cta_pairs", _c_enum),
     ]
 
     @classmethod
@@ -117,6 +118,7 @@ class MokConfig(ctypes.Structure):
         c.comm_timeout_s = 0.0
         c.cpu_comm = None
         c.num_ctas = 0
+        c.cta_pairs = 0  # MOK_CTA_PAIRS_AUTO
         return c
 
 

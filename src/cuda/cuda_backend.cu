@@ -35,6 +35,8 @@ struct GpuContext {
   uint32_t* trace_len;
   int syncs;
   PFN_cuTensorMapEncodeTiled_v12000 encode;
+  int grid;       // persistent CTAs a launch: cfg.num_ctas, or one per SM (maybe fewer: clusters)
+  bool clusters;  // launched in clusters of 2 (paired GEMM tasks sharing B through TMA multicast)
 };
 
 #define CUDA_TRY(ctx, call)                                                                   \
@@ -48,7 +50,9 @@ static GpuContext* gpu(const mok_context_t* ctx) { return static_cast<GpuContext
 
 static int cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
-static Shape make_shape(const mok_config_t& c, int64_t T) {
+// pairs: a launch in clusters of 2, whose expert m-tiles are padded to an even count a
+// expert (room for E more); the byte plans take that bound either way.
+static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   Shape s{};
   s.T = (int)T, s.H = (int)c.H, s.F = (int)c.F, s.E = (int)c.E, s.K = (int)c.K, s.Fs = (int)c.Fs;
   s.e_loc = (int)(c.E / c.W);
@@ -59,7 +63,9 @@ static Shape make_shape(const mok_config_t& c, int64_t T) {
   s.route_scale = c.route_scale, s.aux_coef = c.aux_loss_coef, s.z_coef = c.z_loss_coef;
   s.nb = cdiv(T, 128);
   s.ns = cdiv(T, kSubTokens);
-  s.max_mt = cdiv(T * c.K, BM) + (int)c.E;
+  s.max_mt = cdiv(T * c.K, BM) + (pairs ? 2 : 1) * (int)c.E;
+  s.max_mt += pairs & s.max_mt;  // (even: band_order's bands then pair whole)
+  s.pairs = pairs;
   s.smt = s.nb;
   s.chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
   return s;
@@ -105,7 +111,7 @@ struct FwdWsPlan {
       shared_o, total;
 };
 static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
-  const Shape s = make_shape(c, T);
+  const Shape s = make_shape(c, T, true);
   Plan p;
   FwdWsPlan w;
   w.scores = p.take(T * c.E * 4);
@@ -181,7 +187,7 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   if (!fn || q != cudaDriverEntryPointSuccess)
     return MOK_ERR(ctx, MOK_STATUS_BACKEND_UNAVAILABLE, "the driver has no cuTensorMapEncodeTiled");
   g.encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  const Shape s = make_shape(c, c.T);
+  const Shape s = make_shape(c, c.T, true);
   g.sync_words = (uint32_t)(8 + s.max_mt + s.smt);
   CUDA_TRY(ctx, cudaMalloc(&g.sync, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   CUDA_TRY(ctx, cudaMemset(g.sync, 0, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
@@ -200,6 +206,34 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   const int smem = (int)sizeof(Smem) + 1024;
   CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  // Clusters of 2 (cfg.cta_pairs) when the grid is even and every pair fits at once; an
+  // odd grid runs unclustered, and the bits are the same either way (D2). AUTO pairs
+  // where measured faster (docs/PERF.md, ninth session): experts of 2048 rows or more on
+  // average (mixtral-8x7b 1.5% faster; qwen3, gpt-oss and deepseek 2.5-5% slower, their
+  // shorter expert m-tile runs paying the pairs' lockstep and agreement). The default
+  // grid (one CTA per SM) shrinks to the pairs that fit when the GPCs leave an SM or two
+  // unpaired.
+  g.grid = c.num_ctas > 0 ? c.num_ctas : g.num_sms;
+  const bool want = c.cta_pairs == MOK_CTA_PAIRS_ON ||
+                    (c.cta_pairs == MOK_CTA_PAIRS_AUTO && c.T * c.K >= (int64_t)2048 * c.E);
+  if (want && (g.grid % 2 == 0 || c.num_ctas == 0)) {
+    cudaLaunchConfig_t lc = {};
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    lc.gridDim = dim3(g.grid & ~1), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = smem;
+    lc.attrs = &attr, lc.numAttrs = 1;
+    int fwd = 0, bwd = 0;
+    if (cudaOccupancyMaxActiveClusters(&fwd, sm90_moe_forward_kernel, &lc) == cudaSuccess &&
+        cudaOccupancyMaxActiveClusters(&bwd, sm90_moe_backward_kernel, &lc) == cudaSuccess) {
+      const int pairs = std::min(fwd, bwd);
+      if (c.num_ctas == 0 && 2 * pairs < g.grid && 2 * pairs >= g.grid - 4) g.grid = 2 * pairs;
+      g.clusters = g.grid % 2 == 0 && 2 * pairs >= g.grid;
+    }
+    cudaGetLastError();  // (an occupancy query's failure leaves clusters off)
+  }
+  if (getenv("MOK_PROFILE") && atoi(getenv("MOK_PROFILE")) > 0)
+    fprintf(stderr, "mok: %d CTAs, clusters of 2 %s\n", g.grid, g.clusters ? "on" : "off");
   ctx->gpu = new GpuContext(g);
   return MOK_STATUS_SUCCESS;
 }
@@ -381,8 +415,18 @@ static GpuStep make_step(const mok_context_t* ctx) {
   return st;
 }
 
-static int grid_size(const mok_context_t* ctx) {
-  return ctx->cfg.num_ctas > 0 ? ctx->cfg.num_ctas : gpu(ctx)->num_sms;
+static int grid_size(const mok_context_t* ctx) { return gpu(ctx)->grid; }
+
+// One persistent launch, in clusters of 2 when the context has them.
+template <class Params>
+static cudaError_t launch(const mok_context_t* ctx, void (*kernel)(Params), const Params& p, cudaStream_t stream) {
+  cudaLaunchConfig_t lc = {};
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  lc.gridDim = dim3(grid_size(ctx)), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = sizeof(Smem) + 1024;
+  lc.stream = stream, lc.attrs = &attr, lc.numAttrs = gpu(ctx)->clusters ? 1 : 0;  // else a plain launch
+  return cudaLaunchKernelEx(&lc, kernel, p);
 }
 
 mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
@@ -390,7 +434,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   const int64_t T = a->num_tokens, R = T * c.K, H = c.H, F = c.F, E = c.E, Fs = c.Fs;
   FwdParams p;
   memset(&p, 0, sizeof p);
-  p.s = make_shape(c, T);
+  p.s = make_shape(c, T, gpu(ctx)->clusters);
   p.st = make_step(ctx);
   p.context_id = (uint64_t)(uintptr_t)ctx;
   p.serial = ++ctx->forward_serial;
@@ -437,8 +481,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.shared_o = reinterpret_cast<bf16*>(ws + wp.shared_o);
   MAP_TRY(make_store_map(ctx, &p.st_shared_o, Fs ? p.shared_o : nullptr, T, H, "shared_o"));
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
-  sm90_moe_forward_kernel<<<grid_size(ctx), kThreads, sizeof(Smem) + 1024, stream>>>(p);
-  CUDA_TRY(ctx, cudaGetLastError());
+  CUDA_TRY(ctx, launch(ctx, sm90_moe_forward_kernel, p, stream));
   gpu(ctx)->last_stream = stream;
   return MOK_STATUS_SUCCESS;
 }
@@ -448,7 +491,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   const int64_t T = a->num_tokens, R = T * c.K, H = c.H, F = c.F, E = c.E, Fs = c.Fs;
   BwdParams p;
   memset(&p, 0, sizeof p);
-  p.s = make_shape(c, T);
+  p.s = make_shape(c, T, gpu(ctx)->clusters);
   p.st = make_step(ctx);
   p.context_id = (uint64_t)(uintptr_t)ctx;
   p.wgrad_fp32 = c.wgrad == MOK_WGRAD_FP32_ACCUM;
@@ -501,8 +544,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.d_ws13 = a->d_ws13;
   p.d_ws2 = a->d_ws2;
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
-  sm90_moe_backward_kernel<<<grid_size(ctx), kThreads, sizeof(Smem) + 1024, stream>>>(p);
-  CUDA_TRY(ctx, cudaGetLastError());
+  CUDA_TRY(ctx, launch(ctx, sm90_moe_backward_kernel, p, stream));
   gpu(ctx)->last_stream = stream;
   return MOK_STATUS_SUCCESS;
 }

@@ -63,7 +63,19 @@ struct alignas(1024) Smem {
   uint64_t full[kStages];
   uint64_t empty[kStages];
   uint64_t epi_full[2];  // swiglu_bwd_store's TMA loads: [0] into the spare stage, [1] into epi
-  uint32_t ring_it;  // K blocks this CTA has put through the stage ring so far
+  // Paired GEMM tasks (clusters of 2 sharing B, pair_agree) run the same stages through
+  // their own barriers: full2 completes on 48 KB of which 16 come from the partner's
+  // multicast, empty2 takes both CTAs' warpgroups (the partner writes the stage too).
+  // Between tasks both rings are empty, so the two never hold a stage at once.
+  uint64_t full2[kStages];
+  uint64_t empty2[kStages];
+  uint32_t ring_it;   // K blocks this CTA has put through the stage ring so far
+  uint32_t ring2_it;  // the same for paired tasks (equal in both CTAs of a cluster)
+  int cluster;        // CTAs in this CTA's cluster: 1, or 2 (pairs)
+  int rank;           // this CTA's rank in it
+  int pair_ok, pair_key;  // written by the partner in pair_agree
+  int pair_task[2];       // the pair's first ticket, by round parity (written by rank 0)
+  uint32_t round;         // next_task calls so far
   LoadCursor load;
   int task;
   int abort;
@@ -99,15 +111,22 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
     for (int s = 0; s < kStages; s++) {
       mbar_init(&sm.full[s], 1);
       mbar_init(&sm.empty[s], 2);  // one arrival per warpgroup
+      mbar_init(&sm.full2[s], 1);
+      mbar_init(&sm.empty2[s], 4);  // both CTAs' warpgroups
     }
     for (int b = 0; b < 2; b++) mbar_init(&sm.epi_full[b], 1);
     sm.abort = 0;
     sm.ring_it = 0;
+    sm.ring2_it = 0;
+    sm.round = 0;
     sm.load.spare_slot = -1;
     sm.knobs = knobs;
+    sm.cluster = (int)cluster_nctarank();
+    sm.rank = (int)cluster_ctarank();
     fence_mbar_init();
   }
   __syncthreads();
+  if (sm.cluster > 1) cluster_sync();  // the partner's barriers exist before any remote use
   return sm;
 }
 
@@ -216,23 +235,65 @@ __device__ __forceinline__ void raise_error(const GpuStep& st, mok_status_t s) {
   atomicCAS(&st.sync->error, 0u, (uint32_t)s);
 }
 
-// Takes the next task; false when none is left or the step is abandoned.
+// Takes the next task; false when none is left or the step is abandoned. A cluster of
+// 2 takes two consecutive tickets at once, rank r running base + r (which may be past
+// the last task: the caller skips it), and the two leave only together (an error seen
+// by rank 0 ends both), so that they pass the same cluster barriers.
 __device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_tasks, int* task) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int t = (int)atomicAdd(&st.sync->ticket, 1u);
-    if (*(volatile uint32_t*)&st.sync->error != 0) t = num_tasks;
-    sm.task = t;
+  if (sm.cluster == 1) {
+    if (threadIdx.x == 0) {
+      int t = (int)atomicAdd(&st.sync->ticket, 1u);
+      if (*(volatile uint32_t*)&st.sync->error != 0) t = num_tasks;
+      sm.task = t;
+    }
+    __syncthreads();
+    *task = sm.task;
+    return sm.task < num_tasks && sm.abort == 0;
   }
+  // two slots by round parity: rank 0 may write the next round's base while the
+  // partner's threads still read this one (never two rounds ahead: each has a barrier)
+  const int slot = sm.round & 1;
+  if (threadIdx.x == 0 && sm.rank == 0) {
+    int t = (int)atomicAdd(&st.sync->ticket, 2u);
+    if (*(volatile uint32_t*)&st.sync->error != 0) t = num_tasks;
+    sm.pair_task[slot] = t;
+    st_remote_u32(mapa_shared(smem_addr(&sm.pair_task[slot]), 1), (uint32_t)t);
+  }
+  cluster_sync();
+  const int base = sm.pair_task[slot];
+  if (threadIdx.x == 0) sm.round++;  // (every thread read the round before the barrier)
+  *task = base + sm.rank;
+  return base < num_tasks;
+}
+
+// Whether this CTA and its partner run their GEMM tasks as a pair (each loads half of
+// B, multicast to both): both tasks pairable (the same GEMM phase, decided from the two
+// tickets alone, so both CTAs call this or neither), both past their dependency waits
+// (ok) and with the same B (key >= 0: expert and column group, hence the same tiles and
+// K blocks). A paired mainloop has no abort point, so a CTA that is abandoning the step
+// runs unpaired. Before the exchange every thread is done with the stages and thread
+// 0's TMA stores have read them: the partner's multicast may write them from now on.
+__device__ __forceinline__ bool pair_agree(Smem& sm, bool pairable, bool ok, int key) {
+  if (!pairable) return false;
   __syncthreads();
-  *task = sm.task;
-  return sm.task < num_tasks && sm.abort == 0;
+  if (threadIdx.x == 0) {
+    bulk_wait_read();
+    sm.load.spare_slot = -1;
+    const uint32_t other = (uint32_t)(sm.rank ^ 1);
+    st_remote_u32(mapa_shared(smem_addr(&sm.pair_ok), other), ok && key >= 0 ? 1u : 0u);
+    st_remote_u32(mapa_shared(smem_addr(&sm.pair_key), other), (uint32_t)key);
+  }
+  cluster_sync();
+  // (read before the next cluster barrier, after which alone the partner writes them)
+  return ok && key >= 0 && sm.pair_ok != 0 && sm.pair_key == key;
 }
 
 // The last CTA to leave publishes the step's status and zeroes the counters for the
 // next launch (so a launch needs no memset before it and a CUDA graph can replay it).
 static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
   __syncthreads();
+  if (sm.cluster > 1) cluster_sync();  // no CTA leaves while its partner may still write it
   if (threadIdx.x == 0) {
     bulk_wait_all();
     __threadfence();
@@ -296,10 +357,22 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // and that block's k16 steps past it are skipped.
 // Epilogue rows: wg*64 + warp*16 + lane/4 (+8); columns 8*i + 2*(lane%4) (+1) for
 // acc[4i..4i+3], i < 32.
-template <int TA, int TB, class Setup, class Epi>
+// PAIRED (pair_agree): the partner CTA runs the same tiles of B on other rows, in step;
+// each CTA loads its A and half of B (boxes 2 rank, 2 rank + 1), multicast to both. A
+// template argument, not a run-time flag: the unpaired mainloop stays what it is.
+template <int TA, int TB, bool PAIRED = false, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   const int tid = threadIdx.x, wg = tid / 128;
-  uint32_t it = sm.ring_it;  // ring position of the next K block to multiply
+  uint64_t* const full = PAIRED ? sm.full2 : sm.full;
+  uint64_t* const empty = PAIRED ? sm.empty2 : sm.empty;
+  uint32_t it = PAIRED ? sm.ring2_it : sm.ring_it;  // ring position of the next K block to multiply
+  // n arrivals for a consumed stage; paired also at the partner's empty2, whose
+  // multicast writes this CTA's copy of the stage too
+  auto release = [&](uint32_t slot, uint32_t n) {
+    if (n == 1) mbar_arrive(&empty[slot]);
+    else mbar_arrive_n(&empty[slot], n);
+    if (PAIRED) mbar_arrive_remote_n(mapa_shared(smem_addr(&empty[slot]), (uint32_t)(sm.rank ^ 1)), n);
+  };
   // Thread 0's load cursor (LoadCursor) lives in shared memory: in registers it would be
   // live, in every thread, across the whole mainloop beside the 128 accumulators.
   LoadCursor& c = sm.load;
@@ -322,31 +395,44 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       MOK_STALL_FROM(kStallSpare);
       bulk_wait_read<1>();
       MOK_STALL_ADD(kStallSpare);
+      // paired, the spare's release (both warpgroups', here and at the partner) waited
+      // for this: the partner's multicast writes it too
+      if (PAIRED) release(s, 2);
       c.spare_slot = -1;
     }
     MOK_STALL_FROM(kStallEmpty);
-    while (!mbar_try_wait(&sm.empty[s], ph ^ 1)) {
+    while (!mbar_try_wait(&empty[s], ph ^ 1)) {
     }
     MOK_STALL_ADD(kStallEmpty);
-    const uint32_t knobs = sm.knobs;  // (once: the TMA asm's memory clobber would re-read it)
-    const bool skip_b = knobs & 16;   // MOK_KNOBS 16: B stays what the stage held
-    mbar_arrive_expect_tx(&sm.full[s], skip_b ? 2 * kBoxBytes : kStageBytes);
+    const uint32_t knobs = sm.knobs;              // (once: the TMA asm's memory clobber would re-read it)
+    const bool skip_b = !PAIRED && (knobs & 16);  // MOK_KNOBS 16: B stays what the stage held
+    mbar_arrive_expect_tx(&full[s], skip_b ? 2 * kBoxBytes : kStageBytes);
     uint8_t* dst = sm.stage[s];
     const int k = kb * BK;
     {
       const Operand A = c.A;
 #pragma unroll
       for (int b = 0; b < 2; b++) {
-        if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.pos[b], A.k0 + k);
-        else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.full[s], A.k0 + k, A.pos[b]);
+        if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &full[s], A.pos[b], A.k0 + k);
+        else tma_load_2d(dst + b * kBoxBytes, A.map, &full[s], A.k0 + k, A.pos[b]);
       }
     }
     const Operand B = c.B;
-    const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
+    if (PAIRED) {  // B boxes 2 rank, 2 rank + 1 into both CTAs; the partner loads the others
+      const bool hi = sm.rank != 0;
 #pragma unroll
-    for (int b = 0; b < 4 && !skip_b; b++) {
-      if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.pos[b], B.k0 + kb_b);
-      else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &sm.full[s], B.k0 + kb_b, B.pos[b]);
+      for (int i = 0; i < 2; i++) {
+        const int b = hi ? 2 + i : i, pos = hi ? B.pos[2 + i] : B.pos[i];  // (no run-time index: local memory)
+        if (TB) tma_load_2d_multicast(dst + (2 + b) * kBoxBytes, B.map, &full[s], pos, B.k0 + k, 0x3);
+        else tma_load_2d_multicast(dst + (2 + b) * kBoxBytes, B.map, &full[s], B.k0 + k, pos, 0x3);
+      }
+    } else {
+      const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
+#pragma unroll
+      for (int b = 0; b < 4 && !skip_b; b++) {
+        if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &full[s], B.pos[b], B.k0 + kb_b);
+        else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &full[s], B.k0 + kb_b, B.pos[b]);
+      }
     }
     c.it = lit + 1, c.kb = kb + 1;
     settle();
@@ -373,7 +459,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       stage_descs<TA, TB>(sm.stage[s], wg, da, db);
       asm volatile("" : "+l"(da), "+l"(db));
       MOK_STALL_FROM(kStallFull);
-      while (!mbar_try_wait(&sm.full[s], ph)) {
+      while (!mbar_try_wait(&full[s], ph)) {
       }
       MOK_STALL_ADD(kStallFull);
       // the last block of a tile whose operands end early (k_valid_last < 64; its rows
@@ -390,16 +476,25 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       MOK_STALL_FROM(kStallMma);
       wgmma_wait<1>();
       MOK_STALL_ADD(kStallMma);
-      if (kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
+      if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
       if (tid == 0) load_next();
     }
     MOK_STALL_FROM(kStallDrain);
     wgmma_wait<0>();
     MOK_STALL_ADD(kStallDrain);
-    if (num_kb > 0 && tid % 128 == 0) mbar_arrive(&sm.empty[(it - 1) % kStages]);
     // The stage of the tile's last K block is free until thread 0 refills it (its next
     // load, after the epilogue): the epilogue may use it as a second buffer (`spare`),
     // after a CTA barrier (the other warpgroup's wgmmas may still read it until then).
+    // Paired, its release waits for that refill (load_next): until then the partner's
+    // multicast must not write it.
+    if (!PAIRED && num_kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
+    if (PAIRED && tid == 0 && c.spare_slot >= 0) {
+      // an earlier tile's spare never refilled (this tile has fewer than kStages K
+      // blocks): released now, its stores read first
+      bulk_wait_read();
+      release(c.spare_slot, 2);
+      c.spare_slot = -1;
+    }
     const int et = tid_here();
     uint8_t* spare = num_kb > 0 ? sm.stage[(it - 1) % kStages] : nullptr;
     MOK_STALL_FROM(kStallEpilogue);
@@ -408,7 +503,14 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     if (tid == 0 && num_kb > 0) c.spare_slot = (int)((it - 1) % kStages);
   }
   __syncthreads();
-  if (tid == 0) sm.ring_it = it;
+  if (tid == 0) {
+    (PAIRED ? sm.ring2_it : sm.ring_it) = it;
+    if (PAIRED && c.spare_slot >= 0) {  // the last tile's spare, not refilled in this task
+      bulk_wait_read<1>();
+      release(c.spare_slot, 2);
+      c.spare_slot = -1;
+    }
+  }
   __syncthreads();
 }
 
@@ -454,16 +556,26 @@ __host__ __device__ constexpr int groups(int n, int num_kb) { return (n + group_
 
 // Group g of the n column tiles: setup(nt, A, B) and epi(nt, acc, wg, warp, lane, spare)
 // per column tile nt; every tile runs num_kb K blocks.
-template <int TA, int TB, class Setup, class Epi>
+template <int TA, int TB, bool PAIRED = false, class Setup, class Epi>
 __device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, Setup setup, Epi epi) {
   const int size = group_size(num_kb);
-  gemm_tiles<TA, TB>(
+  gemm_tiles<TA, TB, PAIRED>(
       sm, min(size, n - g * size),
       [&](int t, Operand& A, Operand& B, int& nk, int& kv) {
         setup(g * size + t, A, B);
         nk = num_kb, kv = BK;
       },
       [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) { epi(g * size + t, acc, wg, w, l, spare); });
+}
+
+// f(Pairing<paired>()): a GEMM task's body in its paired and its unpaired
+// instantiation (gemm_tiles' PAIRED), chosen at run time by pair_agree's answer.
+template <bool P> struct Pairing {
+  static constexpr bool value = P;
+};
+template <class F> __device__ __forceinline__ void with_pairing(bool paired, F f) {
+  if (paired) f(Pairing<true>());
+  else f(Pairing<false>());
 }
 
 // One tile: gemm_tiles with a single tile; epi(acc, wg, warp, lane, spare).

@@ -133,7 +133,8 @@ __device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float 
 }
 
 // Expert m-tile of the expert rows: (expert, first row, end row) from the saved offsets.
-// Tiles follow the forward's order: experts in order, 128 rows each.
+// Tiles follow the forward's order: experts in order, 128 rows each (with s.pairs an
+// expert's odd count is followed by an empty tile: false here).
 __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, int* row0, int* row_end) {
   int first = 0;
   for (int x = 0; x < p.s.E; x++) {
@@ -144,7 +145,8 @@ __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, 
       *row_end = p.sv.expert_off[x] + n;
       return true;
     }
-    first += tiles;
+    first += tiles + (p.s.pairs & tiles & 1);  // the forward's empty tile after an odd count
+    if (mt < first) return false;
   }
   return false;
 }
@@ -165,12 +167,17 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DHS_ALL], 1);
 }
 
-__device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g) {
+// pairable: this task and the partner CTA's are in the same GEMM phase (next_task);
+// the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
+__device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
-  int e, row0, row_end;
-  if (expert_tile(p, mt, &e, &row0, &row_end))
-    gemm_group<0, 1>(
+  const bool ok = wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20);
+  int e = -1, row0 = 0, row_end = 0;
+  const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
+  const bool paired = pair_agree(sm, pairable, ok, valid ? e * 4096 + g : -1);
+  if (!ok) return;
+  if (valid) with_pairing(paired, [&](auto P) {
+    gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.F, BN), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
           A = rows128(&p.m_dyrows, row0, 0);
@@ -180,6 +187,7 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
           swiglu_bwd_store(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da, row0,
                            p.d_a, spare);
         });
+  });
   signal_counter(sm, &p.st.sync->counter[B_FIXED + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
 }
@@ -216,14 +224,16 @@ __device__ __forceinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, i
   signal_counter(sm, &p.st.sync->counter[B_DXS]);
 }
 
-__device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g) {
+__device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  if (!(p.st.knobs & kKnobOnlyDx) &&
-      !wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN), s.H / BK), p.st, 20))
-    return;
-  int e, row0, row_end;
-  if (expert_tile(p, mt, &e, &row0, &row_end))
-    gemm_group<0, 1>(
+  const bool ok = (p.st.knobs & kKnobOnlyDx) ||
+                  wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN), s.H / BK), p.st, 20);
+  int e = -1, row0 = 0, row_end = 0;
+  const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
+  const bool paired = pair_agree(sm, pairable, ok, valid ? e * 4096 + g : -1);
+  if (!ok) return;
+  if (valid) with_pairing(paired, [&](auto P) {
+    gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.H, BN), 2 * s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
           A = rows128(&p.m_da, row0, 0);
@@ -232,6 +242,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H, &p.st_dxrows, row0, spare);
         });
+  });
   signal_counter(sm, &p.st.sync->counter[B_DX]);
 }
 
@@ -252,11 +263,19 @@ __device__ __forceinline__ int wgrad_group(const Shape& s) {
 // pipeline; each tile sums over the expert's rows in order, 64 per K block. Its
 // operands come through maps cut to the expert's rows (cut_maps): the last K block's
 // rows past the expert arrive as zeros, and its k16 steps past them are skipped.
-__device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt, int g) {
+// Paired (pairable: next_task), the two CTAs take row tiles mt, mt + 1 of one expert
+// and column group: the same B (the expert's rows) and K blocks. A row tile past dW's
+// rows is the empty task that makes a phase's tasks an expert even (pairs).
+__device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt, int g,
+                                           bool pairable) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
   const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
-  if (!(p.st.knobs & kKnobOnlyWgrad) && !wait_counter(sm, dep, target, p.st, 20)) return;
+  const bool ok = (p.st.knobs & kKnobOnlyWgrad) || wait_counter(sm, dep, target, p.st, 20);
+  const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
+  const bool real = mt * BM < rows;
+  const bool paired = pair_agree(sm, pairable, ok, real ? e * 4096 + g : -1);
+  if (!ok || !real) return;
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;  // rows of the last K block
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
@@ -265,20 +284,21 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   if (which == 2) cut_maps(sm, maps, &p.m_dyrows, p.dy_rows, s.H, &p.m_hrows, p.sv.h_rows, s.F, off, n);
   else cut_maps(sm, maps, &p.m_da, p.d_a, 2 * s.F, &p.m_xrows, p.sv.x_rows, s.H, off, n);
   // dw2[e] [H, F] = dy_rows^T h_rows, or dw13[e] [2F, H] = d_a^T x_rows
-  const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
   char* out = which == 2 ? (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize
                          : (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize;
-  gemm_tiles<1, 1>(
-      sm, min(size, cdivb(cols, BN) - n0),
-      [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
-        A = rows128(maps, mt * BM, 0);
-        B = wide(maps + 1, (n0 + t) * BN, 0);
-        num_kb = nk, kv = valid_last;
-      },
-      [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-        store_wgrad(sm, p, acc, wg, w, l, mt * BM, rows, (n0 + t) * BN, cols, out, which == 2 ? &p.st_dw2 : &p.st_dw13,
-                    e * rows + mt * BM, spare);
-      });
+  with_pairing(paired, [&](auto P) {
+    gemm_tiles<1, 1, decltype(P)::value>(
+        sm, min(size, cdivb(cols, BN) - n0),
+        [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
+          A = rows128(maps, mt * BM, 0);
+          B = wide(maps + 1, (n0 + t) * BN, 0);
+          num_kb = nk, kv = valid_last;
+        },
+        [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          store_wgrad(sm, p, acc, wg, w, l, mt * BM, rows, (n0 + t) * BN, cols, out,
+                      which == 2 ? &p.st_dw2 : &p.st_dw13, e * rows + mt * BM, spare);
+        });
+  });
 }
 
 // Replicated gradients of chunk c: every 128 x 256 tile of [dW_router | dws13 | dws2]
@@ -440,8 +460,14 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   // The phases in ticket order: tasks in each and, for 2-D phases, the tasks per row
   // (GEMM tasks: a row tile and a group of its column tiles). Kept in shared memory so
   // that the dispatch loop holds few registers across the task calls.
-  __shared__ int phase_end[11], phase_cols[11];
+  // With pairs the paired phases (dh, dx, wgrad2, wgrad13) start at an even ticket (one
+  // skipped before), and the weight gradients' row tiles an expert are even (an empty
+  // last one), so that a cluster's two tickets are two row tiles of one column group
+  // (kBand and max_mt are even).
+  __shared__ int phase_start[11], phase_end[11], phase_cols[11], wgrad_mt[2];
   if (threadIdx.x == 0) {
+    wgrad_mt[0] = cdivb(s.H, BM) + (s.pairs & cdivb(s.H, BM));  // dw2's row tiles (+1 to even)
+    wgrad_mt[1] = cdivb(2 * s.F, BM) + (s.pairs & cdivb(2 * s.F, BM));
     const int nH = cdivb(s.H, BN), rwt = rw_tiles(s), wg_size = wgrad_group(s);
     // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
     const int rows[11] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt, s.E,
@@ -449,19 +475,31 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
                           s.ns};
     const int cols[11] = {1, groups(cdivb(s.Fs, BN), s.H / BK), groups(cdivb(s.F, BN), s.H / BK),
                           groups(nH, cdivb(s.E, BK)), groups(nH, 2 * s.Fs / BK), groups(nH, 2 * s.F / BK),
-                          cdivb(s.H, BM) * cdivb(cdivb(s.F, BN), wg_size), cdivb(2 * s.F, BM) * cdivb(nH, wg_size),
-                          1, 1, 1};
-    int end = 0;
-    for (int k = 0; k < 11; k++) phase_end[k] = end += rows[k] * cols[k], phase_cols[k] = cols[k] > 0 ? cols[k] : 1;
+                          wgrad_mt[0] * cdivb(cdivb(s.F, BN), wg_size), wgrad_mt[1] * cdivb(nH, wg_size), 1, 1, 1};
+    int t = 0;
+    for (int k = 0; k < 11; k++) {
+      if (s.pairs && (k == 2 || k == 5 || k == 6 || k == 7)) t += t & 1;
+      phase_start[k] = t, phase_end[k] = t += rows[k] * cols[k], phase_cols[k] = cols[k] > 0 ? cols[k] : 1;
+    }
   }
   __syncthreads();
-  int task;
-  while (next_task(sm, p.st, phase_end[10], &task)) {
-    profile_start(sm, p.st);
+  const int num_tasks = phase_end[10];
+  auto phase_of = [&](int t) {  // -1: a skipped ticket
     int k = 0;
-    while (task >= phase_end[k]) k++;
-    const int local = task - (k ? phase_end[k - 1] : 0);
+    while (k < 10 && t >= phase_end[k]) k++;
+    return t < phase_start[k] ? -1 : k;
+  };
+  int task;
+  while (next_task(sm, p.st, num_tasks, &task)) {
+    if (task >= num_tasks) continue;  // a cluster's second ticket past the last task
+    const int k = phase_of(task);
+    if (k < 0) continue;
+    profile_start(sm, p.st);
+    const int local = task - phase_start[k];
     int row = local / phase_cols[k], col = local % phase_cols[k];
+    // the partner's ticket is the other of base, base + 1 (clusters of 2 only)
+    const bool pairable = sm.cluster > 1 && (k == 2 || k == 5 || k == 6 || k == 7) && (task ^ 1) < num_tasks &&
+                          phase_of(task ^ 1) == k;
     // MOK_KNOBS 64 / 128: only the weight-gradient / dx tasks run (without waiting for
     // their inputs), so that ncu sees that phase alone
     const uint32_t only = p.st.knobs & (kKnobOnlyWgrad | kKnobOnlyDx);
@@ -469,19 +507,19 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     switch (k) {
       case 0: dg_task(sm, p, local); break;
       case 1: dhs_task(sm, p, row, col); break;
-      case 2: band_order(local, s.max_mt, phase_cols[2], &row, &col), dh_task(sm, p, row, col); break;
+      case 2: band_order(local, s.max_mt, phase_cols[2], &row, &col), dh_task(sm, p, row, col, pairable); break;
       case 3: dxr_task(sm, p, row, col); break;
       case 4: dxs_task(sm, p, row, col); break;
-      case 5: band_order(local, s.max_mt, phase_cols[5], &row, &col), dx_task(sm, p, row, col); break;
+      case 5: band_order(local, s.max_mt, phase_cols[5], &row, &col), dx_task(sm, p, row, col, pairable); break;
       case 6:
       case 7: {  // row = expert; col: its (row tile, column group) in band order
-        const int e = row, nmt = k == 6 ? cdivb(s.H, BM) : cdivb(2 * s.F, BM);
+        const int e = row, nmt = wgrad_mt[k - 6];
         band_order(col, nmt, phase_cols[k] / nmt, &row, &col);
-        wgrad_task(sm, p, k == 6 ? 2 : 13, e, row, col);
+        wgrad_task(sm, p, k == 6 ? 2 : 13, e, row, col, pairable);
         break;
       }
       case 8: rw_task(sm, p, local); break;
-      case 9: tree_task(sm, p, local, (uint32_t)(phase_end[8] - phase_end[7])); break;
+      case 9: tree_task(sm, p, local, (uint32_t)(phase_end[8] - phase_start[8])); break;
       default: dxsum_task(sm, p, local); break;
     }
     profile_task(sm, p.st, 8 + k);

@@ -160,6 +160,11 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
         p.tile_row_end[mt] = off + n;
         mt++;
       }
+      if (s.pairs && (cdiv(n, BM) & 1)) {  // an empty tile: the next expert starts even
+        p.tile_expert[mt] = e;
+        p.tile_row0[mt] = p.tile_row_end[mt] = off + n;
+        mt++;
+      }
       off += n;
     }
     p.sv.expert_off[E] = off;
@@ -214,12 +219,17 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
 }
 
 // ---- expert and shared GEMMs ----
-__device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g) {
+// pairable: this task and the partner CTA's are in the same GEMM phase (next_task);
+// the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
+__device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19)) return;
-  if (mt < *p.num_tiles) {
+  const bool ok = wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19);
+  const bool valid = ok && mt < *p.num_tiles && p.tile_row0[mt] < p.tile_row_end[mt];
+  const bool paired = pair_agree(sm, pairable, ok, valid ? p.tile_expert[mt] * 4096 + g : -1);
+  if (!ok) return;
+  if (valid) with_pairing(paired, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
-    gemm_group<0, 0>(
+    gemm_group<0, 0, decltype(P)::value>(
         sm, g, cdiv(F, BF), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
           const int gate = e * 2 * F + nt * BF, up = gate + F;
@@ -230,7 +240,7 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt,
           swiglu_store(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows, &p.st_hrows,
                        row0, spare);
         });
-  }
+  });
   signal_counter(sm, &p.st.sync->counter[C_FIXED + mt]);
 }
 
@@ -249,12 +259,15 @@ __device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int m
   signal_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt]);
 }
 
-__device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int g) {
+__device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(cdiv(s.F, BF), s.H / BK), p.st, 19)) return;
-  if (mt < *p.num_tiles) {
+  const bool ok = wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(cdiv(s.F, BF), s.H / BK), p.st, 19);
+  const bool valid = ok && mt < *p.num_tiles && p.tile_row0[mt] < p.tile_row_end[mt];
+  const bool paired = pair_agree(sm, pairable, ok, valid ? p.tile_expert[mt] * 4096 + g : -1);
+  if (!ok) return;
+  if (valid) with_pairing(paired, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
-    gemm_group<0, 0>(
+    gemm_group<0, 0, decltype(P)::value>(
         sm, g, cdiv(s.H, BN), s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
           A = rows128(&p.m_hrows, row0, 0);
@@ -263,7 +276,7 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H, &p.st_orows, row0, spare);
         });
-  }
+  });
   signal_counter(sm, &p.st.sync->counter[C_G2]);
 }
 
@@ -314,31 +327,47 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
   const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
   const int n_sh2 = s.Fs ? s.smt * nHs : 0, n_g2 = s.max_mt * nH2;
-  const int num_tasks = n_route + n_sh1 + 1 + s.ns + n_g1 + n_sh2 + n_g2 + s.ns;
+  // The phases in ticket order: route, shared1, prefix, dispatch, gemm1, shared2, gemm2,
+  // combine; with pairs the paired phases (gemm1, gemm2) start at an even ticket (one
+  // skipped before), so that a cluster's two tickets are two m-tiles of one column group
+  // (kBand and max_mt are even). In shared memory: indexed by a run-time phase, an
+  // array in registers would be local memory.
+  __shared__ int phase_start[8], phase_end[8];
+  if (threadIdx.x == 0) {
+    const int count[8] = {n_route, n_sh1, 1, s.ns, n_g1, n_sh2, n_g2, s.ns};
+    int t = 0;
+    for (int k = 0; k < 8; k++) {
+      if (s.pairs && (k == 4 || k == 6)) t += t & 1;
+      phase_start[k] = t, phase_end[k] = t += count[k];
+    }
+  }
+  __syncthreads();
+  const int num_tasks = phase_end[7];
+  auto phase_of = [&](int t) {  // -1: a skipped ticket
+    int k = 0;
+    while (k < 7 && t >= phase_end[k]) k++;
+    return t < phase_start[k] ? -1 : k;
+  };
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
+    if (task >= num_tasks) continue;  // a cluster's second ticket past the last task
+    const int kind = phase_of(task);
+    if (kind < 0) continue;
     profile_start(sm, p.st);
-    int kind = 0;
-    if (task < n_route) {
-      route_task(sm, p, task);
-    } else if ((task -= n_route) < n_sh1) {
-      kind = 1, shared1_task(sm, p, task / nS1, task % nS1);
-    } else if ((task -= n_sh1) < 1) {
-      kind = 2, prefix_task(sm, p);
-    } else if ((task -= 1) < s.ns) {
-      kind = 3, dispatch_task(sm, p, task);
-    } else if ((task -= s.ns) < n_g1) {
-      int mt, g;
-      band_order(task, s.max_mt, nF1, &mt, &g);
-      kind = 4, gemm1_task(sm, p, mt, g);
-    } else if ((task -= n_g1) < n_sh2) {
-      kind = 5, shared2_task(sm, p, task / nHs, task % nHs);
-    } else if ((task -= n_sh2) < n_g2) {
-      int mt, g;
-      band_order(task, s.max_mt, nH2, &mt, &g);
-      kind = 6, gemm2_task(sm, p, mt, g);
-    } else {
-      kind = 7, combine_task(sm, p, task - n_g2);
+    const int local = task - phase_start[kind];
+    // the partner's ticket is the other of base, base + 1 (clusters of 2 only)
+    const bool pairable = sm.cluster > 1 && (kind == 4 || kind == 6) && (task ^ 1) < num_tasks &&
+                          phase_of(task ^ 1) == kind;
+    int mt, g;
+    switch (kind) {
+      case 0: route_task(sm, p, local); break;
+      case 1: shared1_task(sm, p, local / nS1, local % nS1); break;
+      case 2: prefix_task(sm, p); break;
+      case 3: dispatch_task(sm, p, local); break;
+      case 4: band_order(local, s.max_mt, nF1, &mt, &g), gemm1_task(sm, p, mt, g, pairable); break;
+      case 5: shared2_task(sm, p, local / nHs, local % nHs); break;
+      case 6: band_order(local, s.max_mt, nH2, &mt, &g), gemm2_task(sm, p, mt, g, pairable); break;
+      default: combine_task(sm, p, local); break;
     }
     profile_task(sm, p.st, kind);
   }

@@ -120,7 +120,7 @@ static int same_routing(const gpu_shape_t* s, uint64_t seed, const test_outputs_
  * token's outputs and every gradient it feeds, on either backend rightly (d_w_router
  * by 1.4e-2 once, in "tall"): such an input is checked for its routing alone, and the
  * values on the next seed's input, up to 4 tries (then on the last, ties or not). */
-static int gpu_vs_cpu(void) {
+static int vs_cpu_with(mok_cta_pairs_t pairs) {
   int bad = 0;
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
     const gpu_shape_t* s = &shapes[i];
@@ -133,6 +133,7 @@ static int gpu_vs_cpu(void) {
       mok_run_opts_t o = MOK_RUN_OPTS_INIT;
       if (test_run(p, &o)) return 1;
       test_snapshot(p, 1, &cpu);
+      o.cta_pairs = pairs;
       if (run_cuda(p, &o)) return 1;
       test_snapshot(p, 1, &gpu);
       int tied;
@@ -159,6 +160,10 @@ static int gpu_vs_cpu(void) {
   }
   return bad != 0;
 }
+/* Both GEMM paths: CTAs in clusters of 2 whose tasks on the same weight tile share its
+ * loads (paired), and every CTA alone. */
+static int gpu_vs_cpu_paired(void) { return vs_cpu_with(MOK_CTA_PAIRS_ON); }
+static int gpu_vs_cpu_unpaired(void) { return vs_cpu_with(MOK_CTA_PAIRS_OFF); }
 
 /* Bytes of every output of two CUDA runs with options a and b. */
 static int same_bits_runs(const gpu_shape_t* s, mok_run_opts_t a, mok_run_opts_t b, const char* what) {
@@ -180,16 +185,20 @@ static int d1_repeat(void) {
          same_bits_runs(&shapes[6], one, ten, "D1 ten steps sigmoid");
 }
 
-/* D2: the grid at 132, 66 and 17 CTAs gives the same bits. */
+/* D2: the grid at 132, 66 and 17 CTAs gives the same bits, and 132 CTAs in pairs (66
+ * clusters of 2 sharing weight tiles) the same as 132 alone; 17 runs unpaired (odd). */
 static int d2_grid(void) {
   int bad = 0;
-  const int grids[] = {66, 17};
-  for (int i = 0; i < 2; i++) {
+  const int grids[] = {66, 17, 132};
+  const char* what[] = {"D2 132 paired vs 66 paired", "D2 132 paired vs 17", "D2 132 paired vs 132 unpaired"};
+  for (int i = 0; i < 3; i++) {
     mok_run_opts_t full = MOK_RUN_OPTS_INIT, part = MOK_RUN_OPTS_INIT;
     full.num_ctas = 132;
+    full.cta_pairs = MOK_CTA_PAIRS_ON;
     part.num_ctas = grids[i];
-    bad += same_bits_runs(&shapes[12], full, part, grids[i] == 66 ? "D2 132 vs 66" : "D2 132 vs 17");
-    bad += same_bits_runs(&shapes[9], full, part, "D2 shared expert");
+    part.cta_pairs = i == 2 ? MOK_CTA_PAIRS_OFF : MOK_CTA_PAIRS_ON;
+    bad += same_bits_runs(&shapes[12], full, part, what[i]);
+    bad += same_bits_runs(&shapes[9], full, part, what[i]);
   }
   return bad;
 }
@@ -251,6 +260,7 @@ static int sanitizer_small(void) {
   TEST_ASSERT(p, "problem");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
   o.num_ctas = 8;
+  o.cta_pairs = MOK_CTA_PAIRS_ON;  // (the pairs' multicast and remote arrivals under the tools too)
   return run_cuda(p, &o) != 0;
 }
 
@@ -281,7 +291,7 @@ static int memcheck(void) { return sanitize("memcheck"); }
 static int racecheck(void) { return sanitize("racecheck"); }
 
 const test_case_t suite_gpu[] = {
-    {"vs_cpu", gpu_vs_cpu},        {"d1_repeat", d1_repeat},         {"d2_grid", d2_grid},
+    {"vs_cpu_paired", gpu_vs_cpu_paired}, {"vs_cpu_unpaired", gpu_vs_cpu_unpaired}, {"d1_repeat", d1_repeat},         {"d2_grid", d2_grid},
     {"d4_batch", d4_batch},        {"graph_capture", graph_capture}, {"device_errors", device_errors},
     {"sanitizer_small", sanitizer_small}, {"memcheck", memcheck},    {"racecheck", racecheck},
     TEST_END};
