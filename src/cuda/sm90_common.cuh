@@ -69,6 +69,10 @@ struct alignas(1024) Smem {
   // Between tasks both rings are empty, so the two never hold a stage at once.
   uint64_t full2[kStages];
   uint64_t empty2[kStages];
+  // A-resident runs (gemm_tiles' AR): the task's A blocks loaded once, completing on
+  // a_full (phase a_phase), while B streams through the ring
+  uint64_t a_full;
+  uint32_t a_phase;
   uint32_t ring_it;   // K blocks this CTA has put through the stage ring so far
   uint32_t ring2_it;  // the same for paired tasks (equal in both CTAs of a cluster)
   int cluster;        // CTAs in this CTA's cluster: 1, or 2 (pairs)
@@ -115,6 +119,8 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
       mbar_init(&sm.empty2[s], 4);  // both CTAs' warpgroups
     }
     for (int b = 0; b < 2; b++) mbar_init(&sm.epi_full[b], 1);
+    mbar_init(&sm.a_full, 1);
+    sm.a_phase = 0;
     sm.abort = 0;
     sm.ring_it = 0;
     sm.ring2_it = 0;
@@ -360,9 +366,21 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // PAIRED (pair_agree): the partner CTA runs the same tiles of B on other rows, in step;
 // each CTA loads its A and half of B (boxes 2 rank, 2 rank + 1), multicast to both. A
 // template argument, not a run-time flag: the unpaired mainloop stays what it is.
-template <int TA, int TB, bool PAIRED = false, class Setup, class Epi>
+// AR (A resident; unpaired): every tile has the same A of at most kArBlocks K blocks
+// (setup's A and num_kb of tile 0), loaded once into the ring's first 64 KB; B streams
+// through kStages slots of 32 KB after it. 32 KB a K block into shared memory instead
+// of 48 (the bytes each SM takes in bound the mainloop: docs/PERF.md, ninth session);
+// the epilogue's spare is a 32 KB slot.
+constexpr int kArBlocks = 4;
+constexpr int kBSlotBytes = 4 * kBoxBytes;
+static_assert(kArBlocks * 2 * kBoxBytes + kStages * kBSlotBytes <= kStages * kStageBytes, "A-resident layout");
+template <int TA, int TB, bool PAIRED = false, bool AR = false, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
+  static_assert(!(PAIRED && AR), "A-resident runs are unpaired");
   const int tid = threadIdx.x, wg = tid / 128;
+  uint8_t* const ring = sm.stage[0];
+  // a stage's (AR: a B slot's) shared memory
+  auto stage_at = [&](uint32_t s) { return AR ? ring + kArBlocks * 2 * kBoxBytes + s * kBSlotBytes : sm.stage[s]; };
   uint64_t* const full = PAIRED ? sm.full2 : sm.full;
   uint64_t* const empty = PAIRED ? sm.empty2 : sm.empty;
   uint32_t it = PAIRED ? sm.ring2_it : sm.ring_it;  // ring position of the next K block to multiply
@@ -405,11 +423,12 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     }
     MOK_STALL_ADD(kStallEmpty);
     const uint32_t knobs = sm.knobs;              // (once: the TMA asm's memory clobber would re-read it)
-    const bool skip_b = !PAIRED && (knobs & 16);  // MOK_KNOBS 16: B stays what the stage held
-    mbar_arrive_expect_tx(&full[s], skip_b ? 2 * kBoxBytes : kStageBytes);
+    const bool skip_b = !PAIRED && !AR && (knobs & 16);  // MOK_KNOBS 16: B stays what the stage held
+    mbar_arrive_expect_tx(&full[s], AR ? kBSlotBytes : skip_b ? 2 * kBoxBytes : kStageBytes);
     uint8_t* dst = sm.stage[s];
+    uint8_t* const b_dst = AR ? stage_at(s) : dst + 2 * kBoxBytes;  // B's first box (AR: A is resident)
     const int k = kb * BK;
-    {
+    if (!AR) {
       const Operand A = c.A;
 #pragma unroll
       for (int b = 0; b < 2; b++) {
@@ -423,15 +442,15 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
 #pragma unroll
       for (int i = 0; i < 2; i++) {
         const int b = hi ? 2 + i : i, pos = hi ? B.pos[2 + i] : B.pos[i];  // (no run-time index: local memory)
-        if (TB) tma_load_2d_multicast(dst + (2 + b) * kBoxBytes, B.map, &full[s], pos, B.k0 + k, 0x3);
-        else tma_load_2d_multicast(dst + (2 + b) * kBoxBytes, B.map, &full[s], B.k0 + k, pos, 0x3);
+        if (TB) tma_load_2d_multicast(b_dst + b * kBoxBytes, B.map, &full[s], pos, B.k0 + k, 0x3);
+        else tma_load_2d_multicast(b_dst + b * kBoxBytes, B.map, &full[s], B.k0 + k, pos, 0x3);
       }
     } else {
       const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
 #pragma unroll
       for (int b = 0; b < 4 && !skip_b; b++) {
-        if (TB) tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &full[s], B.pos[b], B.k0 + kb_b);
-        else tma_load_2d(dst + (2 + b) * kBoxBytes, B.map, &full[s], B.k0 + kb_b, B.pos[b]);
+        if (TB) tma_load_2d(b_dst + b * kBoxBytes, B.map, &full[s], B.pos[b], B.k0 + kb_b);
+        else tma_load_2d(b_dst + b * kBoxBytes, B.map, &full[s], B.k0 + kb_b, B.pos[b]);
       }
     }
     c.it = lit + 1, c.kb = kb + 1;
@@ -440,8 +459,27 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
   if (tid == 0 && num_tiles > 0) {
     c.it = it, c.tile = 0, c.kb = 0;
     setup(0, c.A, c.B, c.num_kb, c.k_valid_last);
+    if (AR) {
+      // the A region overlaps stages an earlier epilogue's stores may still read
+      bulk_wait_read();
+      c.spare_slot = -1;
+      const Operand A = c.A;
+      mbar_arrive_expect_tx(&sm.a_full, c.num_kb * 2 * kBoxBytes);
+      for (int kb = 0; kb < c.num_kb; kb++)
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+          uint8_t* dst = ring + (kb * 2 + b) * kBoxBytes;
+          if (TA) tma_load_2d(dst, A.map, &sm.a_full, A.pos[b], A.k0 + kb * BK);
+          else tma_load_2d(dst, A.map, &sm.a_full, A.k0 + kb * BK, A.pos[b]);
+        }
+    }
     settle();
     for (int i = 0; i < kStages - 1; i++) load_next();
+  }
+  if (AR && num_tiles > 0) {
+    const uint32_t aph = sm.a_phase;
+    while (!mbar_try_wait(&sm.a_full, aph)) {
+    }
   }
   for (int tile = 0; tile < num_tiles; tile++) {
     Operand A, B;
@@ -456,7 +494,12 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       // compiler would sink them past it), so that the first wgmma issues as soon as the
       // data lands: when the data comes late, every instruction between is tensor-core time
       uint64_t da, db;
-      stage_descs<TA, TB>(sm.stage[s], wg, da, db);
+      if (AR) {
+        da = smem_desc(ring + (kb * 2 + wg) * kBoxBytes, TA ? kBoxBytes : 16, 1024);
+        db = smem_desc(stage_at(s), TB ? kBoxBytes : 16, 1024);
+      } else {
+        stage_descs<TA, TB>(sm.stage[s], wg, da, db);
+      }
       asm volatile("" : "+l"(da), "+l"(db));
       MOK_STALL_FROM(kStallFull);
       while (!mbar_try_wait(&full[s], ph)) {
@@ -496,7 +539,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       c.spare_slot = -1;
     }
     const int et = tid_here();
-    uint8_t* spare = num_kb > 0 ? sm.stage[(it - 1) % kStages] : nullptr;
+    uint8_t* spare = num_kb > 0 ? stage_at((it - 1) % kStages) : nullptr;
     MOK_STALL_FROM(kStallEpilogue);
     epi(tile, acc, et / 128, (et % 128) / 32, et % 32, spare);
     MOK_STALL_ADD(kStallEpilogue);
@@ -509,6 +552,13 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       bulk_wait_read<1>();
       release(c.spare_slot, 2);
       c.spare_slot = -1;
+    }
+    if (AR && num_tiles > 0) {
+      // the next run lays its stages out the usual way, over this one's slots: its
+      // loads must not meet this spare's stores (spare_slot names a slot of this layout)
+      bulk_wait_read();
+      c.spare_slot = -1;
+      sm.a_phase ^= 1;
     }
   }
   __syncthreads();
@@ -568,14 +618,15 @@ __device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, S
       [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) { epi(g * size + t, acc, wg, w, l, spare); });
 }
 
-// f(Pairing<paired>()): a GEMM task's body in its paired and its unpaired
-// instantiation (gemm_tiles' PAIRED), chosen at run time by pair_agree's answer.
-template <bool P> struct Pairing {
-  static constexpr bool value = P;
+// A run-time choice between template instances: f(Flag<true>()) or f(Flag<false>()).
+template <bool V> struct Flag {
+  static constexpr bool value = V;
 };
+// f(Flag<paired>()): a GEMM task's body in its paired and its unpaired instantiation
+// (gemm_tiles' PAIRED), chosen at run time by pair_agree's answer.
 template <class F> __device__ __forceinline__ void with_pairing(bool paired, F f) {
-  if (paired) f(Pairing<true>());
-  else f(Pairing<false>());
+  if (paired) f(Flag<true>());
+  else f(Flag<false>());
 }
 
 // One tile: gemm_tiles with a single tile; epi(acc, wg, warp, lane, spare).

@@ -286,8 +286,8 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   // dw2[e] [H, F] = dy_rows^T h_rows, or dw13[e] [2F, H] = d_a^T x_rows
   char* out = which == 2 ? (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize
                          : (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize;
-  with_pairing(paired, [&](auto P) {
-    gemm_tiles<1, 1, decltype(P)::value>(
+  auto run = [&](auto P, auto R) {  // gemm_tiles' PAIRED and AR
+    gemm_tiles<1, 1, decltype(P)::value, decltype(R)::value>(
         sm, min(size, cdivb(cols, BN) - n0),
         [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
           A = rows128(maps, mt * BM, 0);
@@ -298,7 +298,12 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
           store_wgrad(sm, p, acc, wg, w, l, mt * BM, rows, (n0 + t) * BN, cols, out,
                       which == 2 ? &p.st_dw2 : &p.st_dw13, e * rows + mt * BM, spare);
         });
-  });
+  };
+  // an expert of at most kArBlocks K blocks (deepseek-v3: 4 on average): every tile of
+  // the task has the same A, kept resident while B streams (32 KB a block, not 48)
+  if (paired) run(Flag<true>(), Flag<false>());
+  else if (nk > 0 && nk <= kArBlocks) run(Flag<false>(), Flag<true>());
+  else run(Flag<false>(), Flag<false>());
 }
 
 // Replicated gradients of chunk c: every 128 x 256 tile of [dW_router | dws13 | dws2]
