@@ -6,7 +6,9 @@
 // (two per SM quadrant) leave 255 registers a thread: room for 128 accumulators (with a
 // third, producer warpgroup, a quadrant holds three warps and 168 registers each).
 // Tasks come from one integer ticket in a fixed topological order, so a task only waits
-// for tasks already taken (no deadlock with one CTA per SM).
+// for tasks already taken (no deadlock with one CTA per SM). With cfg.cta_pairs the CTAs
+// run in clusters of 2 that take two tickets at once, and two GEMM tasks on the same
+// weight tile share its loads (pair_agree; docs/KERNELS.md).
 //
 // GEMM tile: C[128 x 256] = A[128 x K] B[K x 256], fp32 accumulators. Each K block of 64
 // is six 64 x 64 bf16 TMA boxes (two of A, four of B; 128-byte swizzle) in a ring of
