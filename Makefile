@@ -57,7 +57,9 @@ $(BUILD)/%.o: %.c $(wildcard include/*.h src/*.h src/cpu/*.h tools/*.h tests/*.h
 
 # Local memory in a kernel is a build error (issue 3): ptxas fails on a register spill,
 # and its report (kept beside the object) must show no stack frame, which is where
-# arrays indexed at run time go. The report's other lines (warnings) are shown.
+# arrays indexed at run time go. The report's other lines (warnings) are shown. So is
+# wgmma serialisation: ptxas reports it (C7510-C7520) only as "info", and the kernel
+# then runs at a fraction of its speed.
 # LOCAL_MEM_OK=1: both checks off, spills only warned of, for measurement builds alone
 # (bench/gpu_session.sh stalls: the stall counters' code spills ~50 bytes in the
 # backward, values reloaded at task starts, not in the mainloop).
@@ -70,6 +72,9 @@ $(BUILD)/%.cu.o: %.cu $(wildcard include/*.h src/*.h src/cuda/*.h src/cuda/*.cuh
 	@if [ -z "$(LOCAL_MEM_OK)" ] && grep -qE '[1-9][0-9]* bytes stack frame' $@.ptxas; then \
 	  grep -B2 -E '[1-9][0-9]* bytes stack frame' $@.ptxas >&2; \
 	  echo "$<: a kernel uses local memory (stack frame above; full report in $@.ptxas)" >&2; rm -f $@; exit 1; fi
+	@if grep -qE '\(C75[0-9][0-9]\)' $@.ptxas; then \
+	  grep -E '\(C75[0-9][0-9]\)' $@.ptxas >&2; \
+	  echo "$<: ptxas serialises the kernel's wgmmas (above; docs/KERNELS.md lists the causes)" >&2; rm -f $@; exit 1; fi
 
 $(BUILD)/libmok.a: $(LIB_OBJ)
 	ar rcs $@ $^
