@@ -275,6 +275,13 @@ __device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_t
   return base < num_tasks;
 }
 
+// Thread 0: every TMA store has read shared memory, so no stage is held as a spare (the
+// stages may now be written by anyone: the partner's multicast, another layout's loads).
+__device__ __forceinline__ void release_stages_from_stores(Smem& sm) {
+  bulk_wait_read();
+  sm.load.spare_slot = -1;
+}
+
 // pair_agree's key of a task on expert e's column group g (fewer than 4096 groups), or
 // -1 when the task has no rows to multiply.
 __device__ __forceinline__ int pair_key(bool has_rows, int e, int g) { return has_rows ? e * 4096 + g : -1; }
@@ -291,8 +298,7 @@ __device__ __forceinline__ bool pair_agree(Smem& sm, bool pairable, bool ok, int
   const bool ready = ok && key >= 0;
   __syncthreads();
   if (threadIdx.x == 0) {
-    bulk_wait_read();
-    sm.load.spare_slot = -1;
+    release_stages_from_stores(sm);
     const uint32_t other = (uint32_t)(sm.rank ^ 1);
     st_remote_u32(mapa_shared(smem_addr(&sm.pair_ok), other), ready ? 1u : 0u);
     st_remote_u32(mapa_shared(smem_addr(&sm.pair_key), other), (uint32_t)key);
@@ -486,8 +492,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     setup(0, c.A, c.B, c.num_kb, c.k_valid_last);
     if (AR) {
       // the A region overlaps stages an earlier epilogue's stores may still read
-      bulk_wait_read();
-      c.spare_slot = -1;
+      release_stages_from_stores(sm);
       const Operand A = c.A;
       mbar_arrive_expect_tx(&sm.a_full, c.num_kb * 2 * kBoxBytes);
       for (int kb = 0; kb < c.num_kb; kb++)
@@ -581,8 +586,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     if (AR && num_tiles > 0) {
       // the next run lays its stages out the usual way, over this one's slots: its
       // loads must not meet this spare's stores (spare_slot names a slot of this layout)
-      bulk_wait_read();
-      c.spare_slot = -1;
+      release_stages_from_stores(sm);
       sm.a_phase ^= 1;
     }
   }
