@@ -64,7 +64,7 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   s.nb = cdiv(T, 128);
   s.ns = cdiv(T, kSubTokens);
   s.max_mt = cdiv(T * c.K, BM) + (pairs ? 2 : 1) * (int)c.E;
-  s.max_mt += pairs & s.max_mt;  // (even: band_order's bands then pair whole)
+  s.max_mt = pad_even(s.max_mt, pairs);  // (even: band_order's bands then pair whole)
   s.pairs = pairs;
   s.smt = s.nb;
   s.chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);

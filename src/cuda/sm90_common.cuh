@@ -275,26 +275,55 @@ __device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_t
   return base < num_tasks;
 }
 
+// Thread 0: every TMA store has read shared memory, so no stage is held as a spare (the
+// stages may now be written by anyone: the partner's multicast, another layout's loads).
+__device__ __forceinline__ void release_stages_from_stores(Smem& sm) {
+  bulk_wait_read();
+  sm.load.spare_slot = -1;
+}
+
+// pair_agree's key of a task on expert e's column group g (fewer than 4096 groups), or
+// -1 when the task has no rows to multiply.
+__device__ __forceinline__ int pair_key(bool has_rows, int e, int g) { return has_rows ? e * 4096 + g : -1; }
+
 // Whether this CTA and its partner run their GEMM tasks as a pair (each loads half of
 // B, multicast to both): both tasks pairable (the same GEMM phase, decided from the two
 // tickets alone, so both CTAs call this or neither), both past their dependency waits
-// (ok) and with the same B (key >= 0: expert and column group, hence the same tiles and
-// K blocks). A paired mainloop has no abort point, so a CTA that is abandoning the step
-// runs unpaired. Before the exchange every thread is done with the stages and thread
-// 0's TMA stores have read them: the partner's multicast may write them from now on.
+// (ok) and with the same B (key >= 0, pair_key: hence the same tiles and K blocks). A
+// paired mainloop has no abort point, so a CTA that is abandoning the step runs
+// unpaired. Before the exchange every thread is done with the stages and thread 0's TMA
+// stores have read them: the partner's multicast may write them from now on.
 __device__ __forceinline__ bool pair_agree(Smem& sm, bool pairable, bool ok, int key) {
   if (!pairable) return false;
+  const bool ready = ok && key >= 0;
   __syncthreads();
   if (threadIdx.x == 0) {
-    bulk_wait_read();
-    sm.load.spare_slot = -1;
+    release_stages_from_stores(sm);
     const uint32_t other = (uint32_t)(sm.rank ^ 1);
-    st_remote_u32(mapa_shared(smem_addr(&sm.pair_ok), other), ok && key >= 0 ? 1u : 0u);
+    st_remote_u32(mapa_shared(smem_addr(&sm.pair_ok), other), ready ? 1u : 0u);
     st_remote_u32(mapa_shared(smem_addr(&sm.pair_key), other), (uint32_t)key);
   }
   cluster_sync();
   // (read before the next cluster barrier, after which alone the partner writes them)
-  return ok && key >= 0 && sm.pair_ok != 0 && sm.pair_key == key;
+  return ready && sm.pair_ok != 0 && sm.pair_key == key;
+}
+
+// n, plus one when pairs need it even (a cluster's two tickets, two tiles of a pair).
+__host__ __device__ constexpr int pad_even(int n, bool pairs) { return n + (pairs & n & 1); }
+
+// The phase of ticket t, given the phases' [start, end) in ticket order; -1 for a ticket
+// skipped between two phases (pad_even of a paired phase's start).
+__device__ __forceinline__ int ticket_phase(const int* start, const int* end, int num_phases, int t) {
+  int k = 0;
+  while (k < num_phases - 1 && t >= end[k]) k++;
+  return t < start[k] ? -1 : k;
+}
+// Whether the partner CTA's ticket (the other of a cluster's base, base + 1) is in
+// phase k too: false without clusters.
+__device__ __forceinline__ bool partner_in_phase(const Smem& sm, const int* start, const int* end, int num_phases,
+                                                 int task, int k) {
+  const int other = task ^ 1;
+  return sm.cluster > 1 && other < end[num_phases - 1] && ticket_phase(start, end, num_phases, other) == k;
 }
 
 // The last CTA to leave publishes the step's status and zeroes the counters for the
@@ -463,8 +492,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     setup(0, c.A, c.B, c.num_kb, c.k_valid_last);
     if (AR) {
       // the A region overlaps stages an earlier epilogue's stores may still read
-      bulk_wait_read();
-      c.spare_slot = -1;
+      release_stages_from_stores(sm);
       const Operand A = c.A;
       mbar_arrive_expect_tx(&sm.a_full, c.num_kb * 2 * kBoxBytes);
       for (int kb = 0; kb < c.num_kb; kb++)
@@ -558,8 +586,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     if (AR && num_tiles > 0) {
       // the next run lays its stages out the usual way, over this one's slots: its
       // loads must not meet this spare's stores (spare_slot names a slot of this layout)
-      bulk_wait_read();
-      c.spare_slot = -1;
+      release_stages_from_stores(sm);
       sm.a_phase ^= 1;
     }
   }

@@ -145,7 +145,7 @@ __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, 
       *row_end = p.sv.expert_off[x] + n;
       return true;
     }
-    first += tiles + (p.s.pairs & tiles & 1);  // the forward's empty tile after an odd count
+    first += pad_even(tiles, p.s.pairs);  // the forward's empty tile after an odd count
     if (mt < first) return false;
   }
   return false;
@@ -174,7 +174,7 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
   const bool ok = wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20);
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
-  const bool paired = pair_agree(sm, pairable, ok, valid ? e * 4096 + g : -1);
+  const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, e, g));
   if (!ok) return;
   if (valid) with_pairing(paired, [&](auto P) {
     gemm_group<0, 1, decltype(P)::value>(
@@ -230,7 +230,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
                   wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN), s.H / BK), p.st, 20);
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
-  const bool paired = pair_agree(sm, pairable, ok, valid ? e * 4096 + g : -1);
+  const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, e, g));
   if (!ok) return;
   if (valid) with_pairing(paired, [&](auto P) {
     gemm_group<0, 1, decltype(P)::value>(
@@ -274,7 +274,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   const bool ok = (p.st.knobs & kKnobOnlyWgrad) || wait_counter(sm, dep, target, p.st, 20);
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
   const bool real = mt * BM < rows;
-  const bool paired = pair_agree(sm, pairable, ok, real ? e * 4096 + g : -1);
+  const bool paired = pair_agree(sm, pairable, ok, pair_key(real, e, g));
   if (!ok || !real) return;
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;  // rows of the last K block
@@ -456,6 +456,10 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   __syncthreads();
 }
 
+// The phases whose GEMM tasks two CTAs of a cluster may run as a pair: dh, dx, wgrad2,
+// wgrad13.
+__device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 || k == 6 || k == 7; }
+
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
@@ -471,8 +475,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   // (kBand and max_mt are even).
   __shared__ int phase_start[11], phase_end[11], phase_cols[11], wgrad_mt[2];
   if (threadIdx.x == 0) {
-    wgrad_mt[0] = cdivb(s.H, BM) + (s.pairs & cdivb(s.H, BM));  // dw2's row tiles (+1 to even)
-    wgrad_mt[1] = cdivb(2 * s.F, BM) + (s.pairs & cdivb(2 * s.F, BM));
+    wgrad_mt[0] = pad_even(cdivb(s.H, BM), s.pairs);  // dw2's row tiles
+    wgrad_mt[1] = pad_even(cdivb(2 * s.F, BM), s.pairs);
     const int nH = cdivb(s.H, BN), rwt = rw_tiles(s), wg_size = wgrad_group(s);
     // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
     const int rows[11] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt, s.E,
@@ -483,28 +487,21 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
                           wgrad_mt[0] * cdivb(cdivb(s.F, BN), wg_size), wgrad_mt[1] * cdivb(nH, wg_size), 1, 1, 1};
     int t = 0;
     for (int k = 0; k < 11; k++) {
-      if (s.pairs && (k == 2 || k == 5 || k == 6 || k == 7)) t += t & 1;
+      t = pad_even(t, s.pairs && paired_phase(k));
       phase_start[k] = t, phase_end[k] = t += rows[k] * cols[k], phase_cols[k] = cols[k] > 0 ? cols[k] : 1;
     }
   }
   __syncthreads();
   const int num_tasks = phase_end[10];
-  auto phase_of = [&](int t) {  // -1: a skipped ticket
-    int k = 0;
-    while (k < 10 && t >= phase_end[k]) k++;
-    return t < phase_start[k] ? -1 : k;
-  };
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
     if (task >= num_tasks) continue;  // a cluster's second ticket past the last task
-    const int k = phase_of(task);
+    const int k = ticket_phase(phase_start, phase_end, 11, task);
     if (k < 0) continue;
     profile_start(sm, p.st);
     const int local = task - phase_start[k];
     int row = local / phase_cols[k], col = local % phase_cols[k];
-    // the partner's ticket is the other of base, base + 1 (clusters of 2 only)
-    const bool pairable = sm.cluster > 1 && (k == 2 || k == 5 || k == 6 || k == 7) && (task ^ 1) < num_tasks &&
-                          phase_of(task ^ 1) == k;
+    const bool pairable = paired_phase(k) && partner_in_phase(sm, phase_start, phase_end, 11, task, k);
     // MOK_KNOBS 64 / 128: only the weight-gradient / dx tasks run (without waiting for
     // their inputs), so that ncu sees that phase alone
     const uint32_t only = p.st.knobs & (kKnobOnlyWgrad | kKnobOnlyDx);

@@ -225,7 +225,7 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt,
   const Shape& s = p.s;
   const bool ok = wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19);
   const bool valid = ok && mt < *p.num_tiles && p.tile_row0[mt] < p.tile_row_end[mt];
-  const bool paired = pair_agree(sm, pairable, ok, valid ? p.tile_expert[mt] * 4096 + g : -1);
+  const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, valid ? p.tile_expert[mt] : 0, g));
   if (!ok) return;
   if (valid) with_pairing(paired, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
@@ -263,7 +263,7 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
   const Shape& s = p.s;
   const bool ok = wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(cdiv(s.F, BF), s.H / BK), p.st, 19);
   const bool valid = ok && mt < *p.num_tiles && p.tile_row0[mt] < p.tile_row_end[mt];
-  const bool paired = pair_agree(sm, pairable, ok, valid ? p.tile_expert[mt] * 4096 + g : -1);
+  const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, valid ? p.tile_expert[mt] : 0, g));
   if (!ok) return;
   if (valid) with_pairing(paired, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
@@ -319,6 +319,9 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
   __syncthreads();
 }
 
+// The phases whose GEMM tasks two CTAs of a cluster may run as a pair: gemm1, gemm2.
+__device__ __forceinline__ bool paired_phase(int k) { return k == 4 || k == 6; }
+
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
@@ -337,27 +340,20 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
     const int count[8] = {n_route, n_sh1, 1, s.ns, n_g1, n_sh2, n_g2, s.ns};
     int t = 0;
     for (int k = 0; k < 8; k++) {
-      if (s.pairs && (k == 4 || k == 6)) t += t & 1;
+      t = pad_even(t, s.pairs && paired_phase(k));
       phase_start[k] = t, phase_end[k] = t += count[k];
     }
   }
   __syncthreads();
   const int num_tasks = phase_end[7];
-  auto phase_of = [&](int t) {  // -1: a skipped ticket
-    int k = 0;
-    while (k < 7 && t >= phase_end[k]) k++;
-    return t < phase_start[k] ? -1 : k;
-  };
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
     if (task >= num_tasks) continue;  // a cluster's second ticket past the last task
-    const int kind = phase_of(task);
+    const int kind = ticket_phase(phase_start, phase_end, 8, task);
     if (kind < 0) continue;
     profile_start(sm, p.st);
     const int local = task - phase_start[kind];
-    // the partner's ticket is the other of base, base + 1 (clusters of 2 only)
-    const bool pairable = sm.cluster > 1 && (kind == 4 || kind == 6) && (task ^ 1) < num_tasks &&
-                          phase_of(task ^ 1) == kind;
+    const bool pairable = paired_phase(kind) && partner_in_phase(sm, phase_start, phase_end, 8, task, kind);
     int mt, g;
     switch (kind) {
       case 0: route_task(sm, p, local); break;
