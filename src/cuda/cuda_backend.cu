@@ -50,8 +50,8 @@ static GpuContext* gpu(const mok_context_t* ctx) { return static_cast<GpuContext
 
 static int cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
-// pairs: a launch in clusters of 2, whose expert m-tiles are padded to an even count a
-// expert (room for E more); the byte plans take that bound either way.
+// pairs: a launch in clusters of 2, whose paired phases want max_mt even (band_order's
+// bands then pair whole); the byte plans take that bound either way.
 static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   Shape s{};
   s.T = (int)T, s.H = (int)c.H, s.F = (int)c.F, s.E = (int)c.E, s.K = (int)c.K, s.Fs = (int)c.Fs;
@@ -63,8 +63,7 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   s.route_scale = c.route_scale, s.aux_coef = c.aux_loss_coef, s.z_coef = c.z_loss_coef;
   s.nb = cdiv(T, 128);
   s.ns = cdiv(T, kSubTokens);
-  s.max_mt = cdiv(T * c.K, BM) + (pairs ? 2 : 1) * (int)c.E;
-  s.max_mt = pad_even(s.max_mt, pairs);  // (even: band_order's bands then pair whole)
+  s.max_mt = pad_even(cdiv(T * c.K, BM) + (int)c.E, pairs);
   s.pairs = pairs;
   s.smt = s.nb;
   s.chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
@@ -215,7 +214,7 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   // unpaired.
   g.grid = c.num_ctas > 0 ? c.num_ctas : g.num_sms;
   const bool want = c.cta_pairs == MOK_CTA_PAIRS_ON ||
-                    (c.cta_pairs == MOK_CTA_PAIRS_AUTO && c.T * c.K >= (int64_t)2048 * c.E);
+                    (c.cta_pairs == MOK_CTA_PAIRS_AUTO && (c.T * c.K >= (int64_t)2048 * c.E || getenv("MOK_PAIRS_ALWAYS")));
   if (want && (g.grid % 2 == 0 || c.num_ctas == 0)) {
     cudaLaunchConfig_t lc = {};
     cudaLaunchAttribute attr;

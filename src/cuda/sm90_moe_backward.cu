@@ -133,8 +133,7 @@ __device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float 
 }
 
 // Expert m-tile of the expert rows: (expert, first row, end row) from the saved offsets.
-// Tiles follow the forward's order: experts in order, 128 rows each (with s.pairs an
-// expert's odd count is followed by an empty tile: false here).
+// Tiles follow the forward's order: experts in order, 128 rows each.
 __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, int* row0, int* row_end) {
   int first = 0;
   for (int x = 0; x < p.s.E; x++) {
@@ -145,8 +144,7 @@ __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, 
       *row_end = p.sv.expert_off[x] + n;
       return true;
     }
-    first += pad_even(tiles, p.s.pairs);  // the forward's empty tile after an odd count
-    if (mt < first) return false;
+    first += tiles;
   }
   return false;
 }
@@ -263,9 +261,8 @@ __device__ __forceinline__ int wgrad_group(const Shape& s) {
 // pipeline; each tile sums over the expert's rows in order, 64 per K block. Its
 // operands come through maps cut to the expert's rows (cut_maps): the last K block's
 // rows past the expert arrive as zeros, and its k16 steps past them are skipped.
-// Paired (pairable: next_task), the two CTAs take row tiles mt, mt + 1 of one expert
-// and column group: the same B (the expert's rows) and K blocks. A row tile past dW's
-// rows is the empty task that makes a phase's tasks an expert even (pairs).
+// Paired (pairable: next_task; pair_agree), the two CTAs take two row tiles of one
+// expert and column group: the same B (the expert's rows) and K blocks.
 __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt, int g,
                                            bool pairable) {
   const Shape& s = p.s;
@@ -273,9 +270,8 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
   const bool ok = (p.st.knobs & kKnobOnlyWgrad) || wait_counter(sm, dep, target, p.st, 20);
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
-  const bool real = mt * BM < rows;
-  const bool paired = pair_agree(sm, pairable, ok, pair_key(real, e, g));
-  if (!ok || !real) return;
+  const bool paired = pair_agree(sm, pairable, ok, pair_key(true, e, g));
+  if (!ok) return;
   const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;  // rows of the last K block
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
@@ -470,13 +466,15 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   // (GEMM tasks: a row tile and a group of its column tiles). Kept in shared memory so
   // that the dispatch loop holds few registers across the task calls.
   // With pairs the paired phases (dh, dx, wgrad2, wgrad13) start at an even ticket (one
-  // skipped before), and the weight gradients' row tiles an expert are even (an empty
-  // last one), so that a cluster's two tickets are two row tiles of one column group
-  // (kBand and max_mt are even).
+  // skipped before), so that a cluster's two tickets are two row tiles of one column
+  // group (kBand and max_mt are even; an odd number of weight-gradient row tiles makes
+  // that band's last pair straddle two groups): a pair when both are the same expert's
+  // (pair_agree). No tile is padded in: the partner of an expert's odd last tile runs
+  // the next expert's first tile beside it, unpaired, rather than idle.
   __shared__ int phase_start[11], phase_end[11], phase_cols[11], wgrad_mt[2];
   if (threadIdx.x == 0) {
-    wgrad_mt[0] = pad_even(cdivb(s.H, BM), s.pairs);  // dw2's row tiles
-    wgrad_mt[1] = pad_even(cdivb(2 * s.F, BM), s.pairs);
+    wgrad_mt[0] = cdivb(s.H, BM);  // dw2's row tiles
+    wgrad_mt[1] = cdivb(2 * s.F, BM);
     const int nH = cdivb(s.H, BN), rwt = rw_tiles(s), wg_size = wgrad_group(s);
     // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
     const int rows[11] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt, s.E,

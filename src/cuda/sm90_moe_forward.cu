@@ -160,11 +160,6 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
         p.tile_row_end[mt] = off + n;
         mt++;
       }
-      if (s.pairs && (cdiv(n, BM) & 1)) {  // an empty tile: the next expert starts even
-        p.tile_expert[mt] = e;
-        p.tile_row0[mt] = p.tile_row_end[mt] = off + n;
-        mt++;
-      }
       off += n;
     }
     p.sv.expert_off[E] = off;
@@ -333,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   // The phases in ticket order: route, shared1, prefix, dispatch, gemm1, shared2, gemm2,
   // combine; with pairs the paired phases (gemm1, gemm2) start at an even ticket (one
   // skipped before), so that a cluster's two tickets are two m-tiles of one column group
-  // (kBand and max_mt are even). In shared memory: indexed by a run-time phase, an
+  // (kBand and max_mt are even): a pair when both are the same expert's (pair_agree). In shared memory: indexed by a run-time phase, an
   // array in registers would be local memory.
   __shared__ int phase_start[8], phase_end[8];
   if (threadIdx.x == 0) {
