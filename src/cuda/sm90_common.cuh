@@ -310,6 +310,12 @@ __device__ __forceinline__ bool pair_agree(Smem& sm, bool pairable, bool ok, int
 
 // n, plus one when pairs need it even (a cluster's two tickets, two tiles of a pair).
 __host__ __device__ constexpr int pad_even(int n, bool pairs) { return n + (pairs & n & 1); }
+// The m-tiles of an expert's run in the tile table (forward's prefix, backward's
+// expert_tile): with pairs its even part, so that every expert's run starts at an even
+// tile and pairs whole (a cluster's two tiles, one B); its odd last tile goes to the
+// table's end, where such tiles pair up across experts and run side by side unpaired,
+// rather than beside an empty tile.
+__host__ __device__ constexpr int paired_tiles(int tiles, bool pairs) { return pairs ? tiles & ~1 : tiles; }
 
 // The phase of ticket t, given the phases' [start, end) in ticket order; -1 for a ticket
 // skipped between two phases (pad_even of a paired phase's start).

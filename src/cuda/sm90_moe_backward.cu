@@ -133,18 +133,25 @@ __device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float 
 }
 
 // Expert m-tile of the expert rows: (expert, first row, end row) from the saved offsets.
-// Tiles follow the forward's order: experts in order, 128 rows each.
+// Tiles follow the forward's table: experts in order, 128 rows each; with pairs each
+// expert's even run of tiles first, then the odd last tiles (paired_tiles).
 __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, int* row0, int* row_end) {
   int first = 0;
   for (int x = 0; x < p.s.E; x++) {
-    const int n = p.sv.counts[x], tiles = cdivb(n, BM);
-    if (mt < first + tiles) {
-      *e = x;
-      *row0 = p.sv.expert_off[x] + (mt - first) * BM;
-      *row_end = p.sv.expert_off[x] + n;
+    const int run = paired_tiles(cdivb(p.sv.counts[x], BM), p.s.pairs);
+    if (mt < first + run) {
+      *e = x, *row0 = p.sv.expert_off[x] + (mt - first) * BM, *row_end = p.sv.expert_off[x] + p.sv.counts[x];
       return true;
     }
-    first += tiles;
+    first += run;
+  }
+  for (int x = 0; x < p.s.E && p.s.pairs; x++) {
+    const int tiles = cdivb(p.sv.counts[x], BM);
+    if (!(tiles & 1)) continue;
+    if (mt == first++) {
+      *e = x, *row0 = p.sv.expert_off[x] + (tiles - 1) * BM, *row_end = p.sv.expert_off[x] + p.sv.counts[x];
+      return true;
+    }
   }
   return false;
 }

@@ -150,19 +150,21 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     }
   __syncthreads();
   if (threadIdx.x == 0) {
+    // the tile table, in expert_tile's order (paired_tiles: with pairs each expert's
+    // odd last tile comes after every expert's even run)
     int off = 0, mt = 0;
     for (int e = 0; e < E; e++) {
-      const int n = p.sv.counts[e];
+      const int n = p.sv.counts[e], run = paired_tiles(cdiv(n, BM), s.pairs);
       p.sv.expert_off[e] = off;
-      for (int r = 0; r < n; r += BM) {
-        p.tile_expert[mt] = e;
-        p.tile_row0[mt] = off + r;
-        p.tile_row_end[mt] = off + n;
-        mt++;
-      }
+      for (int i = 0; i < run; i++, mt++)
+        p.tile_expert[mt] = e, p.tile_row0[mt] = off + i * BM, p.tile_row_end[mt] = off + n;
       off += n;
     }
     p.sv.expert_off[E] = off;
+    for (int e = 0; e < E && s.pairs; e++) {
+      const int n = p.sv.counts[e], tiles = cdiv(n, BM), o = p.sv.expert_off[e];
+      if (tiles & 1) p.tile_expert[mt] = e, p.tile_row0[mt] = o + (tiles - 1) * BM, p.tile_row_end[mt] = o + n, mt++;
+    }
     *p.num_tiles = mt;
     if (losses) {  // aux = alpha E sum_e f_e P_e (increasing e); z = beta mean_t lse^2
       float aux = 0.f;
