@@ -90,7 +90,7 @@ typedef enum {
                              for checking gradients against finite differences */
 } mok_numerics_t;
 typedef enum {
-  MOK_CTA_PAIRS_AUTO = 0, /* where measured faster: experts of 2048 rows or more on average (T K / E) */
+  MOK_CTA_PAIRS_AUTO = 0, /* where measured faster: every shape (docs/PERF.md, tenth session) */
   MOK_CTA_PAIRS_OFF = 1,
   MOK_CTA_PAIRS_ON = 2    /* whenever the grid is even and every pair fits at once */
 } mok_cta_pairs_t;

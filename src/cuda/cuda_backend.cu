@@ -207,14 +207,12 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // Clusters of 2 (cfg.cta_pairs) when the grid is even and every pair fits at once; an
   // odd grid runs unclustered, and the bits are the same either way (D2). AUTO pairs
-  // where measured faster (docs/PERF.md, ninth session): experts of 2048 rows or more on
-  // average (mixtral-8x7b 1.5% faster; qwen3, gpt-oss and deepseek 2.5-5% slower, their
-  // shorter expert m-tile runs paying the pairs' lockstep and agreement). The default
-  // grid (one CTA per SM) shrinks to the pairs that fit when the GPCs leave an SM or two
-  // unpaired.
+  // every shape: with no tile padded in, pairs were faster on 7 of the benchmark's 8
+  // rows (docs/PERF.md, tenth session; with an empty tile after each odd count they cost
+  // deepseek-v3 5%). The default grid (one CTA per SM) shrinks to the pairs that fit
+  // when the GPCs leave an SM or two unpaired.
   g.grid = c.num_ctas > 0 ? c.num_ctas : g.num_sms;
-  const bool want = c.cta_pairs == MOK_CTA_PAIRS_ON ||
-                    (c.cta_pairs == MOK_CTA_PAIRS_AUTO && (c.T * c.K >= (int64_t)2048 * c.E || getenv("MOK_PAIRS_ALWAYS")));
+  const bool want = c.cta_pairs != MOK_CTA_PAIRS_OFF;
   if (want && (g.grid % 2 == 0 || c.num_ctas == 0)) {
     cudaLaunchConfig_t lc = {};
     cudaLaunchAttribute attr;
