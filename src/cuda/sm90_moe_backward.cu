@@ -476,8 +476,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   // skipped before), so that a cluster's two tickets are two row tiles of one column
   // group (kBand and max_mt are even; an odd number of weight-gradient row tiles makes
   // that band's last pair straddle two groups): a pair when both are the same expert's
-  // (pair_agree). No tile is padded in: the partner of an expert's odd last tile runs
-  // the next expert's first tile beside it, unpaired, rather than idle.
+  // (pair_agree; an expert's odd last m-tile pairs with another expert's at the tile
+  // table's end, paired_tiles, and the two run side by side unpaired).
   __shared__ int phase_start[11], phase_end[11], phase_cols[11], wgrad_mt[2];
   if (threadIdx.x == 0) {
     wgrad_mt[0] = cdivb(s.H, BM);  // dw2's row tiles

@@ -330,8 +330,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   // The phases in ticket order: route, shared1, prefix, dispatch, gemm1, shared2, gemm2,
   // combine; with pairs the paired phases (gemm1, gemm2) start at an even ticket (one
   // skipped before), so that a cluster's two tickets are two m-tiles of one column group
-  // (kBand and max_mt are even): a pair when both are the same expert's (pair_agree). In shared memory: indexed by a run-time phase, an
-  // array in registers would be local memory.
+  // (kBand and max_mt are even): a pair when both are the same expert's (pair_agree;
+  // paired_tiles). In shared memory: indexed by a run-time phase, an array in registers
+  // would be local memory.
   __shared__ int phase_start[8], phase_end[8];
   if (threadIdx.x == 0) {
     const int count[8] = {n_route, n_sh1, 1, s.ns, n_g1, n_sh2, n_g2, s.ns};
