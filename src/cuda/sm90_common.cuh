@@ -310,12 +310,31 @@ __device__ __forceinline__ bool pair_agree(Smem& sm, bool pairable, bool ok, int
 
 // n, plus one when pairs need it even (a cluster's two tickets, two tiles of a pair).
 __host__ __device__ constexpr int pad_even(int n, bool pairs) { return n + (pairs & n & 1); }
-// The m-tiles of an expert's run in the tile table (forward's prefix, backward's
-// expert_tile): with pairs its even part, so that every expert's run starts at an even
-// tile and pairs whole (a cluster's two tiles, one B); its odd last tile goes to the
-// table's end, where such tiles pair up across experts and run side by side unpaired,
-// rather than beside an empty tile.
-__host__ __device__ constexpr int paired_tiles(int tiles, bool pairs) { return pairs ? tiles & ~1 : tiles; }
+// The expert m-tile table (the forward's prefix writes it, the backward's expert_tile
+// reads it back from the counts): calls visit(e, row0, n, row_end) for runs of n
+// consecutive 128-row tiles of expert e from row0 (rows end at row_end), in table
+// order, until visit returns true. Without pairs: each expert's tiles, experts in
+// order. With pairs: each expert's even run, so that every run starts at an even tile
+// and pairs whole (a cluster's two tiles, one B); an expert's odd last tile waits for
+// the next odd expert's, and the two go in just before that expert's run: two
+// experts' last tiles side by side, unpaired, rather than one beside an empty tile,
+// and both near their experts' other tiles (the same weights, still in L2); a last
+// lone one goes at the end.
+template <class Visit>
+__device__ __forceinline__ void walk_tiles(const int32_t* counts, const int32_t* offs, int E, bool pairs, Visit visit) {
+  int waiting = -1;  // the odd expert whose last tile waits
+  auto last_tile = [&](int x) { return visit(x, offs[x] + (counts[x] - 1) / BM * BM, 1, offs[x] + counts[x]); };
+  for (int x = 0; x < E; x++) {
+    const int tiles = (counts[x] + BM - 1) / BM, run = pairs ? tiles & ~1 : tiles;
+    if (pairs && (tiles & 1)) {
+      if (waiting < 0) waiting = x;
+      else if (last_tile(waiting) || last_tile(x)) return;
+      else waiting = -1;
+    }
+    if (run > 0 && visit(x, offs[x], run, offs[x] + counts[x])) return;
+  }
+  if (waiting >= 0) last_tile(waiting);
+}
 
 // The phase of ticket t, given the phases' [start, end) in ticket order; -1 for a ticket
 // skipped between two phases (pad_even of a paired phase's start).

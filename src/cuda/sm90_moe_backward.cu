@@ -132,28 +132,17 @@ __device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float 
   else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols, st, map_row, spare);
 }
 
-// Expert m-tile of the expert rows: (expert, first row, end row) from the saved offsets.
-// Tiles follow the forward's table: experts in order, 128 rows each; with pairs each
-// expert's even run of tiles first, then the odd last tiles (paired_tiles).
+// Expert m-tile mt of the expert rows: (expert, first row, end row), false past the
+// last. The forward's tile table, walked again from the saved counts and offsets.
 __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, int* row0, int* row_end) {
   int first = 0;
-  for (int x = 0; x < p.s.E; x++) {
-    const int run = paired_tiles(cdivb(p.sv.counts[x], BM), p.s.pairs);
-    if (mt < first + run) {
-      *e = x, *row0 = p.sv.expert_off[x] + (mt - first) * BM, *row_end = p.sv.expert_off[x] + p.sv.counts[x];
-      return true;
-    }
-    first += run;
-  }
-  for (int x = 0; x < p.s.E && p.s.pairs; x++) {
-    const int tiles = cdivb(p.sv.counts[x], BM);
-    if (!(tiles & 1)) continue;
-    if (mt == first++) {
-      *e = x, *row0 = p.sv.expert_off[x] + (tiles - 1) * BM, *row_end = p.sv.expert_off[x] + p.sv.counts[x];
-      return true;
-    }
-  }
-  return false;
+  bool found = false;
+  walk_tiles(p.sv.counts, p.sv.expert_off, p.s.E, p.s.pairs, [&](int x, int r0, int n, int re) {
+    if (mt >= first + n) return first += n, false;
+    *e = x, *row0 = r0 + (mt - first) * BM, *row_end = re;
+    return found = true;
+  });
+  return found;
 }
 
 __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int g) {
@@ -476,8 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   // skipped before), so that a cluster's two tickets are two row tiles of one column
   // group (kBand and max_mt are even; an odd number of weight-gradient row tiles makes
   // that band's last pair straddle two groups): a pair when both are the same expert's
-  // (pair_agree; an expert's odd last m-tile pairs with another expert's at the tile
-  // table's end, paired_tiles, and the two run side by side unpaired).
+  // (pair_agree; walk_tiles puts two odd experts' last m-tiles side by side, unpaired).
   __shared__ int phase_start[11], phase_end[11], phase_cols[11], wgrad_mt[2];
   if (threadIdx.x == 0) {
     wgrad_mt[0] = cdivb(s.H, BM);  // dw2's row tiles

@@ -150,21 +150,14 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     }
   __syncthreads();
   if (threadIdx.x == 0) {
-    // the tile table, in expert_tile's order (paired_tiles: with pairs each expert's
-    // odd last tile comes after every expert's even run)
     int off = 0, mt = 0;
-    for (int e = 0; e < E; e++) {
-      const int n = p.sv.counts[e], run = paired_tiles(cdiv(n, BM), s.pairs);
-      p.sv.expert_off[e] = off;
-      for (int i = 0; i < run; i++, mt++)
-        p.tile_expert[mt] = e, p.tile_row0[mt] = off + i * BM, p.tile_row_end[mt] = off + n;
-      off += n;
-    }
+    for (int e = 0; e < E; e++) p.sv.expert_off[e] = off, off += p.sv.counts[e];
     p.sv.expert_off[E] = off;
-    for (int e = 0; e < E && s.pairs; e++) {
-      const int n = p.sv.counts[e], tiles = cdiv(n, BM), o = p.sv.expert_off[e];
-      if (tiles & 1) p.tile_expert[mt] = e, p.tile_row0[mt] = o + (tiles - 1) * BM, p.tile_row_end[mt] = o + n, mt++;
-    }
+    walk_tiles(p.sv.counts, p.sv.expert_off, E, s.pairs, [&](int e, int row0, int n, int row_end) {
+      for (int i = 0; i < n; i++, mt++)
+        p.tile_expert[mt] = e, p.tile_row0[mt] = row0 + i * BM, p.tile_row_end[mt] = row_end;
+      return false;
+    });
     *p.num_tiles = mt;
     if (losses) {  // aux = alpha E sum_e f_e P_e (increasing e); z = beta mean_t lse^2
       float aux = 0.f;
@@ -331,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   // combine; with pairs the paired phases (gemm1, gemm2) start at an even ticket (one
   // skipped before), so that a cluster's two tickets are two m-tiles of one column group
   // (kBand and max_mt are even): a pair when both are the same expert's (pair_agree;
-  // paired_tiles). In shared memory: indexed by a run-time phase, an array in registers
+  // walk_tiles). In shared memory: indexed by a run-time phase, an array in registers
   // would be local memory.
   __shared__ int phase_start[8], phase_end[8];
   if (threadIdx.x == 0) {
