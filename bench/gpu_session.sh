@@ -11,6 +11,10 @@
 #   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
 #   comm          the 2-GPU NCCL case alone (comm.peer_exchange_w2)
+#   repeat        one GPU test case (CASE, default gpu.racecheck) REPEAT times (default 20),
+#                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
+#                 hang: one line a run (exit 124: it hung), then the counts; logs in
+#                 $OUT/repeat-<i>.txt
 #   ab            mok alone (bench_moe.py --mok-only, uniform routing), REF's libraries
 #                 (builds of other commits or flags, carried; a space-separated list) and
 #                 this one, alternating, ROUNDS times:
@@ -101,6 +105,17 @@ for part in "$@"; do
       ;;
     comm)
       ./build/mok_gpu_tests -k comm.peer_exchange_w2 2>&1 | tail -4
+      ;;
+    repeat)
+      ok=0 failed=0 hung=0
+      for i in $(seq "${REPEAT:-20}"); do
+        timeout "${LIMIT:-30}" ./build/mok_gpu_tests -k "${CASE:-gpu.racecheck}" > "$OUT/repeat-$i.txt" 2>&1
+        rc=$?
+        pkill -f compute-sanitizer  # (a hung racecheck leaves its child behind)
+        echo "repeat $i: exit $rc, $(tail -1 "$OUT/repeat-$i.txt")"
+        if [ $rc -eq 0 ]; then ok=$((ok + 1)); elif [ $rc -eq 124 ]; then hung=$((hung + 1)); else failed=$((failed + 1)); fi
+      done
+      echo "repeat ${CASE:-gpu.racecheck}: $ok passed, $failed failed, $hung hung"
       ;;
     stalls)
       # (NVFLAGS from the environment: the Makefile appends its own flags to it)
