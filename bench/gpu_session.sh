@@ -15,7 +15,8 @@
 #                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
 #                 hang: one line a run (exit 124: it hung), then the counts; logs in
 #                 $OUT/repeat-<i>.txt
-#   ab            mok alone (bench_moe.py --mok-only, uniform routing), REF's libraries
+#   ab            mok alone (bench_moe.py --mok-only, uniform routing; SKEWED=1: skewed
+#                 too), REF's libraries
 #                 (builds of other commits or flags, carried; a space-separated list) and
 #                 this one, alternating, ROUNDS times:
 #                 variants compared in one call, at the same temperature; each line ends
@@ -98,7 +99,7 @@ for part in "$@"; do
       for round in $(seq "${ROUNDS:-2}"); do
         for lib in $REF build/libmok.so; do
           echo "== ab round $round: $lib"
-          MOK_LIBRARY="$PWD/$lib" python3 bench/bench_moe.py --mok-only --uniform-only --shapes "$SHAPES" \
+          MOK_LIBRARY="$PWD/$lib" python3 bench/bench_moe.py --mok-only $([ -n "${SKEWED:-}" ] || echo --uniform-only) --shapes "$SHAPES" \
             --commit "$lib" 2>&1 | grep -v "^-\|^shape" | tee -a "$OUT/ab.txt"
         done
       done
