@@ -14,7 +14,7 @@
 #   repeat        one GPU test case (CASE, default gpu.racecheck) REPEAT times (default 20),
 #                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
 #                 hang: one line a run (exit 124: it hung), then the counts; logs in
-#                 $OUT/repeat-<i>.txt
+#                 $OUT/repeat-<i>.txt (and a failed run's sanitizer log beside it)
 #   ab            mok alone (bench_moe.py --mok-only, uniform routing; SKEWED=1: skewed
 #                 too), REF's libraries
 #                 (builds of other commits or flags, carried; a space-separated list) and
@@ -113,6 +113,9 @@ for part in "$@"; do
         timeout "${LIMIT:-30}" ./build/mok_gpu_tests -k "${CASE:-gpu.racecheck}" > "$OUT/repeat-$i.txt" 2>&1
         rc=$?
         pkill -f compute-sanitizer  # (a hung racecheck leaves its child behind)
+        if [ $rc -ne 0 ]; then
+          for f in sanitizer_*.log; do [ -f "$f" ] && cp "$f" "$OUT/repeat-$i-$f"; done
+        fi
         echo "repeat $i: exit $rc, $(tail -1 "$OUT/repeat-$i.txt")"
         if [ $rc -eq 0 ]; then ok=$((ok + 1)); elif [ $rc -eq 124 ]; then hung=$((hung + 1)); else failed=$((failed + 1)); fi
       done
