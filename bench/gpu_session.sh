@@ -10,6 +10,7 @@
 #   trace         MOK_TRACE of one step per shape, bench/trace_report.py per shape
 #   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
+#                 (BENCH_ROUNDS=N: mok and the peer timed N times a row, in turn)
 #   comm          the 2-GPU NCCL case alone (comm.peer_exchange_w2)
 #   repeat        one GPU test case (CASE, default gpu.racecheck) REPEAT times (default 20),
 #                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
@@ -91,7 +92,8 @@ for part in "$@"; do
       python3 bench/bench_moe.py --kernel-times --shapes "$SHAPES" --warm "${WARM:-0}" 2>&1 | tee "$OUT/kernel-times.txt"
       ;;
     bench)
-      python3 bench/bench_moe.py --shapes "$SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" 2>&1 |
+      python3 bench/bench_moe.py --shapes "$SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" \
+        --rounds "${BENCH_ROUNDS:-1}" 2>&1 |
         tee "$OUT/bench.txt"
       ;;
     ab)
