@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "../runner.h"
@@ -264,14 +265,19 @@ static int sanitizer_small(void) {
   return run_cuda(p, &o) != 0;
 }
 
-/* compute-sanitizer over this program's sanitizer_small case: no error reported. */
+/* compute-sanitizer over this program's sanitizer_small case: no error reported. The
+   run is bounded too (it takes seconds): a hang fails the case instead of the suite. */
+enum { kSanitizeLimitS = 120 };
 static int sanitize(const char* tool) {
   char cmd[1024];
   snprintf(cmd, sizeof cmd,
-           "compute-sanitizer --tool %s --error-exitcode 3 /proc/%d/exe -k gpu.sanitizer_small --seed %llu "
-           "> sanitizer_%s.log 2>&1",
-           tool, (int)getpid(), (unsigned long long)test_seed, tool);
-  int rc = system(cmd);
+           "timeout -k 10 %d compute-sanitizer --tool %s --error-exitcode 3 /proc/%d/exe -k gpu.sanitizer_small "
+           "--seed %llu > sanitizer_%s.log 2>&1",
+           kSanitizeLimitS, tool, (int)getpid(), (unsigned long long)test_seed, tool);
+  const int status = system(cmd);
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  TEST_ASSERT(rc != 124 && rc != 137, "compute-sanitizer --tool %s did not end within %d s (see sanitizer_%s.log)",
+              tool, kSanitizeLimitS, tool);
   char path[64], line[512], summary[512] = "", last[512] = "";
   snprintf(path, sizeof path, "sanitizer_%s.log", tool);
   FILE* f = fopen(path, "r");
