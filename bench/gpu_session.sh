@@ -22,7 +22,8 @@
 #                 this one, alternating, ROUNDS times:
 #                 variants compared in one call, at the same temperature; each line ends
 #                 with a digest of mok's outputs' bits (equal: the builds agree bit for bit)
-#                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default)
+#                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default;
+#                 bench/build_refs.sh builds other commits' libraries here)
 #   stalls        a MOK_STALL_PROFILE build (build-stall/: thread 0's cycles in each wait
 #                 of the GEMM tasks, by kind) traced per shape, beside the plain trace's rates
 #   peer-cycles   the peer's six grouped GEMMs per shape under ncu, FLOPs per SM cycle
