@@ -36,12 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import mok  # noqa: E402
 from ep_peer import route  # noqa: E402  (bench/ is this script's directory)
-from shapes import SHAPES  # noqa: E402
-
-
-
-def flops(T, H, Fd, E, K):
-    return 3 * (6 * T * K * H * Fd + 2 * T * H * E)
+from shapes import SHAPES, hot_experts, step_flops  # noqa: E402
 
 
 def time_ms(fn, steps, warmup=3):
@@ -207,7 +202,7 @@ class Problem:
         with torch.no_grad():
             self.layer.bias_select.zero_()
             if skewed:
-                self.layer.bias_select[: max(1, E // 32)] = 1.0
+                self.layer.bias_select[: hot_experts(E)] = 1.0
         self.x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
         self.dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         self.params = [self.layer.w_router, self.layer.w13, self.layer.w2]
@@ -317,7 +312,7 @@ def bench_shape(name, skewed, steps, ceiling, mok_only=False, rounds=1):
     pb = Problem(name, skewed)
     x, params, mok_step, peer_step = pb.x, pb.params, pb.mok_step, pb.peer_step
     result = {"shape": name, "routing": "skewed" if skewed else "uniform", "T": T, "H": H, "F": Fd, "E": E, "K": K}
-    fl = flops(T, H, Fd, E, K)
+    fl = step_flops(T, H, Fd, E, K)
 
     # ---- mok ----
     torch.cuda.reset_peak_memory_stats()

@@ -6,13 +6,13 @@ measured times are set against the floors.
 
     python3 bench/floors.py [--json docs/bench-h200-....json] [--tflops 777] [--tbps 4.2]
 
-FLOPs: 3 x the forward's (6 T K H F + 2 T H E), DESIGN.md section 7, as bench_moe.py
-counts them. Bytes (bf16, 2 bytes an element), each tensor once:
+FLOPs: shapes.step_flops (3 x the forward's 6 T K H F + 2 T H E), as bench_moe.py
+counts them too. Bytes (bf16, 2 bytes an element), each tensor once:
 - weights W = E (2F H + H F + H): the forward reads those of the experts that have
   rows, the backward reads them again and writes every expert's gradients (bf16; an
   expert without rows gets zeros), W + 2 W active / E. Uniform routing: every expert
-  has rows. Skewed (bench_moe.py): E/32 experts (at least one) are every token's first
-  choices, so when K is at most that, only they have rows;
+  has rows. Skewed (shapes.hot_experts): E/32 experts (at least one) are every
+  token's first choices, so when K is at most that, only they have rows;
 - tokens: x read by the forward and again by the backward, y written, dy read, dx
   written: 5 T H;
 - activations kept for the backward at their smallest: the gate|up outputs of each
@@ -27,15 +27,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shapes import SHAPES  # noqa: E402
-
-
-def step_flops(T, H, F, E, K):
-    return 3 * (6 * T * K * H * F + 2 * T * H * E)
+from shapes import SHAPES, hot_experts, step_flops  # noqa: E402
 
 
 def active_experts(E, K, skewed):
-    hot = max(1, E // 32)
+    hot = hot_experts(E)
     return hot if skewed and K <= hot else E
 
 
