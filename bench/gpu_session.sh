@@ -15,7 +15,7 @@
 #   repeat        one GPU test case (CASE, default gpu.racecheck) REPEAT times (default 20),
 #                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
 #                 hang: one line a run (exit 124: it hung), then the counts; logs in
-#                 $OUT/repeat-<i>.txt (and a failed run's sanitizer log beside it)
+#                 $OUT/repeat-<i>.txt of a failed run (and its sanitizer logs beside it)
 #   ab            mok alone (bench_moe.py --mok-only, uniform routing; SKEWED=1: skewed
 #                 too), REF's libraries
 #                 (builds of other commits or flags, carried; a space-separated list) and
@@ -84,7 +84,10 @@ for part in "$@"; do
   case "$part" in
     test)
       $TEST_GPU > "$OUT/test-gpu.log" 2>&1
-      echo "test-gpu (exit $?): $(tail -1 "$OUT/test-gpu.log")"
+      rc=$?
+      echo "test-gpu (exit $rc): $(tail -1 "$OUT/test-gpu.log")"
+      # (what failed, here too: the device tool brings back only a few files)
+      [ $rc -eq 0 ] || grep -B8 "^FAIL" "$OUT/test-gpu.log" | tail -60
       ;;
     trace)
       trace_shapes trace
@@ -120,6 +123,7 @@ for part in "$@"; do
           for f in sanitizer_*.log; do [ -f "$f" ] && cp "$f" "$OUT/repeat-$i-$f"; done
         fi
         echo "repeat $i: exit $rc, $(tail -1 "$OUT/repeat-$i.txt")"
+        [ $rc -ne 0 ] || rm "$OUT/repeat-$i.txt"  # (kept for failures only: few files come back)
         if [ $rc -eq 0 ]; then ok=$((ok + 1)); elif [ $rc -eq 124 ]; then hung=$((hung + 1)); else failed=$((failed + 1)); fi
       done
       echo "repeat ${CASE:-gpu.racecheck}: $ok passed, $failed failed, $hung hung"
