@@ -1114,7 +1114,13 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
           [&](int b, int rr) { return d_a + (int64_t)(row0 + rr) * 2 * F + b * F + f0 + 64 * q; });
     }
     if (q < 2) {
-      if (tail) __syncthreads();  // the tail rows read before the buffer is refilled
+      // Before thread 0 arms the barrier's next phase, every thread must be past its
+      // wait on this one: the tail rows read before the buffer is refilled, and with no
+      // quarter q (F - f0 <= 64: gpt-oss's 2880, the tests' 64, 320, 576) nothing else
+      // orders them, and load(q + 2) completes at once (no bytes); a thread still polling
+      // would then see the parity it waits for come round again and wait for the next
+      // tile's phase: a hang (found by racecheck's slow warps, branch pairs-nopad).
+      if (tail || f0 + 64 * q >= F) __syncthreads();
       if (tid == 0) {
         MOK_STALL_FROM(kStallEpiStores);
         bulk_wait_read();
