@@ -10,7 +10,10 @@ Both run the same weights, inputs and routing (bias_select adds the same selecti
 bias to both); "skewed" routing makes E/32 experts (at least one) hot: every token
 selects them. Times: CUDA events around --steps back-to-back steps (the host queues
 the next step while the GPU runs, as in training), median of 3 such runs; "iso ms":
-one step at a time from an idle GPU (its host launch latency exposed), median of --steps. TFLOP/s
+one step at a time from an idle GPU (its host launch latency exposed), median of --steps.
+--rounds N: mok and the peer timed N times a row, in turn (the peer first in odd
+rounds); ms is the median of the rounds, and the rounds' peer/mok ratios (their
+spread: a difference smaller than it is noise) are printed and kept in the JSON. TFLOP/s
 counts 3 x the forward FLOPs (6 T K H F + 2 T H E), DESIGN.md section 7. Peak memory:
 torch.cuda.max_memory_allocated over a step, weights and inputs included.
 Determinism: two steps on the same inputs give equal y, dx and weight grads (compared
@@ -33,12 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import mok  # noqa: E402
 from ep_peer import route  # noqa: E402  (bench/ is this script's directory)
-from shapes import SHAPES  # noqa: E402
-
-
-
-def flops(T, H, Fd, E, K):
-    return 3 * (6 * T * K * H * Fd + 2 * T * H * E)
+from shapes import SHAPES, hot_experts, step_flops  # noqa: E402
 
 
 def time_ms(fn, steps, warmup=3):
@@ -204,7 +202,7 @@ class Problem:
         with torch.no_grad():
             self.layer.bias_select.zero_()
             if skewed:
-                self.layer.bias_select[: max(1, E // 32)] = 1.0
+                self.layer.bias_select[: hot_experts(E)] = 1.0
         self.x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
         self.dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         self.params = [self.layer.w_router, self.layer.w13, self.layer.w2]
@@ -309,12 +307,12 @@ def kernel_times(name, steps=5, warm=0.0):
     pb.release()
 
 
-def bench_shape(name, skewed, steps, ceiling, mok_only=False):
+def bench_shape(name, skewed, steps, ceiling, mok_only=False, rounds=1):
     T, H, Fd, E, K = SHAPES[name]
     pb = Problem(name, skewed)
     x, params, mok_step, peer_step = pb.x, pb.params, pb.mok_step, pb.peer_step
     result = {"shape": name, "routing": "skewed" if skewed else "uniform", "T": T, "H": H, "F": Fd, "E": E, "K": K}
-    fl = flops(T, H, Fd, E, K)
+    fl = step_flops(T, H, Fd, E, K)
 
     # ---- mok ----
     torch.cuda.reset_peak_memory_stats()
@@ -352,6 +350,20 @@ def bench_shape(name, skewed, steps, ceiling, mok_only=False):
                           "deterministic": f1 == f2, "rel_diff_y_dx_vs_mok": err, **power_p}
     except Exception as e:  # report, do not hide
         result["peer"] = {"error": repr(e)[:300]}
+    # ---- rounds > 1: mok and the peer timed again, in turn (the peer first in odd
+    # rounds, so neither always runs on a GPU the other just warmed); ms is then the
+    # median over the rounds, and the rounds' ratios show the run-to-run spread that a
+    # difference between the two must exceed
+    if rounds > 1 and "error" not in result["peer"]:
+        m, p = result["mok"], result["peer"]
+        m["ms_rounds"], p["ms_rounds"] = [m["ms"]], [p["ms"]]
+        for r in range(1, rounds):
+            for who, step in ([("peer", peer_step), ("mok", mok_step)] if r % 2 else
+                              [("mok", mok_step), ("peer", peer_step)]):
+                result[who]["ms_rounds"].append(time_ms(step, steps))
+        m["ms"], p["ms"] = statistics.median(m["ms_rounds"]), statistics.median(p["ms_rounds"])
+        m["tflops"], p["tflops"] = fl / m["ms"] / 1e9, fl / p["ms"] / 1e9
+        result["ratio_rounds"] = [b / a for a, b in zip(m["ms_rounds"], p["ms_rounds"])]
     del x, params, mok_step, peer_step, ref
     pb.release()
     return result
@@ -367,6 +379,9 @@ def main():
     ap.add_argument("--mok-only", action="store_true",
                     help="no peer: A/B runs of two builds (bench/gpu_session.sh ab), alternating in one call; "
                     "prints a digest of mok's outputs and gradients, equal when two builds give the same bits")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time mok and the peer this many times per row, in turn; ms is the median, and the "
+                    "rounds' peer/mok ratios are printed (their spread) and kept in the JSON")
     ap.add_argument("--commit", default="", help="commit to print when the tree has no .git")
     ap.add_argument("--kernel-times", action="store_true",
                     help="mok and peer: per step, the GPU's kernel times against the step's wall time (torch.profiler)")
@@ -397,7 +412,7 @@ def main():
     rows = []
     for name in args.shapes.split(","):
         for skewed in ([False] if args.uniform_only else [False, True]):
-            r = bench_shape(name, skewed, args.steps, ceiling, args.mok_only)
+            r = bench_shape(name, skewed, args.steps, ceiling, args.mok_only, args.rounds)
             rows.append(r)
             m, p = r["mok"], r.get("peer", {})  # (no peer with --mok-only)
             det = lambda d: "yes" if d else "no"  # noqa: E731
@@ -410,6 +425,9 @@ def main():
             else:
                 line += (f"{p['ms']:8.2f} {p['isolated_ms']:7.2f} {p['tflops']:8.0f} {p['peak_gib']:6.1f} "
                          f"{det(p['deterministic']):>4} | {p['ms']/m['ms']:6.2f}")
+                if "ratio_rounds" in r:
+                    rr = r["ratio_rounds"]
+                    line += f"  ({len(rr)} rounds: {min(rr):.3f}-{max(rr):.3f})"
             print(line)
             if m.get("watts") and p.get("watts"):
                 print(f"{'':24} | SM {m['sm_mhz']:4.0f} MHz, {m['watts']:3.0f} W, {m['celsius']:2.0f} C, "

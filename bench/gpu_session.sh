@@ -10,13 +10,20 @@
 #   trace         MOK_TRACE of one step per shape, bench/trace_report.py per shape
 #   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
+#                 (BENCH_ROUNDS=N: mok and the peer timed N times a row, in turn)
 #   comm          the 2-GPU NCCL case alone (comm.peer_exchange_w2)
-#   ab            mok alone (bench_moe.py --mok-only, uniform routing), REF's libraries
+#   repeat        one GPU test case (CASE, default gpu.racecheck) REPEAT times (default 20),
+#                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
+#                 hang: one line a run (exit 124: it hung), then the counts; logs in
+#                 $OUT/repeat-<i>.txt of a failed run (and its sanitizer logs beside it)
+#   ab            mok alone (bench_moe.py --mok-only, uniform routing; SKEWED=1: skewed
+#                 too), REF's libraries
 #                 (builds of other commits or flags, carried; a space-separated list) and
 #                 this one, alternating, ROUNDS times:
 #                 variants compared in one call, at the same temperature; each line ends
 #                 with a digest of mok's outputs' bits (equal: the builds agree bit for bit)
-#                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default)
+#                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default;
+#                 bench/build_refs.sh builds other commits' libraries here)
 #   stalls        a MOK_STALL_PROFILE build (build-stall/: thread 0's cycles in each wait
 #                 of the GEMM tasks, by kind) traced per shape, beside the plain trace's rates
 #   peer-cycles   the peer's six grouped GEMMs per shape under ncu, FLOPs per SM cycle
@@ -77,7 +84,10 @@ for part in "$@"; do
   case "$part" in
     test)
       $TEST_GPU > "$OUT/test-gpu.log" 2>&1
-      echo "test-gpu (exit $?): $(tail -1 "$OUT/test-gpu.log")"
+      rc=$?
+      echo "test-gpu (exit $rc): $(tail -1 "$OUT/test-gpu.log")"
+      # (what failed, here too: the device tool brings back only a few files)
+      [ $rc -eq 0 ] || grep -B8 "^FAIL" "$OUT/test-gpu.log" | tail -60
       ;;
     trace)
       trace_shapes trace
@@ -86,7 +96,8 @@ for part in "$@"; do
       python3 bench/bench_moe.py --kernel-times --shapes "$SHAPES" --warm "${WARM:-0}" 2>&1 | tee "$OUT/kernel-times.txt"
       ;;
     bench)
-      python3 bench/bench_moe.py --shapes "$SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" 2>&1 |
+      python3 bench/bench_moe.py --shapes "$SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" \
+        --rounds "${BENCH_ROUNDS:-1}" 2>&1 |
         tee "$OUT/bench.txt"
       ;;
     ab)
@@ -94,13 +105,28 @@ for part in "$@"; do
       for round in $(seq "${ROUNDS:-2}"); do
         for lib in $REF build/libmok.so; do
           echo "== ab round $round: $lib"
-          MOK_LIBRARY="$PWD/$lib" python3 bench/bench_moe.py --mok-only --uniform-only --shapes "$SHAPES" \
+          MOK_LIBRARY="$PWD/$lib" python3 bench/bench_moe.py --mok-only $([ -n "${SKEWED:-}" ] || echo --uniform-only) --shapes "$SHAPES" \
             --commit "$lib" 2>&1 | grep -v "^-\|^shape" | tee -a "$OUT/ab.txt"
         done
       done
       ;;
     comm)
       ./build/mok_gpu_tests -k comm.peer_exchange_w2 2>&1 | tail -4
+      ;;
+    repeat)
+      ok=0 failed=0 hung=0
+      for i in $(seq "${REPEAT:-20}"); do
+        timeout "${LIMIT:-30}" ./build/mok_gpu_tests -k "${CASE:-gpu.racecheck}" > "$OUT/repeat-$i.txt" 2>&1
+        rc=$?
+        pkill -f compute-sanitizer  # (a hung racecheck leaves its child behind)
+        if [ $rc -ne 0 ]; then
+          for f in sanitizer_*.log; do [ -f "$f" ] && cp "$f" "$OUT/repeat-$i-$f"; done
+        fi
+        echo "repeat $i: exit $rc, $(tail -1 "$OUT/repeat-$i.txt")"
+        [ $rc -ne 0 ] || rm "$OUT/repeat-$i.txt"  # (kept for failures only: few files come back)
+        if [ $rc -eq 0 ]; then ok=$((ok + 1)); elif [ $rc -eq 124 ]; then hung=$((hung + 1)); else failed=$((failed + 1)); fi
+      done
+      echo "repeat ${CASE:-gpu.racecheck}: $ok passed, $failed failed, $hung hung"
       ;;
     stalls)
       # (NVFLAGS from the environment: the Makefile appends its own flags to it)

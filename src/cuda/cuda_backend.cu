@@ -157,6 +157,19 @@ void mok_cuda_sizes(const mok_context_t* ctx, size_t* saved_bytes, size_t* works
 }
 
 // ---- context ----
+
+// A persistent launch of either kernel: grid CTAs of kThreads with the kernels' shared
+// memory, in clusters of 2 when `clusters` (*attr holds that attribute; it must outlive
+// the configuration's use).
+static cudaLaunchConfig_t launch_config(int grid, bool clusters, cudaLaunchAttribute* attr, cudaStream_t stream) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = 2, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(grid), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = sizeof(Smem) + 1024;
+  lc.stream = stream, lc.attrs = attr, lc.numAttrs = clusters ? 1 : 0;  // (0: a plain launch)
+  return lc;
+}
+
 mok_status_t mok_cuda_create(mok_context_t* ctx) {
   const mok_config_t& c = ctx->cfg;
   int count = 0;
@@ -214,12 +227,8 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   g.grid = c.num_ctas > 0 ? c.num_ctas : g.num_sms;
   const bool want = c.cta_pairs != MOK_CTA_PAIRS_OFF;
   if (want && (g.grid % 2 == 0 || c.num_ctas == 0)) {
-    cudaLaunchConfig_t lc = {};
     cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    lc.gridDim = dim3(g.grid & ~1), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = smem;
-    lc.attrs = &attr, lc.numAttrs = 1;
+    const cudaLaunchConfig_t lc = launch_config(g.grid & ~1, true, &attr, nullptr);
     int fwd = 0, bwd = 0;
     if (cudaOccupancyMaxActiveClusters(&fwd, sm90_moe_forward_kernel, &lc) == cudaSuccess &&
         cudaOccupancyMaxActiveClusters(&bwd, sm90_moe_backward_kernel, &lc) == cudaSuccess) {
@@ -412,17 +421,11 @@ static GpuStep make_step(const mok_context_t* ctx) {
   return st;
 }
 
-static int grid_size(const mok_context_t* ctx) { return gpu(ctx)->grid; }
-
 // One persistent launch, in clusters of 2 when the context has them.
 template <class Params>
 static cudaError_t launch(const mok_context_t* ctx, void (*kernel)(Params), const Params& p, cudaStream_t stream) {
-  cudaLaunchConfig_t lc = {};
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-  lc.gridDim = dim3(grid_size(ctx)), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = sizeof(Smem) + 1024;
-  lc.stream = stream, lc.attrs = &attr, lc.numAttrs = gpu(ctx)->clusters ? 1 : 0;  // else a plain launch
+  const cudaLaunchConfig_t lc = launch_config(gpu(ctx)->grid, gpu(ctx)->clusters, &attr, stream);
   return cudaLaunchKernelEx(&lc, kernel, p);
 }
 

@@ -379,14 +379,19 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
 
 // ---- the tile GEMM ----
 
-// Shared-memory descriptors of warpgroup wg's A box and of the B boxes in a stage, at
-// their first k16 step. A later step's descriptor is this one plus the step's byte
-// offset / 16: the address field (bits 0-13, address / 16) cannot carry out, shared
-// memory ending below 256 KB.
+// Shared-memory descriptors of an A box (a warpgroup's 64 rows) and of the first of
+// four B boxes, at their first k16 step. A later step's descriptor is this one plus the
+// step's byte offset / 16: the address field (bits 0-13, address / 16) cannot carry
+// out, shared memory ending below 256 KB.
+template <int TA, int TB>
+__device__ __forceinline__ void box_descs(const uint8_t* a, const uint8_t* b, uint64_t& da, uint64_t& db) {
+  da = smem_desc(a, TA ? kBoxBytes : 16, 1024);
+  db = smem_desc(b, TB ? kBoxBytes : 16, 1024);
+}
+// The same for warpgroup wg in a stage (A boxes 0-1, B boxes 2-5).
 template <int TA, int TB>
 __device__ __forceinline__ void stage_descs(const uint8_t* stage, int wg, uint64_t& da, uint64_t& db) {
-  da = smem_desc(stage + wg * kBoxBytes, TA ? kBoxBytes : 16, 1024);
-  db = smem_desc(stage + 2 * kBoxBytes, TB ? kBoxBytes : 16, 1024);
+  box_descs<TA, TB>(stage + wg * kBoxBytes, stage + 2 * kBoxBytes, da, db);
 }
 
 // A K block's first kSteps k16 steps for warpgroup wg, as one wgmma group (fence ..
@@ -549,12 +554,8 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       // compiler would sink them past it), so that the first wgmma issues as soon as the
       // data lands: when the data comes late, every instruction between is tensor-core time
       uint64_t da, db;
-      if (AR) {
-        da = smem_desc(ring + (kb * 2 + wg) * kBoxBytes, TA ? kBoxBytes : 16, 1024);
-        db = smem_desc(stage_at(s), TB ? kBoxBytes : 16, 1024);
-      } else {
-        stage_descs<TA, TB>(sm.stage[s], wg, da, db);
-      }
+      if (AR) box_descs<TA, TB>(ring + (kb * 2 + wg) * kBoxBytes, stage_at(s), da, db);  // A resident, B in slot s
+      else stage_descs<TA, TB>(sm.stage[s], wg, da, db);
       asm volatile("" : "+l"(da), "+l"(db));
       MOK_STALL_FROM(kStallFull);
       while (!mbar_try_wait(&full[s], ph)) {
@@ -1138,7 +1139,13 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
           [&](int b, int rr) { return d_a + (int64_t)(row0 + rr) * 2 * F + b * F + f0 + 64 * q; });
     }
     if (q < 2) {
-      if (tail) __syncthreads();  // the tail rows read before the buffer is refilled
+      // Before thread 0 arms the barrier's next phase, every thread must be past its
+      // wait on this one: the tail rows read before the buffer is refilled, and with no
+      // quarter q (F - f0 <= 64: gpt-oss's 2880, the tests' 64, 320, 576) nothing else
+      // orders them, and load(q + 2) completes at once (no bytes); a thread still polling
+      // would then see the parity it waits for come round again and wait for the next
+      // tile's phase: a hang (found by racecheck's slow warps, branch pairs-nopad).
+      if (tail || f0 + 64 * q >= F) __syncthreads();
       if (tid == 0) {
         MOK_STALL_FROM(kStallEpiStores);
         bulk_wait_read();

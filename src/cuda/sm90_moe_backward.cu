@@ -253,6 +253,18 @@ __device__ __forceinline__ int wgrad_group(const Shape& s) {
   return min(32, max(1, 128 / nk));
 }
 
+// Zeros into rows [r0, r0 + nr) x columns [c0, c0 + nc) of a bf16 matrix (ld columns a
+// row; c0, nc and ld multiples of 64, so every row segment is whole 16-byte words): the
+// weight gradient of an expert without rows. Plain 16-byte stores from every thread, no
+// GEMM pipeline and no shared memory: such tasks are memory-bound (skewed routing
+// leaves most experts empty: deepseek-v3's 248 of 256, 21.8 GB of zeros a step), and
+// this way a CTA sends its share at the store path's rate, not at an epilogue's.
+__device__ __forceinline__ void zero_block(bf16* out, int64_t ld, int r0, int nr, int c0, int nc) {
+  const int words = nc / 8;  // 16-byte words a row
+  for (int i = threadIdx.x; i < nr * words; i += kThreads)
+    *reinterpret_cast<uint4*>(out + (r0 + i / words) * ld + c0 + 8 * (i % words)) = make_uint4(0u, 0u, 0u, 0u);
+}
+
 // dW[e] rows [mt*128, +128), column tiles [g * wgrad_group, +wgrad_group) in one
 // pipeline; each tile sums over the expert's rows in order, 64 per K block. Its
 // operands come through maps cut to the expert's rows (cut_maps): the last K block's
@@ -272,6 +284,11 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   const int valid_last = n - (nk - 1) * BK;  // rows of the last K block
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
   const int size = wgrad_group(s), n0 = g * size;  // column tiles n0 + nt
+  if (n == 0 && !p.wgrad_fp32) {  // (accumulating, the fp32 buffers get + 0 as on the CPU)
+    bf16* out = which == 2 ? (bf16*)p.d_w2 + (int64_t)e * s.H * s.F : (bf16*)p.d_w13 + (int64_t)e * 2 * s.F * s.H;
+    zero_block(out, cols, mt * BM, min(BM, rows - mt * BM), n0 * BN, min(size * BN, cols - n0 * BN));
+    return;
+  }
   CUtensorMap* maps = p.cta_maps + 2 * blockIdx.x;  // [0] A, [1] B
   if (which == 2) cut_maps(sm, maps, &p.m_dyrows, p.dy_rows, s.H, &p.m_hrows, p.sv.h_rows, s.F, off, n);
   else cut_maps(sm, maps, &p.m_da, p.d_a, 2 * s.F, &p.m_xrows, p.sv.x_rows, s.H, off, n);

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "../runner.h"
@@ -21,6 +22,8 @@ typedef struct {
   int routing, score, normalize, bias, wgrad;
   float route_scale, aux, z;
   int nan_token; /* a token whose x gets a NaN, or -1 */
+  int hot;       /* experts 0 .. hot - 1 get a selection bias of 2 (sigmoid scores: every
+                    token picks them first), or 0 */
 } gpu_shape_t;
 
 #define FUSED MOK_ROUTING_FUSED
@@ -30,35 +33,39 @@ typedef struct {
 #define BF16 MOK_WGRAD_BF16
 #define ACCUM MOK_WGRAD_FP32_ACCUM
 
-/* 25 shapes: tails of every tile, K = 1 and K = E, E up to 256, shared expert, replay,
- * sigmoid, accumulation, NaN input (edge cases of DESIGN.md section 6). */
+/* 26 shapes: tails of every tile, K = 1 and K = E, E up to 256, shared expert, replay,
+ * sigmoid, accumulation, NaN input, skewed routing with empty experts (edge cases of
+ * DESIGN.md section 6). */
 static const gpu_shape_t shapes[] = {
-    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
-    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
-    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1},
-    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1},
-    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1},
-    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
-    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1},
-    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1},
-    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1},
-    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
-    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1},
-    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
-    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
-    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1},
-    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1},
-    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1},
-    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1},
-    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1},
-    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1},
-    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5},
-    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5},
-    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
-    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
+    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
+    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
+    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0},
+    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0},
+    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0},
+    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
+    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0},
+    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0},
+    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1, 0},
+    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
+    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0},
+    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
+    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
+    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0},
+    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0},
+    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0},
+    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0},
+    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0},
+    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0},
+    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0},
+    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0},
+    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
+    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
     // 4096 rows an expert: weight-gradient tasks of 2 of the 3 column tiles (two groups)
-    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1},
-    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1},
+    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
+    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1, 0},
+    // skewed routing: 4 experts of 8192 rows, 4 empty ones whose zero gradients span
+    // two column groups (2 tiles, then 1 of 64 columns) and a last row tile of 64 rows
+    {"skewed_groups", 8192, 576, 576, 8, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4},
 };
 
 static mok_config_t shape_config(const gpu_shape_t* s) {
@@ -74,6 +81,10 @@ static mok_problem_t* shape_problem(const gpu_shape_t* s, uint64_t seed) {
   mok_config_t c = shape_config(s);
   mok_problem_t* p = test_problem(&c, s->T, seed);
   if (p && s->nan_token >= 0) ((uint16_t*)p->x)[s->nan_token * s->H + 3] = 0x7fc0;
+  for (int e = 0; p && e < s->hot; e++) {
+    if (p->real == 4) ((float*)p->bias_select)[e] = 2.f;
+    else ((double*)p->bias_select)[e] = 2.0;
+  }
   return p;
 }
 
@@ -264,14 +275,19 @@ static int sanitizer_small(void) {
   return run_cuda(p, &o) != 0;
 }
 
-/* compute-sanitizer over this program's sanitizer_small case: no error reported. */
+/* compute-sanitizer over this program's sanitizer_small case: no error reported. The
+   run is bounded too (it takes seconds): a hang fails the case instead of the suite. */
+enum { kSanitizeLimitS = 120 };
 static int sanitize(const char* tool) {
   char cmd[1024];
   snprintf(cmd, sizeof cmd,
-           "compute-sanitizer --tool %s --error-exitcode 3 /proc/%d/exe -k gpu.sanitizer_small --seed %llu "
-           "> sanitizer_%s.log 2>&1",
-           tool, (int)getpid(), (unsigned long long)test_seed, tool);
-  int rc = system(cmd);
+           "timeout -k 10 %d compute-sanitizer --tool %s --error-exitcode 3 /proc/%d/exe -k gpu.sanitizer_small "
+           "--seed %llu > sanitizer_%s.log 2>&1",
+           kSanitizeLimitS, tool, (int)getpid(), (unsigned long long)test_seed, tool);
+  const int status = system(cmd);
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  TEST_ASSERT(rc != 124 && rc != 137, "compute-sanitizer --tool %s did not end within %d s (see sanitizer_%s.log)",
+              tool, kSanitizeLimitS, tool);
   char path[64], line[512], summary[512] = "", last[512] = "";
   snprintf(path, sizeof path, "sanitizer_%s.log", tool);
   FILE* f = fopen(path, "r");
