@@ -131,13 +131,18 @@ typedef struct {
   mok_cta_pairs_t cta_pairs; /* CUDA: CTAs in clusters of 2 whose GEMM tasks on the same weight
                                 tile load half of it each, multicast to both (bits do not
                                 depend on it) */
+  const void* comm_unique_id; /* CUDA backend with W > 1: MOK_COMM_UNIQUE_ID_BYTES from
+                                 mok_comm_unique_id on one rank, the same bytes on every rank
+                                 (which also need the same T and capacity: the exchange
+                                 windows are symmetric) */
 } mok_config_t;
 
 #define MOK_CONFIG_INIT                                                              \
   {                                                                                  \
     sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
         MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, MOK_WGRAD_BF16,                \
-        MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0, MOK_CTA_PAIRS_AUTO   \
+        MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0, MOK_CTA_PAIRS_AUTO,  \
+        NULL                                                                         \
   }
 
 /* Tensors of one forward call. bf16 tensors are uint16_t bit patterns (double in

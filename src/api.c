@@ -199,9 +199,25 @@ static mok_status_t validate_config(const mok_config_t* c) {
                      "cfg.E = %lld: the CUDA backend needs E a multiple of 8 and at most 256", (long long)c->E);
     if (c->K > 32)
       return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "cfg.K = %lld: the CUDA backend needs K <= 32", (long long)c->K);
-    if (c->W != 1)
-      return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
-                     "cfg.W = %d: the CUDA backend runs one rank per process group of W = 1 in this version", c->W);
+    if (c->W > 1) {
+#ifndef MOK_HAVE_NCCL
+      return CFG_ERR(MOK_STATUS_BACKEND_UNAVAILABLE,
+                     "cfg.W = %d: this build of mok has no NCCL (no nccl.h found), so the CUDA backend runs W = 1 only",
+                     c->W);
+#endif
+      if (c->W > MOK_CUDA_MAX_RANKS)
+        return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "cfg.W = %d: the CUDA backend runs W <= %d", c->W,
+                       MOK_CUDA_MAX_RANKS);
+      if (!c->comm_unique_id)
+        return CFG_ERR(MOK_STATUS_NULL_POINTER,
+                       "cfg.comm_unique_id is NULL: the CUDA backend with W = %d > 1 needs the ranks' NCCL unique "
+                       "id (mok_comm_unique_id on one rank, the same bytes on every rank)", c->W);
+      if (c->aux_loss_coef != 0.f || c->z_loss_coef != 0.f)
+        return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                       "cfg.aux_loss_coef = %g, cfg.z_loss_coef = %g: the CUDA backend with W > 1 does not yet "
+                       "compute the router losses (their statistics are not exchanged yet); set both to 0",
+                       c->aux_loss_coef, c->z_loss_coef);
+    }
 #endif
   }
   if (c->E > MOK_MAX_EXPERTS)
@@ -215,7 +231,7 @@ static mok_status_t validate_config(const mok_config_t* c) {
                    "cfg.T = %lld, W = %d, K = %lld, H = %lld, F = %lld: buffers would exceed "
                    "int32 row positions or 2^53 elements",
                    (long long)c->T, c->W, (long long)c->K, (long long)c->H, (long long)c->F);
-  if (c->W > 1 && !c->cpu_comm)
+  if (c->W > 1 && !c->cpu_comm && c->backend == MOK_BACKEND_CPU)
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
                    "cfg.cpu_comm is NULL: the CPU backend with W = %d > 1 needs the ranks' shared "
                    "communicator (mok_cpu_comm_create)", c->W);
@@ -261,7 +277,10 @@ mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** out) {
 #ifdef MOK_HAVE_CUDA
   if (c->backend == MOK_BACKEND_CUDA) {
     ctx->T_all[0] = c->T;
-    c->capacity = c->T * c->K; /* W = 1: every routed row stays here */
+    if (c->W == 1) c->capacity = c->T * c->K; /* every routed row stays here */
+    else if (c->capacity == 0) /* safe when every rank's cfg.T is this one's: each of the W T tokens
+                                  sends min(K, E/W) rows here; a step beyond it stops everywhere */
+      c->capacity = (int64_t)c->W * c->T * (c->K < ctx->E_loc ? c->K : ctx->E_loc);
     s = mok_cuda_create(ctx);
     if (s || !registry_add(ctx)) {
       snprintf(create_error, MOK_ERROR_LEN, "mok_context_create: %.400s", s ? ctx->last_error : "out of host memory");

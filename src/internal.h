@@ -15,6 +15,7 @@ extern "C" {
 
 #define MOK_ERROR_LEN 512
 #define MOK_MAX_RANKS 64
+#define MOK_CUDA_MAX_RANKS 8 /* the CUDA backend's W bound (kMaxPeers in cuda/gpu_params.h) */
 #define MOK_MAX_EXPERTS 1024
 #define MOK_ALIGN_TENSOR 16
 #define MOK_ALIGN_WORKSPACE 256

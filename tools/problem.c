@@ -423,11 +423,26 @@ typedef struct {
     goto done;                                                                                 \
   } while (0)
 
-mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, char* err,
-                                  size_t err_len) {
+/* One rank of a CUDA run: its tokens [t0, t0 + T) of the global batch and its experts
+ * [rank E/W, ..), on device `rank` when W > 1 (each rank a thread). Replicated outputs
+ * (tokens_per_expert, the losses, the router and shared-expert gradients) come back
+ * from rank 0. */
+typedef struct {
+  mok_problem_t* p;
+  const mok_run_opts_t* o;
+  int rank;
+  int64_t t0, T;
+  const void* unique_id;
+  mok_status_t status;
+  char err[512];
+} cuda_job_t;
+
+static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int rank, int64_t t0, int64_t T,
+                                  const void* unique_id, char* err, size_t err_len) {
   const mok_config_t* c = &p->cfg;
-  const int64_t T = p->T_global, H = c->H, F = c->F, E = c->E, K = c->K, Fs = c->Fs;
+  const int64_t H = c->H, F = c->F, E = c->E, K = c->K, Fs = c->Fs, W = o->W, El = E / W, e0 = rank * El;
   const size_t a = p->act, r = p->real, w = p->wgrad_elem;
+  const int rep = rank == 0; /* replicated outputs copied back by rank 0 alone (output 2: not) */
   const int replay = c->routing == MOK_ROUTING_REPLAY, accum = c->wgrad == MOK_WGRAD_FP32_ACCUM;
   mok_status_t status = MOK_STATUS_SUCCESS;
   mok_context_t* ctx = NULL;
@@ -437,28 +452,37 @@ mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, cha
   cudaGraphExec_t exec = NULL;
   enum { X, WR, BIAS, W13, W2, WS13, WS2, DY, IDX, TW, DAUX, DZ, Y, DX, DTW, TPE, AUX, Z, DWR, DW13, DW2,
          DWS13, DWS2, SAVED, WS, NBUF };
+#define SLICE(ptr, offset) ((ptr) ? (void*)((char*)(ptr) + (offset)) : NULL)
+  void* idx_host = replay ? (void*)p->topk_idx : (void*)p->out_topk_idx;
+  void* tw_host = replay ? p->topk_weight : p->out_topk_weight;
   dev_buf_t b[NBUF] = {
-      [X] = {p->x, 0, T * H * a, 0}, [WR] = {p->w_router, 0, E * H * a, 0},
-      [BIAS] = {p->bias_select, 0, E * r, 0}, [W13] = {p->w13, 0, E * 2 * F * H * a, 0},
-      [W2] = {p->w2, 0, E * H * F * a, 0}, [WS13] = {p->ws13, 0, 2 * Fs * H * a, 0},
-      [WS2] = {p->ws2, 0, H * Fs * a, 0}, [DY] = {p->dy, 0, T * H * a, 0},
-      [IDX] = {replay ? (void*)p->topk_idx : (void*)p->out_topk_idx, 0, T * K * 4, !replay},
-      [TW] = {replay ? p->topk_weight : p->out_topk_weight, 0, T * K * r, !replay},
+      [X] = {SLICE(p->x, t0 * H * a), 0, T * H * a, 0}, [WR] = {p->w_router, 0, E * H * a, 0},
+      [BIAS] = {p->bias_select, 0, E * r, 0}, [W13] = {SLICE(p->w13, e0 * 2 * F * H * a), 0, El * 2 * F * H * a, 0},
+      [W2] = {SLICE(p->w2, e0 * H * F * a), 0, El * H * F * a, 0}, [WS13] = {p->ws13, 0, 2 * Fs * H * a, 0},
+      [WS2] = {p->ws2, 0, H * Fs * a, 0}, [DY] = {SLICE(p->dy, t0 * H * a), 0, T * H * a, 0},
+      [IDX] = {SLICE(idx_host, t0 * K * 4), 0, T * K * 4, !replay},
+      [TW] = {SLICE(tw_host, t0 * K * r), 0, T * K * r, !replay},
       [DAUX] = {p->d_aux_loss, 0, r, 0}, [DZ] = {p->d_z_loss, 0, r, 0},
-      [Y] = {p->y, 0, T * H * a, 1}, [DX] = {p->dx, 0, T * H * a, 1},
-      [DTW] = {p->d_topk_weight, 0, T * K * r, 1}, [TPE] = {p->tokens_per_expert, 0, E * 4, 1},
-      [AUX] = {p->aux_loss, 0, r, 1}, [Z] = {p->z_loss, 0, r, 1},
-      [DWR] = {p->d_w_router, 0, E * H * w, 1}, [DW13] = {p->d_w13, 0, E * 2 * F * H * w, 1},
-      [DW2] = {p->d_w2, 0, E * H * F * w, 1}, [DWS13] = {p->d_ws13, 0, 2 * Fs * H * w, 1},
-      [DWS2] = {p->d_ws2, 0, H * Fs * w, 1}, [SAVED] = {NULL, 0, 0, 0}, [WS] = {NULL, 0, 0, 0}};
-  if (o->W != 1) {
-    if (err) snprintf(err, err_len, "the CUDA backend runs W = 1 in this version");
-    return MOK_STATUS_UNSUPPORTED_SHAPE;
+      [Y] = {SLICE(p->y, t0 * H * a), 0, T * H * a, 1}, [DX] = {SLICE(p->dx, t0 * H * a), 0, T * H * a, 1},
+      [DTW] = {SLICE(p->d_topk_weight, t0 * K * r), 0, T * K * r, 1},
+      [TPE] = {p->tokens_per_expert, 0, E * 4, rep ? 1 : 2},
+      [AUX] = {p->aux_loss, 0, r, rep ? 1 : 2}, [Z] = {p->z_loss, 0, r, rep ? 1 : 2},
+      [DWR] = {p->d_w_router, 0, E * H * w, rep ? 1 : 2},
+      [DW13] = {SLICE(p->d_w13, e0 * 2 * F * H * w), 0, El * 2 * F * H * w, 1},
+      [DW2] = {SLICE(p->d_w2, e0 * H * F * w), 0, El * H * F * w, 1},
+      [DWS13] = {p->d_ws13, 0, 2 * Fs * H * w, rep ? 1 : 2}, [DWS2] = {p->d_ws2, 0, H * Fs * w, rep ? 1 : 2},
+      [SAVED] = {NULL, 0, 0, 0}, [WS] = {NULL, 0, 0, 0}};
+#undef SLICE
+  if (W > 1 && cudaSetDevice(rank) != cudaSuccess) {
+    if (err) snprintf(err, err_len, "rank %d: cudaSetDevice(%d): %s", rank, rank, cudaGetErrorString(cudaGetLastError()));
+    return MOK_STATUS_CUDA_ERROR;
   }
   mok_config_t cfg = *c;
   cfg.T = T;
-  cfg.W = 1;
-  cfg.rank = 0;
+  cfg.W = (int)W;
+  cfg.rank = rank;
+  cfg.comm_unique_id = unique_id;
+  if (o->capacity > 0) cfg.capacity = o->capacity;
   cfg.backend = MOK_BACKEND_CUDA;
   cfg.num_ctas = o->num_ctas;
   cfg.cta_pairs = (mok_cta_pairs_t)o->cta_pairs;
@@ -558,11 +582,10 @@ mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, cha
     float ms_f = 0, ms_b = 0;
     cudaEventElapsedTime(&ms_f, ev[0], ev[1]);
     cudaEventElapsedTime(&ms_b, ev[1], ev[2]);
-    p->seconds_forward = ms_f * 1e-3;
-    p->seconds_backward = ms_b * 1e-3;
+    if (rep) p->seconds_forward = ms_f * 1e-3, p->seconds_backward = ms_b * 1e-3;
   }
   for (int i = 0; i < NBUF; i++)
-    if (b[i].output && b[i].host && b[i].bytes &&
+    if (b[i].output == 1 && b[i].host && b[i].bytes &&
         cudaMemcpy(b[i].host, b[i].dev, b[i].bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
       CU_FAIL("cudaMemcpy to the host");
   goto done;
@@ -577,6 +600,47 @@ done:
   if (stream) cudaStreamDestroy(stream);
   if (ctx) mok_context_destroy(ctx);
   return status;
+}
+
+static void* cuda_rank_main(void* arg) {
+  cuda_job_t* j = arg;
+  j->status = run_cuda_rank(j->p, j->o, j->rank, j->t0, j->T, j->unique_id, j->err, sizeof j->err);
+  return NULL;
+}
+
+mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, char* err, size_t err_len) {
+  const int W = o->W;
+  if (W == 1) return run_cuda_rank(p, o, 0, 0, p->T_global, NULL, err, err_len);
+  if (W < 1 || W > 8) {
+    if (err) snprintf(err, err_len, "W = %d: the CUDA runs take 1 <= W <= 8", W);
+    return MOK_STATUS_INVALID_ARGUMENT;
+  }
+  uint8_t id[MOK_COMM_UNIQUE_ID_BYTES];
+  mok_status_t s = mok_comm_unique_id(id, sizeof id);
+  if (s) {
+    if (err) snprintf(err, err_len, "%s", mok_last_create_error());
+    return s;
+  }
+  cuda_job_t jobs[8];
+  pthread_t th[8];
+  int64_t start = 0;
+  for (int r = 0; r < W; r++) { /* the CPU runs' split: the first T % W ranks one token more */
+    const int64_t T = p->T_global / W + (r < p->T_global % W ? 1 : 0);
+    jobs[r] = (cuda_job_t){.p = p, .o = o, .rank = r, .t0 = start, .T = T, .unique_id = id};
+    start += T;
+  }
+  for (int r = 0; r < W; r++)
+    if (r != o->skip_rank) pthread_create(&th[r], NULL, cuda_rank_main, &jobs[r]);
+  mok_status_t first = MOK_STATUS_SUCCESS;
+  for (int r = 0; r < W; r++) {
+    if (r == o->skip_rank) continue;
+    pthread_join(th[r], NULL);
+    if (jobs[r].status && !first) {
+      first = jobs[r].status;
+      if (err) snprintf(err, err_len, "rank %d: %s", r, jobs[r].err);
+    }
+  }
+  return first;
 }
 #else
 mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, char* err,

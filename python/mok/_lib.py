@@ -91,6 +91,7 @@ class MokConfig(ctypes.Structure):
         ("cpu_comm", ctypes.c_void_p),
         ("num_ctas", ctypes.c_int),
         ("cta_pairs", _c_enum),
+        ("comm_unique_id", ctypes.c_void_p),
     ]
 
     @classmethod
@@ -119,6 +120,7 @@ class MokConfig(ctypes.Structure):
         c.cpu_comm = None
         c.num_ctas = 0
         c.cta_pairs = 0  # MOK_CTA_PAIRS_AUTO
+        c.comm_unique_id = None
         return c
 
 

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <nccl.h>
+#include <nccl_device.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -158,5 +159,44 @@ extern "C" mok_status_t mok_nccl_unique_id(void* id, char* err, size_t err_size)
     return MOK_STATUS_COMM_ERROR;
   }
   memcpy(id, &u, sizeof u);
+  return MOK_STATUS_SUCCESS;
+}
+
+namespace {
+struct PeerQuery {
+  size_t offsets[16];
+};
+__global__ void peer_pointers(ncclWindow_t win, int W, PeerQuery q, int n, void** out) {
+  const int i = threadIdx.x / 8, r = threadIdx.x % 8;  // (W <= 8)
+  if (i < n && r < W) out[i * W + r] = ncclGetPeerPointer(win, q.offsets[i], r);
+}
+}  // namespace
+
+extern "C" mok_status_t mok_nccl_peer_pointers(void* window, int W, const size_t* offsets, int n, void** out,
+                                               char* err, size_t err_size) {
+  if (n > 16 || W > 8) {
+    msg(err, err_size, "mok_nccl_peer_pointers: n = %d > 16 or W = %d > 8", n, W);
+    return MOK_STATUS_INVALID_ARGUMENT;
+  }
+  PeerQuery q{};
+  memcpy(q.offsets, offsets, sizeof(size_t) * n);
+  void** d = nullptr;
+  cudaError_t e = cudaMalloc(&d, sizeof(void*) * n * W);
+  if (e == cudaSuccess) {
+    peer_pointers<<<1, 128>>>(static_cast<ncclWindow_t>(window), W, q, n, d);
+    e = cudaGetLastError();
+  }
+  if (e == cudaSuccess) e = cudaMemcpy(out, d, sizeof(void*) * n * W, cudaMemcpyDeviceToHost);
+  cudaFree(d);
+  if (e != cudaSuccess) {
+    msg(err, err_size, "peer pointers of a window: %s", cudaGetErrorString(e));
+    return MOK_STATUS_CUDA_ERROR;
+  }
+  for (int i = 0; i < n * W; i++)
+    if (!out[i]) {
+      msg(err, err_size, "rank %d's window is not reachable by load/store from this GPU (ncclGetPeerPointer gave "
+          "NULL): the CUDA backend needs every rank in one NVLink domain", i % W);
+      return MOK_STATUS_BACKEND_UNAVAILABLE;
+    }
   return MOK_STATUS_SUCCESS;
 }

@@ -33,6 +33,12 @@ mok_status_t mok_nccl_window_alloc(mok_nccl_comm_t* c, size_t bytes, void** loca
                                    size_t err_size);
 void mok_nccl_window_free(mok_nccl_comm_t* c, void* local, void* window); /* collective */
 
+/* out[i * W + r] = the address of byte offsets[i] of rank r's copy of the window, as
+ * this rank's kernels reach it (ncclGetPeerPointer, run once here: the kernels then
+ * take plain pointers). n <= 16 offsets. */
+mok_status_t mok_nccl_peer_pointers(void* window, int W, const size_t* offsets, int n, void** out, char* err,
+                                    size_t err_size);
+
 /* abort = 1 after a timeout: ncclCommAbort, which does not wait for peers. */
 void mok_nccl_comm_destroy(mok_nccl_comm_t* c, int abort);
 

@@ -12,6 +12,9 @@
 
 #include "cuda_backend.h"
 #include "gpu_params.h"
+#ifdef MOK_HAVE_NCCL
+#include "comm/nccl_comm.h"
+#endif
 
 namespace mok {
 __global__ void sm90_moe_forward_kernel(const __grid_constant__ FwdParams p);
@@ -37,7 +40,15 @@ struct GpuContext {
   PFN_cuTensorMapEncodeTiled_v12000 encode;
   int grid;       // persistent CTAs a launch: cfg.num_ctas, or one per SM (maybe fewer: clusters)
   bool clusters;  // launched in clusters of 2 (paired GEMM tasks sharing B through TMA multicast)
+  // W > 1 (docs/DISTRIBUTED.md): the NCCL communicator, and two symmetric windows: the
+  // rows ([capacity, H] x_rows, then o_rows) and the exchange ([W][E] counts, then
+  // [W][kFlagKinds] flags), with every rank's copy as this GPU's kernels reach it
+  void* comm;
+  void *rows_local, *rows_win, *xchg_local, *xchg_win;
+  PeerRows peer_x_rows, peer_o_rows;
+  PeerExchange px;
 };
+static_assert(kMaxPeers == MOK_CUDA_MAX_RANKS, "kMaxPeers");
 
 #define CUDA_TRY(ctx, call)                                                                   \
   do {                                                                                        \
@@ -52,9 +63,14 @@ static int cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
 // pairs: a launch in clusters of 2, whose paired phases want max_mt even (band_order's
 // bands then pair whole); the byte plans take that bound either way.
+// The expert rows this rank's buffers hold: its own tokens' T K with W = 1, else the
+// capacity (rows from every rank).
+static int64_t recv_rows(const mok_config_t& c, int64_t T) { return c.W == 1 ? T * c.K : c.capacity; }
+
 static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   Shape s{};
   s.T = (int)T, s.H = (int)c.H, s.F = (int)c.F, s.E = (int)c.E, s.K = (int)c.K, s.Fs = (int)c.Fs;
+  s.W = c.W, s.rank = c.rank;
   s.e_loc = (int)(c.E / c.W);
   s.fused = c.routing == MOK_ROUTING_FUSED;
   s.score = c.score;
@@ -63,7 +79,7 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   s.route_scale = c.route_scale, s.aux_coef = c.aux_loss_coef, s.z_coef = c.z_loss_coef;
   s.nb = cdiv(T, 128);
   s.ns = cdiv(T, kSubTokens);
-  s.max_mt = pad_even(cdiv(T * c.K, BM) + (int)c.E, pairs);
+  s.max_mt = pad_even(cdiv(recv_rows(c, T), BM) + (int)c.E, pairs);
   s.pairs = pairs;
   s.smt = s.nb;
   s.chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
@@ -84,7 +100,7 @@ struct SavedPlan {
   size_t header, idx, g, pos, logits, counts, expert_off, x_rows, a_rows, h_rows, o_rows, sa, sh, total;
 };
 static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
-  const int64_t R = T * c.K;
+  const int64_t R = recv_rows(c, T), Rx = c.W == 1 ? R : 0;  // (W > 1: x_rows, o_rows in the window)
   Plan p;
   SavedPlan s;
   s.header = p.take(64);
@@ -94,10 +110,10 @@ static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   s.logits = p.take(T * c.E * 4);
   s.counts = p.take(c.E * 4);
   s.expert_off = p.take((c.E + 1) * 4);
-  s.x_rows = p.take(R * c.H * 2);
+  s.x_rows = p.take(Rx * c.H * 2);
   s.a_rows = p.take(R * 2 * c.F * 2);
   s.h_rows = p.take(R * c.F * 2);
-  s.o_rows = p.take(R * c.H * 2);
+  s.o_rows = p.take(Rx * c.H * 2);
   s.sa = p.take(T * 2 * c.Fs * 2);
   s.sh = p.take(T * c.Fs * 2);
   s.total = p.at;
@@ -170,6 +186,56 @@ static cudaLaunchConfig_t launch_config(int grid, bool clusters, cudaLaunchAttri
   return lc;
 }
 
+// W > 1: the communicator (collective over the ranks' creates), the two windows and
+// every rank's copy of them.
+static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
+#ifdef MOK_HAVE_NCCL
+  const mok_config_t& c = ctx->cfg;
+  char err[400] = "";
+  mok_nccl_comm_t* comm = nullptr;
+  mok_status_t st = mok_nccl_comm_create(c.comm_unique_id, c.W, c.rank, &comm, err, sizeof err);
+  if (st) return MOK_ERR(ctx, st, "cfg.comm_unique_id, W = %d, rank = %d: %s", c.W, c.rank, err);
+  g.comm = comm;
+  const size_t rows_bytes = (size_t)c.capacity * c.H * 2;  // x_rows, then o_rows
+  const size_t counts_bytes = ((size_t)c.W * c.E * 4 + 255) / 256 * 256;
+  st = mok_nccl_window_alloc(comm, 2 * rows_bytes, &g.rows_local, &g.rows_win, err, sizeof err);
+  if (!st) st = mok_nccl_window_alloc(comm, counts_bytes + (size_t)c.W * kFlagKinds * 8, &g.xchg_local, &g.xchg_win, err,
+                                      sizeof err);
+  if (st) return MOK_ERR(ctx, st, "the exchange windows (capacity = %lld rows of H = %lld): %s",
+                         (long long)c.capacity, (long long)c.H, err);
+  const size_t rows_at[2] = {0, rows_bytes}, xchg_at[2] = {0, counts_bytes};
+  void* rows[2 * kMaxPeers];
+  void* xchg[2 * kMaxPeers];
+  st = mok_nccl_peer_pointers(g.rows_win, c.W, rows_at, 2, rows, err, sizeof err);
+  if (!st) st = mok_nccl_peer_pointers(g.xchg_win, c.W, xchg_at, 2, xchg, err, sizeof err);
+  if (st) return MOK_ERR(ctx, st, "%s", err);
+  for (int r = 0; r < c.W; r++) {
+    g.peer_x_rows.rows[r] = static_cast<bf16*>(rows[r]);
+    g.peer_o_rows.rows[r] = static_cast<bf16*>(rows[c.W + r]);
+    g.px.counts[r] = static_cast<int32_t*>(xchg[r]);
+    g.px.flags[r] = static_cast<uint64_t*>(xchg[c.W + r]);
+  }
+  return MOK_STATUS_SUCCESS;
+#else
+  (void)g;
+  return MOK_ERR(ctx, MOK_STATUS_BACKEND_UNAVAILABLE, "cfg.W = %d: this build has no NCCL", ctx->cfg.W);
+#endif
+}
+
+static void free_peers(GpuContext* g) {
+#ifdef MOK_HAVE_NCCL
+  if (!g->comm) return;
+  mok_nccl_comm_t* comm = static_cast<mok_nccl_comm_t*>(g->comm);
+  cudaDeviceSynchronize();  // (this rank's last launches; peers' reads are covered by their own steps' flags)
+  mok_nccl_window_free(comm, g->rows_local, g->rows_win);
+  mok_nccl_window_free(comm, g->xchg_local, g->xchg_win);
+  mok_nccl_comm_destroy(comm, 0);
+  g->comm = nullptr;
+#else
+  (void)g;
+#endif
+}
+
 mok_status_t mok_cuda_create(mok_context_t* ctx) {
   const mok_config_t& c = ctx->cfg;
   int count = 0;
@@ -240,6 +306,13 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   }
   if (getenv("MOK_PROFILE") && atoi(getenv("MOK_PROFILE")) > 0)
     fprintf(stderr, "mok: %d CTAs, clusters of 2 %s\n", g.grid, g.clusters ? "on" : "off");
+  if (c.W > 1) {
+    const mok_status_t st = setup_peers(ctx, g);
+    if (st) {
+      free_peers(&g);
+      return st;
+    }
+  }
   ctx->gpu = new GpuContext(g);
   return MOK_STATUS_SUCCESS;
 }
@@ -247,6 +320,7 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
 void mok_cuda_destroy(mok_context_t* ctx) {
   GpuContext* g = gpu(ctx);
   if (!g) return;
+  free_peers(g);
   cudaFree(g->sync);
   cudaFree(g->status);
   cudaFree(g->prof);
@@ -431,7 +505,7 @@ static cudaError_t launch(const mok_context_t* ctx, void (*kernel)(Params), cons
 
 mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   const mok_config_t& c = ctx->cfg;
-  const int64_t T = a->num_tokens, R = T * c.K, H = c.H, F = c.F, E = c.E, Fs = c.Fs;
+  const int64_t T = a->num_tokens, R = recv_rows(c, T), H = c.H, F = c.F, E = c.E, El = c.E / c.W, Fs = c.Fs;
   FwdParams p;
   memset(&p, 0, sizeof p);
   p.s = make_shape(c, T, gpu(ctx)->clusters);
@@ -439,12 +513,22 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.context_id = (uint64_t)(uintptr_t)ctx;
   p.serial = ++ctx->forward_serial;
   p.sv = saved_view(c, a->saved);
+  p.capacity = (int)R;
+  if (c.W > 1) {  // expert rows in the windows, which peers write (x_rows) and read (o_rows)
+    const GpuContext* g = gpu(ctx);
+    p.peer_x_rows = g->peer_x_rows, p.peer_o_rows = g->peer_o_rows, p.px = g->px;
+    p.sv.x_rows = g->peer_x_rows.rows[c.rank];
+    p.sv.o_rows = g->peer_o_rows.rows[c.rank];
+  } else {  // this rank owns every expert
+    p.peer_x_rows.rows[0] = p.sv.x_rows;
+    p.peer_o_rows.rows[0] = p.sv.o_rows;
+  }
   const FwdWsPlan wp = plan_fwd_ws(c, c.T);
   char* ws = static_cast<char*>(a->workspace);
   MAP_TRY(make_map(ctx, &p.m_x, a->x, T, H, "x"));
   MAP_TRY(make_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router"));
-  MAP_TRY(make_map(ctx, &p.m_w13, a->w13, E * 2 * F, H, "w13"));
-  MAP_TRY(make_map(ctx, &p.m_w2, a->w2, E * H, F, "w2"));
+  MAP_TRY(make_map(ctx, &p.m_w13, a->w13, El * 2 * F, H, "w13"));
+  MAP_TRY(make_map(ctx, &p.m_w2, a->w2, El * H, F, "w2"));
   MAP_TRY(make_map(ctx, &p.m_xrows, p.sv.x_rows, R, H, "x_rows"));
   MAP_TRY(make_map(ctx, &p.m_hrows, p.sv.h_rows, R, F, "h_rows"));
   MAP_TRY(make_map(ctx, &p.m_ws13, Fs ? a->ws13 : nullptr, 2 * Fs, H, "ws13"));
@@ -455,8 +539,6 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   MAP_TRY(make_store_map(ctx, &p.st_hrows, p.sv.h_rows, R, F, "h_rows"));
   MAP_TRY(make_gate_up_store_map(ctx, &p.st_sa, Fs ? p.sv.sa : nullptr, T, Fs, "shared_a"));
   MAP_TRY(make_store_map(ctx, &p.st_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
-  p.peer_x_rows.rows[0] = p.sv.x_rows;  // W = 1: this rank owns every expert
-  p.peer_o_rows.rows[0] = p.sv.o_rows;
   p.x = static_cast<const bf16*>(a->x);
   p.bias = c.use_bias_select ? a->bias_select : nullptr;
   p.in_idx = a->topk_idx;
@@ -488,6 +570,10 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
 
 mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
   const mok_config_t& c = ctx->cfg;
+  if (c.W > 1)
+    return MOK_ERR(ctx, MOK_STATUS_UNSUPPORTED_SHAPE,
+                   "cfg.W = %d: the CUDA backend's backward runs W = 1 only in this version (the forward runs W > 1)",
+                   c.W);
   const int64_t T = a->num_tokens, R = T * c.K, H = c.H, F = c.F, E = c.E, Fs = c.Fs;
   BwdParams p;
   memset(&p, 0, sizeof p);

@@ -115,8 +115,20 @@ struct PeerRows {
   bf16* rows[kMaxPeers];
 };
 
+// W > 1 (docs/DISTRIBUTED.md): every rank's exchange window, reached through NCCL's
+// peer pointers. counts[r] is rank r's [W][E] table (row q written by rank q: its
+// tokens' per-expert counts); flags[r] is rank r's [W][kFlagKinds] step serials (row q
+// written by rank q, with a system-scope release after the data it publishes). A wait
+// is "until flag >= serial": flags only grow, so nothing is reset between steps.
+enum : int { kFlagCounts, kFlagDispatch, kFlagExperts, kFlagKinds = 4 };
+struct PeerExchange {
+  int32_t* counts[kMaxPeers];
+  uint64_t* flags[kMaxPeers];
+};
+
 struct Shape {
   int T, H, F, E, K, Fs;
+  int W, rank;  // expert-parallel ranks and this one (experts rank*e_loc .. + e_loc)
   int e_loc;    // experts per rank (E / W)
   int fused, score, normalize, use_bias;
   float route_scale, aux_coef, z_coef;
@@ -164,6 +176,8 @@ struct FwdParams {
   uint64_t context_id, serial;
   PeerRows peer_x_rows;       // dispatch target: [R, H] rows of each rank's experts
   PeerRows peer_o_rows;       // combine source: [R, H] expert outputs of each rank
+  PeerExchange px;            // W > 1: counts and flags
+  int capacity;               // rows this rank's buffers hold (R)
   const bf16* x;
   const float* bias;          // [E] or null
   const int32_t* in_idx;      // replay [T, K]

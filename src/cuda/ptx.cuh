@@ -254,6 +254,12 @@ __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
 __device__ __forceinline__ void red_release_add(uint32_t* p, uint32_t v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// The value before the add; acquires the adds released before it (and releases).
+__device__ __forceinline__ uint32_t atom_acq_rel_add(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 // threadIdx.x, read anew where it is used. The megakernels inline every GEMM task into
 // one persistent loop; with plain threadIdx.x ptxas hoists each epilogue's
 // thread-derived addresses (swizzled rows, chunk offsets) out of that loop as

@@ -21,6 +21,7 @@
 // Every GEMM task is inlined into its kernel: with a wgmma in a called function ptxas
 // serialises every wgmma of the kernel (warning C7510; docs/KERNELS.md).
 #pragma once
+#include "comm/peer.cuh"
 #include "gpu_params.h"
 #include "ptx.cuh"
 
@@ -235,6 +236,58 @@ __device__ __forceinline__ void signal_counter(Smem& sm, uint32_t* counter) {
     __threadfence();
     MOK_STALL_ADD(kStallSignal);
     red_release_add(counter, 1);
+  }
+}
+
+// ---- W > 1: flags between ranks (docs/DISTRIBUTED.md, PeerExchange) ----
+
+// Thread 0 waits until every rank's flag `kind` in this rank's window holds the step's
+// serial, each wait bounded by the timeout (then MOK_STATUS_COMM_TIMEOUT); false when
+// the step is abandoned. Reads of what the flags publish (TMA loads too) come after.
+static __device__ __noinline__ bool wait_peers(Smem& sm, const PeerExchange& px, const Shape& s, int kind,
+                                               uint64_t serial, const GpuStep& st) {
+  if (threadIdx.x == 0) {
+    const uint64_t* flags = px.flags[s.rank];
+    for (int r = 0; r < s.W && sm.abort == 0; r++) {
+      const uint64_t t0 = globaltimer_ns();
+      while (flag_acquire_sys(flags + r * kFlagKinds + kind) < serial) {
+        if (*(volatile uint32_t*)&st.sync->error != 0) {
+          sm.abort = 1;
+          break;
+        }
+        if (globaltimer_ns() - t0 > st.timeout_ns) {
+          atomicCAS(&st.sync->error, 0u, (uint32_t)MOK_STATUS_COMM_TIMEOUT);
+          sm.abort = 1;
+          break;
+        }
+        __nanosleep(256);
+      }
+    }
+    fence_proxy_async();
+  }
+  __syncthreads();
+  return sm.abort == 0;
+}
+
+// Thread 0: this rank's part `kind` of the step is done, told to every rank (itself
+// too): its flag in each rank's window, each after a system-scope fence.
+__device__ __forceinline__ void publish_peers(const PeerExchange& px, const Shape& s, int kind, uint64_t serial) {
+  for (int r = 0; r < s.W; r++) flag_release_sys(px.flags[r] + s.rank * kFlagKinds + kind, serial);
+}
+
+// signal_counter, and with W > 1 the CTA whose arrival brings the counter to `target`
+// publishes flag `kind` to every rank: its acq_rel add acquires every earlier arrival
+// (each after its CTA's system-scope fence), so the flag's release covers every task's
+// stores, into peers' memory included.
+__device__ __forceinline__ void signal_counter_publish(Smem& sm, uint32_t* counter, uint32_t target,
+                                                       const PeerExchange& px, const Shape& s, int kind,
+                                                       uint64_t serial) {
+  if (s.W == 1) return signal_counter(sm, counter);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    bulk_wait_all();
+    __threadfence_system();
+    if (atom_acq_rel_add(counter, 1) + 1 == target) publish_peers(px, s, kind, serial);
   }
 }
 

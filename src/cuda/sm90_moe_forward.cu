@@ -128,14 +128,36 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   const Shape& s = p.s;
   const int E = s.E;
   if (!wait_counter(sm, &p.st.sync->counter[C_ROUTE], s.nb, p.st, 19)) return;
+  // With W > 1 the counts go to every rank (row s.rank of each rank's counts table)
+  // and this rank's rows of expert e follow those of ranks < s.rank: block offsets
+  // start there. Every rank then holds the same [W][E] table and computes the same
+  // offsets, totals and capacity decision from it.
   for (int e = threadIdx.x; e < E; e += kThreads) {
     int tot = 0;
+    for (int b = 0; b < s.nb; b++) tot += p.block_counts[(int64_t)b * E + e];
+    for (int r = 0; r < s.W && s.W > 1; r++) p.px.counts[r][s.rank * E + e] = tot;
+    p.sv.counts[e] = tot;
+  }
+  if (s.W > 1) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      publish_peers(p.px, s, kFlagCounts, p.serial);
+    }
+    if (!wait_peers(sm, p.px, s, kFlagCounts, p.serial, p.st)) return;
+  }
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    int before = 0, tot = s.W > 1 ? 0 : p.sv.counts[e];  // rows of ranks < s.rank; all ranks'
+    for (int r = 0; r < s.W && s.W > 1; r++) {  // (ranks in order: integer sums)
+      const int n = *(volatile int32_t*)&p.px.counts[s.rank][r * E + e];
+      if (r < s.rank) before += n;
+      tot += n;
+    }
     for (int b = 0; b < s.nb; b++) {
-      p.block_off[(int64_t)b * E + e] = tot;
-      tot += p.block_counts[(int64_t)b * E + e];
+      p.block_off[(int64_t)b * E + e] = before;
+      before += p.block_counts[(int64_t)b * E + e];
     }
     p.sv.counts[e] = tot;
-    if (p.tokens_per_expert) p.tokens_per_expert[e] = tot;
   }
   // loss statistics: the fixed pairwise tree over the chunks, in place, per column
   const bool losses = s.fused && (s.aux_coef != 0.f || s.z_coef != 0.f);
@@ -150,10 +172,19 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     }
   __syncthreads();
   if (threadIdx.x == 0) {
-    int off = 0, mt = 0;
-    for (int e = 0; e < E; e++) p.sv.expert_off[e] = off, off += p.sv.counts[e];
-    p.sv.expert_off[E] = off;
-    walk_tiles(p.sv.counts, p.sv.expert_off, E, s.pairs, [&](int e, int row0, int n, int row_end) {
+    // expert_off[e]: expert e's first row in its owner's buffers (each owner's experts
+    // in order); [E]: the rows this rank's experts receive. The tile table covers this
+    // rank's experts, tile_expert holding the local index (the weights are local).
+    int off = 0, mt = 0, mine = 0;
+    for (int e = 0; e < E; e++) {
+      if (e % s.e_loc == 0) off = 0;
+      p.sv.expert_off[e] = off, off += p.sv.counts[e];
+      if (off > p.capacity) raise_error(p.st, MOK_STATUS_CAPACITY_EXCEEDED);  // (every rank alike)
+      if (e / s.e_loc == s.rank) mine = off;
+    }
+    p.sv.expert_off[E] = mine;
+    const int e0 = s.rank * s.e_loc;
+    walk_tiles(p.sv.counts + e0, p.sv.expert_off + e0, s.e_loc, s.pairs, [&](int e, int row0, int n, int row_end) {
       for (int i = 0; i < n; i++, mt++)
         p.tile_expert[mt] = e, p.tile_row0[mt] = row0 + i * BM, p.tile_row_end[mt] = row_end;
       return false;
@@ -175,11 +206,16 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     p.sv.header[2] = (uint64_t)s.T;
     p.sv.header[3] = p.serial;
   }
-  if (s.fused && (p.out_idx || p.out_w))
-    for (int64_t i = threadIdx.x; i < (int64_t)s.T * s.K; i += kThreads) {
-      if (p.out_idx) p.out_idx[i] = p.sv.idx[i];
-      if (p.out_w) p.out_w[i] = p.sv.g[i];
-    }
+  __syncthreads();
+  // outputs only when the step goes on (a capacity overflow stops it on every rank first)
+  if (*(volatile uint32_t*)&p.st.sync->error == 0) {
+    for (int e = threadIdx.x; e < E && p.tokens_per_expert; e += kThreads) p.tokens_per_expert[e] = p.sv.counts[e];
+    if (s.fused && (p.out_idx || p.out_w))
+      for (int64_t i = threadIdx.x; i < (int64_t)s.T * s.K; i += kThreads) {
+        if (p.out_idx) p.out_idx[i] = p.sv.idx[i];
+        if (p.out_w) p.out_w[i] = p.sv.g[i];
+      }
+  }
   signal_counter(sm, &p.st.sync->counter[C_PREFIX]);
 }
 
@@ -205,7 +241,8 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
         if (v0 + 32 * u < H / 8) dst[v0 + 32 * u] = r[u];
     }
   }
-  signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
+  if (s.W > 1) __threadfence_system();  // (each thread's stores into peers' rows)
+  signal_counter_publish(sm, &p.st.sync->counter[C_DISPATCH], (uint32_t)s.ns, p.px, s, kFlagDispatch, p.serial);
 }
 
 // ---- expert and shared GEMMs ----
@@ -213,7 +250,8 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
 // the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
 __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  const bool ok = wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19);
+  const bool ok = wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19) &&
+                  (s.W == 1 || wait_peers(sm, p.px, s, kFlagDispatch, p.serial, p.st));  // every rank's rows here
   const bool valid = ok && mt < *p.num_tiles && p.tile_row0[mt] < p.tile_row_end[mt];
   const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, valid ? p.tile_expert[mt] : 0, g));
   if (!ok) return;
@@ -267,7 +305,8 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H, &p.st_orows, row0, spare);
         });
   });
-  signal_counter(sm, &p.st.sync->counter[C_G2]);
+  signal_counter_publish(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * groups(cdiv(s.H, BN), s.F / BK)), p.px, s,
+                         kFlagExperts, p.serial);
 }
 
 __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int g) {
@@ -291,6 +330,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
   const Shape& s = p.s;
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
   if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH2), p.st, 19)) return;
+  if (s.W > 1 && !wait_peers(sm, p.px, s, kFlagExperts, p.serial, p.st)) return;  // every owner's o rows
   if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nHs), p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

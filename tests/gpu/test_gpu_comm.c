@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "../runner.h"
+#include "problem.h"
 
 int mok_test_peer_exchange(int W, int steps, double timeout_ms, char* why, size_t why_size);
 
@@ -30,4 +31,55 @@ static int peer_exchange_w2(void) {
   return 0;
 }
 
-const test_case_t suite_gpu_comm[] = {{"peer_exchange_w2", peer_exchange_w2}, TEST_END};
+/* The forward at W = 2 (two GPUs, a thread each; the backward at W > 1 is not written
+ * yet) against the CPU backend at W = 2, and D3: the same bits as the CUDA forward at
+ * W = 1 on the same global batch. The router losses are off (W > 1 does not exchange
+ * their statistics yet). */
+static int ep_forward_w2(void) {
+  if (gpus() < 2) {
+    printf("    not run: %d GPU(s), the case needs 2\n", gpus());
+    return 0;
+  }
+  static const struct {
+    const char* name;
+    int64_t T, H, F, E, K, Fs;
+    mok_routing_t routing;
+  } shapes[] = {
+      {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED},
+      {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED},
+      {"replay", 513, 128, 64, 8, 2, 0, MOK_ROUTING_REPLAY},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED},
+  };
+  int bad = 0;
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+    mok_config_t c = MOK_CONFIG_INIT;
+    c.H = shapes[i].H, c.F = shapes[i].F, c.E = shapes[i].E, c.K = shapes[i].K, c.Fs = shapes[i].Fs;
+    c.routing = shapes[i].routing;
+    mok_problem_t* p = test_problem(&c, shapes[i].T, test_case_seed() + i);
+    TEST_ASSERT(p, "problem");
+    mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+    o.backward = 0;
+    o.capacity = shapes[i].T * shapes[i].K;  // (the ranks' T differ by one: the same windows on both)
+    test_outputs_t cpu, gpu1, gpu2;
+    o.W = 2;
+    if (test_run(p, &o)) return 1;
+    test_snapshot(p, 0, &cpu);
+    char err[1024] = "";
+    o.W = 1;
+    mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
+    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: CUDA W = 1: %s: %s", shapes[i].name, mok_status_string(st), err);
+    test_snapshot(p, 0, &gpu1);
+    o.W = 2;
+    st = mok_problem_run_cuda(p, &o, err, sizeof err);
+    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: CUDA W = 2: %s: %s", shapes[i].name, mok_status_string(st), err);
+    test_snapshot(p, 0, &gpu2);
+    int b = test_same_bits(&gpu2, &gpu1, NULL, "D3 (CUDA W = 2 against W = 1)");
+    b += test_same_bits(&gpu2, &cpu, "topk_idx tokens_per_expert", "W = 2 against the CPU");
+    b += test_close(&gpu2, &cpu, "y topk_weight", 1e-2, "W = 2 against the CPU");
+    if (!b) printf("    %-12s W = 2: the same bits as W = 1, close to the CPU\n", shapes[i].name);
+    bad += b;
+  }
+  return bad != 0;
+}
+
+const test_case_t suite_gpu_comm[] = {{"peer_exchange_w2", peer_exchange_w2}, {"ep_forward_w2", ep_forward_w2}, TEST_END};
