@@ -163,12 +163,10 @@ extern "C" mok_status_t mok_nccl_unique_id(void* id, char* err, size_t err_size)
 }
 
 namespace {
-struct PeerQuery {
-  size_t offsets[16];
-};
-__global__ void peer_pointers(ncclWindow_t win, int W, PeerQuery q, int n, void** out) {
-  const int i = threadIdx.x / 8, r = threadIdx.x % 8;  // (W <= 8)
-  if (i < n && r < W) out[i * W + r] = ncclGetPeerPointer(win, q.offsets[i], r);
+// out[i * W + r] = rank r's address of byte in[i] of the window (in: n offsets, W <= 8)
+__global__ void peer_pointers(ncclWindow_t win, int W, const size_t* in, int n, void** out) {
+  const int i = threadIdx.x / 8, r = threadIdx.x % 8;
+  if (i < n && r < W) out[i * W + r] = ncclGetPeerPointer(win, in[i], r);
 }
 }  // namespace
 
@@ -178,15 +176,16 @@ extern "C" mok_status_t mok_nccl_peer_pointers(void* window, int W, const size_t
     msg(err, err_size, "mok_nccl_peer_pointers: n = %d > 16 or W = %d > 8", n, W);
     return MOK_STATUS_INVALID_ARGUMENT;
   }
-  PeerQuery q{};
-  memcpy(q.offsets, offsets, sizeof(size_t) * n);
-  void** d = nullptr;
-  cudaError_t e = cudaMalloc(&d, sizeof(void*) * n * W);
+  void* d = nullptr;  // [n] offsets, then [n][W] pointers
+  const size_t in_bytes = sizeof(size_t) * n, out_bytes = sizeof(void*) * n * W;
+  cudaError_t e = cudaMalloc(&d, in_bytes + out_bytes);
+  if (e == cudaSuccess) e = cudaMemcpy(d, offsets, in_bytes, cudaMemcpyHostToDevice);
+  void** d_out = reinterpret_cast<void**>(static_cast<char*>(d) + in_bytes);
   if (e == cudaSuccess) {
-    peer_pointers<<<1, 128>>>(static_cast<ncclWindow_t>(window), W, q, n, d);
+    peer_pointers<<<1, 128>>>(static_cast<ncclWindow_t>(window), W, static_cast<const size_t*>(d), n, d_out);
     e = cudaGetLastError();
   }
-  if (e == cudaSuccess) e = cudaMemcpy(out, d, sizeof(void*) * n * W, cudaMemcpyDeviceToHost);
+  if (e == cudaSuccess) e = cudaMemcpy(out, d_out, out_bytes, cudaMemcpyDeviceToHost);
   cudaFree(d);
   if (e != cudaSuccess) {
     msg(err, err_size, "peer pointers of a window: %s", cudaGetErrorString(e));
