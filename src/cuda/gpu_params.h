@@ -134,13 +134,14 @@ struct Shape {
   float route_scale, aux_coef, z_coef;
   int nb;       // token blocks of 128 (routing, shared-expert m-tiles)
   int ns;       // token blocks of kSubTokens (memory-bound token tasks: more of them)
-  int max_mt;   // expert m-tiles at most: ceil(T*K / 128) + E (pairs: + 2E, rounded up to even)
+  int max_mt;   // expert m-tiles at most: ceil(T*K / 128) + E (pairs: rounded up to even)
   int smt;      // shared-expert m-tiles: nb
   int chunks;   // replicated-sum chunks of MOK_REDUCE_CHUNK_TOKENS tokens
-  int pairs;    // 1: launched in clusters of 2 (paired GEMM tasks share B): every expert's
-                // m-tiles padded to an even count (an empty last one), and the paired GEMM
+  int pairs;    // 1: launched in clusters of 2 (paired GEMM tasks share B): the tile table
+                // holds each expert's even run of m-tiles (walk_tiles) and the paired GEMM
                 // phases start at even tickets, so that a cluster's two tickets are two
-                // m-tiles of one expert with the same column group
+                // m-tiles of one expert with the same column group, or two experts' last
+                // tiles, which run unpaired
 };
 
 // The TMA store maps of an output: 128-row boxes for whole tiles, kStoreRows-row boxes
