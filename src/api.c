@@ -212,11 +212,6 @@ static mok_status_t validate_config(const mok_config_t* c) {
         return CFG_ERR(MOK_STATUS_NULL_POINTER,
                        "cfg.comm_unique_id is NULL: the CUDA backend with W = %d > 1 needs the ranks' NCCL unique "
                        "id (mok_comm_unique_id on one rank, the same bytes on every rank)", c->W);
-      if (c->aux_loss_coef != 0.f || c->z_loss_coef != 0.f)
-        return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
-                       "cfg.aux_loss_coef = %g, cfg.z_loss_coef = %g: the CUDA backend with W > 1 does not yet "
-                       "compute the router losses (their statistics are not exchanged yet); set both to 0",
-                       c->aux_loss_coef, c->z_loss_coef);
     }
 #endif
   }

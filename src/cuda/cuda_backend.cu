@@ -196,24 +196,27 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
   mok_status_t st = mok_nccl_comm_create(c.comm_unique_id, c.W, c.rank, &comm, err, sizeof err);
   if (st) return MOK_ERR(ctx, st, "cfg.comm_unique_id, W = %d, rank = %d: %s", c.W, c.rank, err);
   g.comm = comm;
+  auto up256 = [](size_t n) { return (n + 255) / 256 * 256; };
   const size_t rows_bytes = (size_t)c.capacity * c.H * 2;  // x_rows, then o_rows
-  const size_t counts_bytes = ((size_t)c.W * c.E * 4 + 255) / 256 * 256;
+  const size_t counts_bytes = up256((size_t)c.W * (c.E + 1) * 4), flags_bytes = up256((size_t)c.W * kFlagKinds * 8);
+  const size_t stats_bytes = (size_t)c.W * cdiv(c.T, MOK_REDUCE_CHUNK_TOKENS) * (c.E + 1) * 4;  // (every rank's T <= c.T)
   st = mok_nccl_window_alloc(comm, 2 * rows_bytes, &g.rows_local, &g.rows_win, err, sizeof err);
-  if (!st) st = mok_nccl_window_alloc(comm, counts_bytes + (size_t)c.W * kFlagKinds * 8, &g.xchg_local, &g.xchg_win, err,
+  if (!st) st = mok_nccl_window_alloc(comm, counts_bytes + flags_bytes + stats_bytes, &g.xchg_local, &g.xchg_win, err,
                                       sizeof err);
   if (st) return MOK_ERR(ctx, st, "the exchange windows (capacity = %lld rows of H = %lld): %s",
                          (long long)c.capacity, (long long)c.H, err);
-  const size_t rows_at[2] = {0, rows_bytes}, xchg_at[2] = {0, counts_bytes};
+  const size_t rows_at[2] = {0, rows_bytes}, xchg_at[3] = {0, counts_bytes, counts_bytes + flags_bytes};
   void* rows[2 * kMaxPeers];
-  void* xchg[2 * kMaxPeers];
+  void* xchg[3 * kMaxPeers];
   st = mok_nccl_peer_pointers(g.rows_win, c.W, rows_at, 2, rows, err, sizeof err);
-  if (!st) st = mok_nccl_peer_pointers(g.xchg_win, c.W, xchg_at, 2, xchg, err, sizeof err);
+  if (!st) st = mok_nccl_peer_pointers(g.xchg_win, c.W, xchg_at, 3, xchg, err, sizeof err);
   if (st) return MOK_ERR(ctx, st, "%s", err);
   for (int r = 0; r < c.W; r++) {
     g.peer_x_rows.rows[r] = static_cast<bf16*>(rows[r]);
     g.peer_o_rows.rows[r] = static_cast<bf16*>(rows[c.W + r]);
     g.px.counts[r] = static_cast<int32_t*>(xchg[r]);
     g.px.flags[r] = static_cast<uint64_t*>(xchg[c.W + r]);
+    g.px.stats[r] = static_cast<float*>(xchg[2 * c.W + r]);
   }
   return MOK_STATUS_SUCCESS;
 #else

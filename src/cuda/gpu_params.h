@@ -116,14 +116,19 @@ struct PeerRows {
 };
 
 // W > 1 (docs/DISTRIBUTED.md): every rank's exchange window, reached through NCCL's
-// peer pointers. counts[r] is rank r's [W][E] table (row q written by rank q: its
-// tokens' per-expert counts); flags[r] is rank r's [W][kFlagKinds] step serials (row q
-// written by rank q, with a system-scope release after the data it publishes). A wait
-// is "until flag >= serial": flags only grow, so nothing is reset between steps.
-enum : int { kFlagCounts, kFlagDispatch, kFlagExperts, kFlagKinds = 4 };
+// peer pointers. In rank r's copy, row q is written by rank q:
+//   counts[r]  [W][E + 1] int32: rank q's per-expert counts of its tokens, then its T;
+//   flags[r]   [W][kFlagKinds] step serials, each released (system scope) after the
+//              data it publishes; a wait is "until flag >= serial": flags only grow,
+//              so nothing is reset between steps;
+//   stats[r]   [global chunks][E + 1] fp32: the router-loss statistics of every rank's
+//              64-token chunks, at their global chunk index (rank q's from
+//              chunk0(q) = sum of ceil(T / 64) over the ranks before it).
+enum : int { kFlagCounts, kFlagDispatch, kFlagExperts, kFlagStats, kFlagKinds = 8 };
 struct PeerExchange {
   int32_t* counts[kMaxPeers];
   uint64_t* flags[kMaxPeers];
+  float* stats[kMaxPeers];
 };
 
 struct Shape {

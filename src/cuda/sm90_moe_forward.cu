@@ -128,15 +128,18 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   const Shape& s = p.s;
   const int E = s.E;
   if (!wait_counter(sm, &p.st.sync->counter[C_ROUTE], s.nb, p.st, 19)) return;
-  // With W > 1 the counts go to every rank (row s.rank of each rank's counts table)
-  // and this rank's rows of expert e follow those of ranks < s.rank: block offsets
-  // start there. Every rank then holds the same [W][E] table and computes the same
-  // offsets, totals and capacity decision from it.
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    int tot = 0;
-    for (int b = 0; b < s.nb; b++) tot += p.block_counts[(int64_t)b * E + e];
-    for (int r = 0; r < s.W && s.W > 1; r++) p.px.counts[r][s.rank * E + e] = tot;
-    p.sv.counts[e] = tot;
+  // With W > 1 the counts and T go to every rank (row s.rank of each rank's counts
+  // table) and this rank's rows of expert e follow those of ranks < s.rank: block
+  // offsets start there. Every rank then holds the same [W][E + 1] table and computes
+  // the same offsets, totals and capacity decision from it.
+  for (int e = threadIdx.x; e <= E; e += kThreads) {
+    int tot = s.T;
+    if (e < E) {
+      tot = 0;
+      for (int b = 0; b < s.nb; b++) tot += p.block_counts[(int64_t)b * E + e];
+      p.sv.counts[e] = tot;
+    }
+    for (int r = 0; r < s.W && s.W > 1; r++) p.px.counts[r][s.rank * (E + 1) + e] = tot;
   }
   if (s.W > 1) {
     __syncthreads();
@@ -149,7 +152,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   for (int e = threadIdx.x; e < E; e += kThreads) {
     int before = 0, tot = s.W > 1 ? 0 : p.sv.counts[e];  // rows of ranks < s.rank; all ranks'
     for (int r = 0; r < s.W && s.W > 1; r++) {  // (ranks in order: integer sums)
-      const int n = *(volatile int32_t*)&p.px.counts[s.rank][r * E + e];
+      const int n = *(volatile int32_t*)&p.px.counts[s.rank][r * (E + 1) + e];
       if (r < s.rank) before += n;
       tot += n;
     }
@@ -159,12 +162,37 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     }
     p.sv.counts[e] = tot;
   }
-  // loss statistics: the fixed pairwise tree over the chunks, in place, per column
+  // loss statistics: the fixed pairwise tree over the chunks, in place, per column.
+  // With W > 1 over every rank's chunks in global order: each rank's rows go into every
+  // rank's stats table at its first global chunk, and every rank sums the whole table
+  // (the same tree over the same chunks as W = 1, when every rank but the last has a
+  // multiple of 64 tokens: docs/CPU.md).
   const bool losses = s.fused && (s.aux_coef != 0.f || s.z_coef != 0.f);
+  float* stats = p.chunk_stats;
+  int chunks = s.chunks, T_all = s.T;
+  if (s.W > 1) {
+    int chunk0 = 0;
+    T_all = chunks = 0;
+    for (int r = 0; r < s.W; r++) {
+      const int Tr = *(volatile int32_t*)&p.px.counts[s.rank][r * (E + 1) + E];
+      if (r < s.rank) chunk0 += cdiv(Tr, MOK_REDUCE_CHUNK_TOKENS);
+      chunks += cdiv(Tr, MOK_REDUCE_CHUNK_TOKENS), T_all += Tr;
+    }
+    if (losses) {
+      const int64_t n = (int64_t)s.chunks * (E + 1);
+      for (int r = 0; r < s.W; r++)
+        for (int64_t i = threadIdx.x; i < n; i += kThreads) p.px.stats[r][chunk0 * (int64_t)(E + 1) + i] = p.chunk_stats[i];
+      __threadfence_system();
+      __syncthreads();
+      if (threadIdx.x == 0) publish_peers(p.px, s, kFlagStats, p.serial);
+      if (!wait_peers(sm, p.px, s, kFlagStats, p.serial, p.st)) return;
+      stats = p.px.stats[s.rank];
+    }
+  }
   if (losses)
     for (int e = threadIdx.x; e <= E; e += kThreads) {
-      float* col = p.chunk_stats + e;
-      for (int n = s.chunks; n > 1; n = (n + 1) / 2)
+      volatile float* col = stats + e;  // (W > 1: rows written by peers)
+      for (int n = chunks; n > 1; n = (n + 1) / 2)
         for (int i = 0; i < n / 2 + (n & 1); i++) {
           const float left = col[(int64_t)(2 * i) * (E + 1)];
           col[(int64_t)i * (E + 1)] = 2 * i + 1 < n ? __fadd_rn(left, col[(int64_t)(2 * i + 1) * (E + 1)]) : left;
@@ -192,11 +220,11 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     *p.num_tiles = mt;
     if (losses) {  // aux = alpha E sum_e f_e P_e (increasing e); z = beta mean_t lse^2
       float aux = 0.f;
-      const float TK = (float)s.T * (float)s.K;
+      const float TK = (float)T_all * (float)s.K;
       for (int e = 0; e < E; e++)
-        aux = __fadd_rn(aux, __fmul_rn(__fdiv_rn((float)p.sv.counts[e], TK), __fdiv_rn(p.chunk_stats[e], (float)s.T)));
+        aux = __fadd_rn(aux, __fmul_rn(__fdiv_rn((float)p.sv.counts[e], TK), __fdiv_rn(stats[e], (float)T_all)));
       if (p.aux_loss) *p.aux_loss = __fmul_rn(__fmul_rn(s.aux_coef, (float)E), aux);
-      if (p.z_loss) *p.z_loss = __fmul_rn(s.z_coef, __fdiv_rn(p.chunk_stats[E], (float)s.T));
+      if (p.z_loss) *p.z_loss = __fmul_rn(s.z_coef, __fdiv_rn(stats[E], (float)T_all));
     } else {
       if (p.aux_loss) *p.aux_loss = 0.f;
       if (p.z_loss) *p.z_loss = 0.f;
