@@ -44,9 +44,10 @@ struct GpuContext {
   // rows ([capacity, H] x_rows, then o_rows) and the exchange ([W][E] counts, then
   // [W][kFlagKinds] flags), with every rank's copy as this GPU's kernels reach it
   void* comm;
-  void *rows_local, *rows_win, *xchg_local, *xchg_win;
-  PeerRows peer_x_rows, peer_o_rows;
+  void *rows_local, *rows_win, *xchg_local, *xchg_win, *tree_local, *tree_win;
+  PeerRows peer_x_rows, peer_o_rows, peer_dy_rows, peer_dx_rows;
   PeerExchange px;
+  uint64_t backward_serial;  // (every rank calls the same sequence: the same serials)
 };
 static_assert(kMaxPeers == MOK_CUDA_MAX_RANKS, "kMaxPeers");
 
@@ -103,7 +104,7 @@ static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   const int64_t R = recv_rows(c, T), Rx = c.W == 1 ? R : 0;  // (W > 1: x_rows, o_rows in the window)
   Plan p;
   SavedPlan s;
-  s.header = p.take(64);
+  s.header = p.take(kHeaderWords * 8);
   s.idx = p.take(T * c.K * 4);
   s.g = p.take(T * c.K * 4);
   s.pos = p.take(T * c.K * 4);
@@ -148,14 +149,15 @@ struct BwdWsPlan {
   int64_t partial_len;
 };
 static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
-  const int64_t R = T * c.K, chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
+  const int64_t R = recv_rows(c, T), chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
   Plan p;
   BwdWsPlan w;
   w.partial_len = c.E * c.H + 3 * c.Fs * c.H;
   w.dg = p.take(T * c.K * 4);
-  w.dy_rows = p.take(R * c.H * 2);
+  const int64_t Rx = c.W == 1 ? R : 0;  // (W > 1: dy_rows, dx_rows in the window)
+  w.dy_rows = p.take(Rx * c.H * 2);
   w.d_a = p.take(R * 2 * c.F * 2);
-  w.dx_rows = p.take(R * c.H * 2);
+  w.dx_rows = p.take(Rx * c.H * 2);
   w.dlogits = p.take(T * c.E * 2);
   w.d_a_s = p.take(T * 2 * c.Fs * 2);
   w.dx_router = p.take(T * c.H * 4);
@@ -197,19 +199,29 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
   if (st) return MOK_ERR(ctx, st, "cfg.comm_unique_id, W = %d, rank = %d: %s", c.W, c.rank, err);
   g.comm = comm;
   auto up256 = [](size_t n) { return (n + 255) / 256 * 256; };
-  const size_t rows_bytes = (size_t)c.capacity * c.H * 2;  // x_rows, then o_rows
+  const size_t rows_bytes = (size_t)c.capacity * c.H * 2;  // x_rows, o_rows, dy_rows, dx_rows
   const size_t counts_bytes = up256((size_t)c.W * (c.E + 1) * 4), flags_bytes = up256((size_t)c.W * kFlagKinds * 8);
   const size_t stats_bytes = (size_t)c.W * cdiv(c.T, MOK_REDUCE_CHUNK_TOKENS) * (c.E + 1) * 4;  // (every rank's T <= c.T)
-  st = mok_nccl_window_alloc(comm, 2 * rows_bytes, &g.rows_local, &g.rows_win, err, sizeof err);
+  // the replicated sums' subtrees: [a, a + n) of n <= ceil(T / 64) chunks splits into at
+  // most 2 ceil(log2(n + 1)) aligned subtrees (tree_nodes in the kernel)
+  int bits = 0;
+  while ((1ll << bits) <= cdiv(c.T, MOK_REDUCE_CHUNK_TOKENS)) bits++;
+  g.px.tree_nodes = 2 * bits;
+  const size_t tree_bytes = (size_t)g.px.tree_nodes * (c.E * c.H + 3 * c.Fs * c.H) * 4;
+  st = mok_nccl_window_alloc(comm, 4 * rows_bytes, &g.rows_local, &g.rows_win, err, sizeof err);
+  if (!st) st = mok_nccl_window_alloc(comm, tree_bytes, &g.tree_local, &g.tree_win, err, sizeof err);
   if (!st) st = mok_nccl_window_alloc(comm, counts_bytes + flags_bytes + stats_bytes, &g.xchg_local, &g.xchg_win, err,
                                       sizeof err);
   if (st) return MOK_ERR(ctx, st, "the exchange windows (capacity = %lld rows of H = %lld): %s",
                          (long long)c.capacity, (long long)c.H, err);
-  const size_t rows_at[2] = {0, rows_bytes}, xchg_at[3] = {0, counts_bytes, counts_bytes + flags_bytes};
-  void* rows[2 * kMaxPeers];
+  const size_t rows_at[4] = {0, rows_bytes, 2 * rows_bytes, 3 * rows_bytes};
+  const size_t xchg_at[3] = {0, counts_bytes, counts_bytes + flags_bytes}, tree_at[1] = {0};
+  void* rows[4 * kMaxPeers];
   void* xchg[3 * kMaxPeers];
-  st = mok_nccl_peer_pointers(g.rows_win, c.W, rows_at, 2, rows, err, sizeof err);
+  void* tree[kMaxPeers];
+  st = mok_nccl_peer_pointers(g.rows_win, c.W, rows_at, 4, rows, err, sizeof err);
   if (!st) st = mok_nccl_peer_pointers(g.xchg_win, c.W, xchg_at, 3, xchg, err, sizeof err);
+  if (!st) st = mok_nccl_peer_pointers(g.tree_win, c.W, tree_at, 1, tree, err, sizeof err);
   if (st) return MOK_ERR(ctx, st, "%s", err);
   for (int r = 0; r < c.W; r++) {
     g.peer_x_rows.rows[r] = static_cast<bf16*>(rows[r]);
@@ -217,6 +229,9 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
     g.px.counts[r] = static_cast<int32_t*>(xchg[r]);
     g.px.flags[r] = static_cast<uint64_t*>(xchg[c.W + r]);
     g.px.stats[r] = static_cast<float*>(xchg[2 * c.W + r]);
+    g.peer_dy_rows.rows[r] = static_cast<bf16*>(rows[2 * c.W + r]);
+    g.peer_dx_rows.rows[r] = static_cast<bf16*>(rows[3 * c.W + r]);
+    g.px.tree[r] = static_cast<float*>(tree[r]);
   }
   return MOK_STATUS_SUCCESS;
 #else
@@ -232,6 +247,7 @@ static void free_peers(GpuContext* g) {
   cudaDeviceSynchronize();  // (this rank's last launches; peers' reads are covered by their own steps' flags)
   mok_nccl_window_free(comm, g->rows_local, g->rows_win);
   mok_nccl_window_free(comm, g->xchg_local, g->xchg_win);
+  mok_nccl_window_free(comm, g->tree_local, g->tree_win);
   mok_nccl_comm_destroy(comm, 0);
   g->comm = nullptr;
 #else
@@ -573,11 +589,11 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
 
 mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
   const mok_config_t& c = ctx->cfg;
-  if (c.W > 1)
+  if (c.W > 1)  // (written but not wired: the replicated sums' two-round tree spills the kernel)
     return MOK_ERR(ctx, MOK_STATUS_UNSUPPORTED_SHAPE,
                    "cfg.W = %d: the CUDA backend's backward runs W = 1 only in this version (the forward runs W > 1)",
                    c.W);
-  const int64_t T = a->num_tokens, R = T * c.K, H = c.H, F = c.F, E = c.E, Fs = c.Fs;
+  const int64_t T = a->num_tokens, R = recv_rows(c, T), H = c.H, F = c.F, E = c.E, El = c.E / c.W, Fs = c.Fs;
   BwdParams p;
   memset(&p, 0, sizeof p);
   p.s = make_shape(c, T, gpu(ctx)->clusters);
@@ -598,11 +614,25 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.partials = reinterpret_cast<float*>(ws + wp.partials);
   p.partial_len = wp.partial_len;
   p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
+  if (c.W > 1) {  // expert rows in the windows: peers write dy_rows and read o_rows, dx_rows
+    GpuContext* g = gpu(ctx);
+    p.peer_o_rows = g->peer_o_rows, p.peer_dy_rows = g->peer_dy_rows, p.peer_dx_rows = g->peer_dx_rows;
+    p.px = g->px;
+    p.serial = ++g->backward_serial;
+    p.sv.x_rows = g->peer_x_rows.rows[c.rank];
+    p.sv.o_rows = g->peer_o_rows.rows[c.rank];
+    p.dy_rows = g->peer_dy_rows.rows[c.rank];
+    p.dx_rows = g->peer_dx_rows.rows[c.rank];
+  } else {  // this rank owns every expert
+    p.peer_o_rows.rows[0] = p.sv.o_rows;
+    p.peer_dy_rows.rows[0] = p.dy_rows;
+    p.peer_dx_rows.rows[0] = p.dx_rows;
+  }
   MAP_TRY(make_map(ctx, &p.m_dy, a->dy, T, H, "dy"));
   MAP_TRY(make_map(ctx, &p.m_x, a->x, T, H, "x"));
   MAP_TRY(make_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router"));
-  MAP_TRY(make_map(ctx, &p.m_w13, a->w13, E * 2 * F, H, "w13"));
-  MAP_TRY(make_map(ctx, &p.m_w2, a->w2, E * H, F, "w2"));
+  MAP_TRY(make_map(ctx, &p.m_w13, a->w13, El * 2 * F, H, "w13"));
+  MAP_TRY(make_map(ctx, &p.m_w2, a->w2, El * H, F, "w2"));
   MAP_TRY(make_map(ctx, &p.m_dyrows, p.dy_rows, R, H, "dy_rows"));
   MAP_TRY(make_map(ctx, &p.m_xrows, p.sv.x_rows, R, H, "x_rows"));
   MAP_TRY(make_map(ctx, &p.m_hrows, p.sv.h_rows, R, F, "h_rows"));
@@ -617,11 +647,8 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   MAP_TRY(make_gate_up_store_map(ctx, &p.st_da, p.d_a, R, F, "d_a"));
   MAP_TRY(make_gate_up_store_map(ctx, &p.st_das, Fs ? p.d_a_s : nullptr, T, Fs, "d_a_s"));
   MAP_TRY(make_store_map(ctx, &p.st_dxrows, p.dx_rows, R, H, "dx_rows"));
-  MAP_TRY(make_store_map(ctx, &p.st_dw13, p.wgrad_fp32 ? nullptr : a->d_w13, E * 2 * F, H, "d_w13"));
-  MAP_TRY(make_store_map(ctx, &p.st_dw2, p.wgrad_fp32 ? nullptr : a->d_w2, E * H, F, "d_w2"));
-  p.peer_o_rows.rows[0] = p.sv.o_rows;  // W = 1: this rank owns every expert
-  p.peer_dy_rows.rows[0] = p.dy_rows;
-  p.peer_dx_rows.rows[0] = p.dx_rows;
+  MAP_TRY(make_store_map(ctx, &p.st_dw13, p.wgrad_fp32 ? nullptr : a->d_w13, El * 2 * F, H, "d_w13"));
+  MAP_TRY(make_store_map(ctx, &p.st_dw2, p.wgrad_fp32 ? nullptr : a->d_w2, El * H, F, "d_w2"));
   p.dy = static_cast<const bf16*>(a->dy);
   p.d_aux = a->d_aux_loss;
   p.d_z = a->d_z_loss;

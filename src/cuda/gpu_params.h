@@ -92,7 +92,8 @@ constexpr int kProfSlots = 21;
 
 // The saved buffer (forward -> backward), device pointers.
 struct SavedView {
-  uint64_t* header;   // [4]: magic, context id, T, serial
+  uint64_t* header;   // [kHeaderWords]: magic, context id, T, serial, the tokens of every
+                      // rank together, then each rank's T (the backward's chunk ranges)
   int32_t* idx;       // [T, K]
   float* g;           // [T, K] final weights
   int32_t* pos;       // [T, K] row of slot (t, j) in the expert rows
@@ -124,12 +125,18 @@ struct PeerRows {
 //   stats[r]   [global chunks][E + 1] fp32: the router-loss statistics of every rank's
 //              64-token chunks, at their global chunk index (rank q's from
 //              chunk0(q) = sum of ceil(T / 64) over the ranks before it).
-enum : int { kFlagCounts, kFlagDispatch, kFlagExperts, kFlagStats, kFlagKinds = 8 };
+//   tree[r]    [tree_nodes][partial_len] fp32, written by rank r alone: the sums of its
+//              replicated-gradient partials over the aligned subtrees of the chunk
+//              tree that lie inside its chunks (tree_nodes), read by every rank.
+enum : int { kFlagCounts, kFlagDispatch, kFlagExperts, kFlagStats, kFlagDg, kFlagDx, kFlagTree, kFlagKinds = 8 };
 struct PeerExchange {
   int32_t* counts[kMaxPeers];
   uint64_t* flags[kMaxPeers];
   float* stats[kMaxPeers];
+  float* tree[kMaxPeers];
+  int tree_nodes;  // subtrees a rank can publish (the windows' size)
 };
+constexpr int kHeaderWords = 5 + kMaxPeers;
 
 struct Shape {
   int T, H, F, E, K, Fs;
@@ -239,6 +246,8 @@ struct BwdParams {
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
   PeerRows peer_dy_rows;  // dispatch target of dy_j
   PeerRows peer_dx_rows;  // combine source of dx_j
+  PeerExchange px;        // W > 1: flags and the replicated sums' subtrees
+  uint64_t serial;        // W > 1: this backward's serial (flags)
   const bf16* dy;
   const float* d_aux;   // or null (1)
   const float* d_z;     // or null (1)

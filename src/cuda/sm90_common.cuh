@@ -86,6 +86,11 @@ struct alignas(1024) Smem {
   LoadCursor load;
   int task;
   int abort;
+  // W > 1: this rank's flags, the step's serial and W (set_peers), for wait_counter's
+  // peer_kind
+  const uint64_t* peer_flags;
+  uint64_t peer_serial;
+  int peer_W;
   int last_cta;
   uint64_t task_start;  // MOK_PROFILE: this task's start (globaltimer, ns)
   uint64_t task_clock;  // and in SM cycles (clock64): the two give the task's mean SM clock
@@ -125,6 +130,7 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
     mbar_init(&sm.a_full, 1);
     sm.a_phase = 0;
     sm.abort = 0;
+    sm.peer_W = 1;
     sm.ring_it = 0;
     sm.ring2_it = 0;
     sm.round = 0;
@@ -141,12 +147,34 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
 
 // ---- dependencies ----
 
-// Thread 0 waits until *counter >= target, at most timeout_ns; then every thread of the
+// Thread 0, W > 1: waits until every rank's flag `kind` in this rank's window holds the
+// step's serial (sm.peer_*), each wait bounded by the timeout (then
+// MOK_STATUS_COMM_TIMEOUT); sets sm.abort when the step is abandoned.
+__device__ __forceinline__ void poll_peers(Smem& sm, const GpuStep& st, int kind) {
+  for (int r = 0; r < sm.peer_W && sm.abort == 0; r++) {
+    const uint64_t t0 = globaltimer_ns();
+    while (flag_acquire_sys(sm.peer_flags + r * kFlagKinds + kind) < sm.peer_serial) {
+      if (*(volatile uint32_t*)&st.sync->error != 0) {
+        sm.abort = 1;
+        break;
+      }
+      if (globaltimer_ns() - t0 > st.timeout_ns) {
+        atomicCAS(&st.sync->error, 0u, (uint32_t)MOK_STATUS_COMM_TIMEOUT);
+        sm.abort = 1;
+        break;
+      }
+      __nanosleep(256);
+    }
+  }
+}
+
+// Thread 0 waits until *counter >= target, at most timeout_ns (with W > 1 and peer_kind
+// >= 0, then for every rank's flag peer_kind too: poll_peers); then every thread of the
 // CTA returns true, or false when the step is being abandoned (timeout or an error
 // raised elsewhere). The acquire plus the CTA barrier order the producers' writes
 // before this CTA's reads, and fence.proxy.async before its TMA reads.
 static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* counter, uint32_t target,
-                                          const GpuStep& st, int prof_slot) {
+                                          const GpuStep& st, int prof_slot, int peer_kind = -1) {
   if (threadIdx.x == 0) {
     const uint64_t t0 = globaltimer_ns();
     while (ld_acquire(counter) < target) {
@@ -161,6 +189,7 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
       }
       __nanosleep(128);
     }
+    if (peer_kind >= 0 && sm.peer_W > 1) poll_peers(sm, st, peer_kind);
     fence_proxy_async();
     if (st.prof) {
       const uint64_t waited = globaltimer_ns() - t0;
@@ -241,32 +270,21 @@ __device__ __forceinline__ void signal_counter(Smem& sm, uint32_t* counter) {
 
 // ---- W > 1: flags between ranks (docs/DISTRIBUTED.md, PeerExchange) ----
 
-// Thread 0 waits until every rank's flag `kind` in this rank's window holds the step's
-// serial, each wait bounded by the timeout (then MOK_STATUS_COMM_TIMEOUT); false when
-// the step is abandoned. Reads of what the flags publish (TMA loads too) come after.
-static __device__ __noinline__ bool wait_peers(Smem& sm, const PeerExchange& px, const Shape& s, int kind,
-                                               uint64_t serial, const GpuStep& st) {
+// Every rank's flag `kind` (poll_peers) outside a counter wait; false when the step is
+// abandoned. Reads of what the flags publish (TMA loads too) come after.
+static __device__ __noinline__ bool wait_peers(Smem& sm, const GpuStep& st, int kind) {
   if (threadIdx.x == 0) {
-    const uint64_t* flags = px.flags[s.rank];
-    for (int r = 0; r < s.W && sm.abort == 0; r++) {
-      const uint64_t t0 = globaltimer_ns();
-      while (flag_acquire_sys(flags + r * kFlagKinds + kind) < serial) {
-        if (*(volatile uint32_t*)&st.sync->error != 0) {
-          sm.abort = 1;
-          break;
-        }
-        if (globaltimer_ns() - t0 > st.timeout_ns) {
-          atomicCAS(&st.sync->error, 0u, (uint32_t)MOK_STATUS_COMM_TIMEOUT);
-          sm.abort = 1;
-          break;
-        }
-        __nanosleep(256);
-      }
-    }
+    poll_peers(sm, st, kind);
     fence_proxy_async();
   }
   __syncthreads();
   return sm.abort == 0;
+}
+
+// Thread 0 at a kernel's start, W > 1: the flags and serial wait_counter's peer_kind
+// and wait_peers look at.
+__device__ __forceinline__ void set_peers(Smem& sm, const PeerExchange& px, const Shape& s, uint64_t serial) {
+  if (threadIdx.x == 0 && s.W > 1) sm.peer_flags = px.flags[s.rank], sm.peer_serial = serial, sm.peer_W = s.W;
 }
 
 // Thread 0: this rank's part `kind` of the step is done, told to every rank (itself

@@ -18,11 +18,25 @@
 
 namespace mok {
 
-enum : int { B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_FIXED };  // then dh[max_mt], dhs[smt]
+enum : int { B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_TREE, B_FIXED };  // then dh[max_mt], dhs[smt]
 
 constexpr int kTreeSlice = 8192;  // elements per TREE task
 
 __device__ __forceinline__ int cdivb(int a, int b) { return (a + b - 1) / b; }
+
+// Rank r's chunks in the global chunk order (the forward wrote every rank's T into the
+// saved header): ceil(T_r / 64).
+__device__ __forceinline__ int rank_chunks(const BwdParams& p, int r) {
+  return cdivb((int)p.sv.header[5 + r], MOK_REDUCE_CHUNK_TOKENS);
+}
+// The level of the largest aligned subtree of the chunk tree that starts at chunk a and
+// ends by chunk b: the split of a rank's chunks [a, b) into whole nodes of the tree of
+// any chunk count, in order (a += 2^level until b).
+__device__ __forceinline__ int subtree_level(int a, int b) {
+  int L = 0;
+  while (L + 1 < 26 && (a & ((2 << L) - 1)) == 0 && a + (2 << L) <= b) L++;
+  return L;
+}
 
 __device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
 #pragma unroll
@@ -65,7 +79,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   if (s.fused) {
     epi_acquire(sm);  // warp_scratch shares sm.epi with a previous task's TMA stores
     const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
-    const float TK = (float)s.T * (float)K;
+    const float T_all = (float)p.sv.header[4], TK = T_all * (float)K;  // (the tokens of every rank)
     for (int t = t0 + warp; t < t1; t += kThreads / 32) {
       float sc[8], pz[8], ds[8];
       const float lse = token_scores(p.sv.logits + (int64_t)t * E, E, s.score, pz, sc);
@@ -75,7 +89,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
         ds[i] = 0.f;
         if (e < E && s.aux_coef != 0.f)  // d aux / d s[t, e] = d_aux alpha E f_e / T
           ds[i] = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),
-                                      __fdiv_rn((float)p.sv.counts[e], TK)), (float)s.T);
+                                      __fdiv_rn((float)p.sv.counts[e], TK)), T_all);
       }
       // g_j = route_scale s_j / S: S and sum_j dgn_j g_n_j over slots in order
       float* sw = sm.warp_scratch[warp];  // (shares sm.epi: the epi_acquire above)
@@ -111,7 +125,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
         for (int i = 0; i < 8; i++) dl[i] = __fmul_rn(__fmul_rn(ds[i], sc[i]), __fsub_rn(1.f, sc[i]));
       }
       if (s.z_coef != 0.f) {  // d/dl of beta mean_t lse^2 = beta 2 lse softmax(l) / T
-        const float zc = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_z, s.z_coef), 2.f), lse), (float)s.T);
+        const float zc = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_z, s.z_coef), 2.f), lse), T_all);
 #pragma unroll
         for (int i = 0; i < 8; i++) dl[i] = __fadd_rn(dl[i], __fmul_rn(zc, pz[i]));
       }
@@ -120,7 +134,8 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
         if (lane + 32 * i < E) p.dlogits[(int64_t)t * E + lane + 32 * i] = to_bf(dl[i]);
     }
   }
-  signal_counter(sm, &p.st.sync->counter[B_DG]);
+  if (s.W > 1) __threadfence_system();  // (each thread's dy rows into owners' buffers)
+  signal_counter_publish(sm, &p.st.sync->counter[B_DG], (uint32_t)s.ns, p.px, s, kFlagDg, p.serial);
 }
 
 // Weight-gradient tile out: bf16 written, or added into fp32 buffers.
@@ -132,12 +147,14 @@ __device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float 
   else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols, st, map_row, spare);
 }
 
-// Expert m-tile mt of the expert rows: (expert, first row, end row), false past the
-// last. The forward's tile table, walked again from the saved counts and offsets.
+// Expert m-tile mt of the expert rows: (this rank's expert, first row, end row), false
+// past the last. The forward's tile table, walked again from the saved counts and
+// offsets of this rank's experts (e: the local index, as the weights are).
 __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, int* row0, int* row_end) {
   int first = 0;
   bool found = false;
-  walk_tiles(p.sv.counts, p.sv.expert_off, p.s.E, p.s.pairs, [&](int x, int r0, int n, int re) {
+  const int e0 = p.s.rank * p.s.e_loc;
+  walk_tiles(p.sv.counts + e0, p.sv.expert_off + e0, p.s.e_loc, p.s.pairs, [&](int x, int r0, int n, int re) {
     if (mt >= first + n) return first += n, false;
     *e = x, *row0 = r0 + (mt - first) * BM, *row_end = re;
     return found = true;
@@ -165,7 +182,7 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
 // the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
 __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  const bool ok = wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20);
+  const bool ok = wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20, kFlagDg);  // (every rank's dy rows)
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, e, g));
@@ -237,7 +254,8 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H, &p.st_dxrows, row0, spare);
         });
   });
-  signal_counter(sm, &p.st.sync->counter[B_DX]);
+  signal_counter_publish(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * groups(cdivb(s.H, BN), 2 * s.F / BK)), p.px,
+                         s, kFlagDx, p.serial);
 }
 
 // Column tiles of a weight-gradient task: about 128 K blocks of work, from the mean rows
@@ -276,11 +294,13 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
   const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
-  const bool ok = (p.st.knobs & kKnobOnlyWgrad) || wait_counter(sm, dep, target, p.st, 20);
+  const bool ok = (p.st.knobs & kKnobOnlyWgrad) ||
+                  wait_counter(sm, dep, target, p.st, 20, which == 2 ? kFlagDg : -1);  // (wgrad2: every rank's dy rows)
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
   const bool paired = pair_agree(sm, pairable, ok, pair_key(true, e, g));
   if (!ok) return;
-  const int off = p.sv.expert_off[e], n = p.sv.counts[e], nk = cdivb(n, BK);
+  const int eg = s.rank * s.e_loc + e;  // (e: this rank's expert, as the gradients are)
+  const int off = p.sv.expert_off[eg], n = p.sv.counts[eg], nk = cdivb(n, BK);
   const int valid_last = n - (nk - 1) * BK;  // rows of the last K block
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
   const int size = wgrad_group(s), n0 = g * size;  // column tiles n0 + nt
@@ -375,10 +395,11 @@ __device__ int rw_tiles(const Shape& s) {
 // is the lone-node rule. The same bits as the level-by-level evaluation, each partial
 // read once (no in-place levels: 3x less traffic).
 constexpr int kTreeLevels = 26;  // chunks = ceil(T / 64) < 2^26 for any int32 T
-__device__ __forceinline__ float tree_column(const float* col, int64_t stride, int n) {
+struct TreeCounter {
   float node[kTreeLevels];
   uint32_t seen = 0;
-  auto push = [&](float x, int level) {  // x: the subtree of leaves [seen, seen + 2^level)
+  // x: the subtree of leaves [seen, seen + 2^level)
+  __device__ __forceinline__ void push(float x, int level) {
     bool carry = true;  // (no break: node stays in registers)
 #pragma unroll
     for (int L = 0; L < kTreeLevels; L++) {
@@ -391,7 +412,22 @@ __device__ __forceinline__ float tree_column(const float* col, int64_t stride, i
       }
     }
     seen += 1u << level;
-  };
+  }
+  // the pending nodes, from the lowest level up (the lone-node rule)
+  __device__ __forceinline__ float fold() const {
+    float r = 0.f;
+    bool any = false;
+#pragma unroll
+    for (int L = 0; L < kTreeLevels; L++)
+      if ((seen >> L) & 1u) {
+        r = any ? __fadd_rn(node[L], r) : node[L];
+        any = true;
+      }
+    return r;
+  }
+};
+__device__ __forceinline__ float tree_column(const float* col, int64_t stride, int n) {
+  TreeCounter tc;
   int c = 0;
   float next[8];  // the next run's leaves, loaded while this run is added up
   if (n >= 8)
@@ -408,35 +444,92 @@ __device__ __forceinline__ float tree_column(const float* col, int64_t stride, i
     for (int lv = 0; lv < 3; lv++)  // levels 1..3: 4, 2, 1 nodes
 #pragma unroll
       for (int k = 0; k < (4 >> lv); k++) v[k] = __fadd_rn(v[2 * k], v[2 * k + 1]);
-    push(v[0], 3);
+    tc.push(v[0], 3);
   }
-  for (; c < n; c++) push(col[(int64_t)c * stride], 0);
-  float r = 0.f;
-  bool any = false;
-#pragma unroll
-  for (int L = 0; L < kTreeLevels; L++)
-    if ((seen >> L) & 1u) {
-      r = any ? __fadd_rn(node[L], r) : node[L];
-      any = true;
+  for (; c < n; c++) tc.push(col[(int64_t)c * stride], 0);
+  return tc.fold();
+}
+
+// The columns of the replicated gradients' partials that go out (the router's only when
+// fused, each only when its output was asked for): the output and the index in it.
+__device__ __forceinline__ void* tree_out(const BwdParams& p, int64_t x, int64_t* k) {
+  const Shape& s = p.s;
+  const int64_t er = s.fused ? (int64_t)s.E * s.H : 0, e1 = (int64_t)s.E * s.H, e2 = e1 + 2LL * s.Fs * s.H;
+  if (x < e1 && x >= er) return nullptr;
+  *k = x < e1 ? x : x < e2 ? x - e1 : x - e2;
+  return x < e1 ? p.d_w_router : x < e2 ? p.d_ws13 : p.d_ws2;
+}
+__device__ __forceinline__ void tree_store(const BwdParams& p, void* out, int64_t k, float v) {
+  if (p.wgrad_fp32) reinterpret_cast<float*>(out)[k] = __fadd_rn(reinterpret_cast<float*>(out)[k], v);
+  else reinterpret_cast<bf16*>(out)[k] = to_bf(v);
+}
+
+// W > 1, the replicated gradients in two rounds of TREE tasks (each a slice of columns).
+// First each rank sums its partials over the aligned subtrees of the global chunk tree
+// that lie inside its chunks (subtree_level), into its own tree window; the task that
+// completes the round publishes TREE. Then, after every rank's TREE, every rank pushes
+// all ranks' subtrees in chunk order through tree_column's binary counter: the same
+// nodes and additions as W = 1, so the same bits on every rank and for every W.
+__device__ __noinline__ void tree_subtrees_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_total,
+                                                 int slices) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20)) return;
+  const int64_t len = p.partial_len;
+  int chunk0 = 0;  // this rank's first chunk
+  for (int r = 0; r < s.rank; r++) chunk0 += rank_chunks(p, r);
+  for (int64_t x = (int64_t)slice * kTreeSlice + threadIdx.x; x < min(len, (int64_t)(slice + 1) * kTreeSlice);
+       x += kThreads) {
+    int64_t unused;
+    if (!tree_out(p, x, &unused)) continue;
+    for (int a = chunk0, k = 0; a < chunk0 + s.chunks; k++) {
+      const int level = subtree_level(a, chunk0 + s.chunks);
+      if (k < p.px.tree_nodes)
+        p.px.tree[s.rank][k * len + x] = tree_column(p.partials + (a - chunk0) * len + x, len, 1 << level);
+      else raise_error(p.st, MOK_STATUS_INTERNAL_ERROR);  // (the window holds every split of <= T tokens)
+      a += 1 << level;
     }
-  return r;
+  }
+  __threadfence_system();
+  signal_counter_publish(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.px, s, kFlagTree, p.serial);
+  __syncthreads();
+}
+
+__device__ __noinline__ void tree_combine_task(Smem& sm, const BwdParams& p, int slice) {
+  const Shape& s = p.s;
+  if (!wait_peers(sm, p.st, kFlagTree)) return;
+  const int64_t len = p.partial_len;
+  for (int64_t x = (int64_t)slice * kTreeSlice + threadIdx.x; x < min(len, (int64_t)(slice + 1) * kTreeSlice);
+       x += kThreads) {
+    int64_t k;
+    void* out = tree_out(p, x, &k);
+    if (!out) continue;
+    TreeCounter tc;
+    for (int r = 0, c0 = 0; r < s.W; r++) {  // ranks in chunk order
+      const int n = rank_chunks(p, r);
+      const volatile float* nodes = p.px.tree[r];
+      for (int a = c0, j = 0; a < c0 + n; j++) {
+        const int level = subtree_level(a, c0 + n);
+        tc.push(nodes[j * len + x], level);
+        a += 1 << level;
+      }
+      c0 += n;
+    }
+    tree_store(p, out, k, tc.fold());
+  }
+  __syncthreads();
 }
 
 // Replicated gradients, slice of kTreeSlice columns: each column's tree over the chunks.
-__device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_total) {
+// W > 1: the two rounds' tasks (slices of them each).
+__device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_total, int slices) {
   const Shape& s = p.s;
+  (void)slices;  // W > 1: tree_subtrees_task, tree_combine_task (not called yet: see docs/DISTRIBUTED.md)
   if (!wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20)) return;
-  const int64_t len = p.partial_len, er = s.fused ? (int64_t)s.E * s.H : 0;
-  const int64_t e1 = (int64_t)s.E * s.H, e2 = e1 + 2LL * s.Fs * s.H;
+  const int64_t len = p.partial_len;
   for (int64_t x = (int64_t)slice * kTreeSlice + threadIdx.x; x < min(len, (int64_t)(slice + 1) * kTreeSlice);
        x += kThreads) {
-    if (x < e1 && x >= er) continue;
-    void* out = x < e1 ? p.d_w_router : x < e2 ? p.d_ws13 : p.d_ws2;
-    if (!out) continue;
-    const float v = tree_column(p.partials + x, len, s.chunks);
-    const int64_t k = x < e1 ? x : x < e2 ? x - e1 : x - e2;
-    if (p.wgrad_fp32) reinterpret_cast<float*>(out)[k] = __fadd_rn(reinterpret_cast<float*>(out)[k], v);
-    else reinterpret_cast<bf16*>(out)[k] = to_bf(v);
+    int64_t k;
+    if (void* out = tree_out(p, x, &k)) tree_store(p, out, k, tree_column(p.partials + x, len, s.chunks));
   }
   __syncthreads();
 }
@@ -444,7 +537,8 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, 
 __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   const Shape& s = p.s;
   const int nH = cdivb(s.H, BN);
-  if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * groups(nH, 2 * s.F / BK)), p.st, 20)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * groups(nH, 2 * s.F / BK)), p.st, 20, kFlagDx))
+    return;  // (every owner's dx rows)
   if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DXR], (uint32_t)(s.nb * groups(nH, cdivb(s.E, BK))), p.st, 20))
     return;
   if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DXS], (uint32_t)(s.smt * groups(nH, 2 * s.Fs / BK)), p.st, 20))
@@ -472,6 +566,7 @@ __device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 ||
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
+  set_peers(sm, p.px, s, p.serial);
   if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
                            p.sv.header[2] != (uint64_t)s.T))
     raise_error(p.st, MOK_STATUS_INVALID_SAVED);
@@ -489,9 +584,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     wgrad_mt[1] = cdivb(2 * s.F, BM);
     const int nH = cdivb(s.H, BN), rwt = rw_tiles(s), wg_size = wgrad_group(s);
     // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
-    const int rows[11] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt, s.E,
-                          s.E, rwt ? s.chunks : 0, rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0,
-                          s.ns};
+    const int slices = rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0;
+    const int rows[11] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt, s.e_loc,
+                          s.e_loc, rwt ? s.chunks : 0, s.W > 1 ? 2 * slices : slices, s.ns};
     const int cols[11] = {1, groups(cdivb(s.Fs, BN), s.H / BK), groups(cdivb(s.F, BN), s.H / BK),
                           groups(nH, cdivb(s.E, BK)), groups(nH, 2 * s.Fs / BK), groups(nH, 2 * s.F / BK),
                           wgrad_mt[0] * cdivb(cdivb(s.F, BN), wg_size), wgrad_mt[1] * cdivb(nH, wg_size), 1, 1, 1};
@@ -531,7 +626,12 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
         break;
       }
       case 8: rw_task(sm, p, local); break;
-      case 9: tree_task(sm, p, local, (uint32_t)(phase_end[8] - phase_start[8])); break;
+      case 9: {
+        const uint32_t rw_total = (uint32_t)(phase_end[8] - phase_start[8]);
+        const int slices = (phase_end[9] - phase_start[9]) / (s.W > 1 ? 2 : 1);  // (W > 1: two rounds)
+        tree_task(sm, p, local, rw_total, slices);
+        break;
+      }
       default: dxsum_task(sm, p, local); break;
     }
     profile_task(sm, p.st, 8 + k);

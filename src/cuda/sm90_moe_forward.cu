@@ -147,7 +147,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       __threadfence_system();
       publish_peers(p.px, s, kFlagCounts, p.serial);
     }
-    if (!wait_peers(sm, p.px, s, kFlagCounts, p.serial, p.st)) return;
+    if (!wait_peers(sm, p.st, kFlagCounts)) return;
   }
   for (int e = threadIdx.x; e < E; e += kThreads) {
     int before = 0, tot = s.W > 1 ? 0 : p.sv.counts[e];  // rows of ranks < s.rank; all ranks'
@@ -185,7 +185,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       __threadfence_system();
       __syncthreads();
       if (threadIdx.x == 0) publish_peers(p.px, s, kFlagStats, p.serial);
-      if (!wait_peers(sm, p.px, s, kFlagStats, p.serial, p.st)) return;
+      if (!wait_peers(sm, p.st, kFlagStats)) return;
       stats = p.px.stats[s.rank];
     }
   }
@@ -233,6 +233,9 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     p.sv.header[1] = p.context_id;
     p.sv.header[2] = (uint64_t)s.T;
     p.sv.header[3] = p.serial;
+    p.sv.header[4] = (uint64_t)T_all;
+    for (int r = 0; r < s.W; r++)  // every rank's T, for the backward's chunk ranges
+      p.sv.header[5 + r] = s.W > 1 ? (uint64_t)*(volatile int32_t*)&p.px.counts[s.rank][r * (E + 1) + E] : (uint64_t)s.T;
   }
   __syncthreads();
   // outputs only when the step goes on (a capacity overflow stops it on every rank first)
@@ -278,8 +281,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
 // the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
 __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  const bool ok = wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19) &&
-                  (s.W == 1 || wait_peers(sm, p.px, s, kFlagDispatch, p.serial, p.st));  // every rank's rows here
+  const bool ok = wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19, kFlagDispatch);  // (every rank's rows)
   const bool valid = ok && mt < *p.num_tiles && p.tile_row0[mt] < p.tile_row_end[mt];
   const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, valid ? p.tile_expert[mt] : 0, g));
   if (!ok) return;
@@ -357,8 +359,8 @@ __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int m
 __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) {
   const Shape& s = p.s;
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
-  if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH2), p.st, 19)) return;
-  if (s.W > 1 && !wait_peers(sm, p.px, s, kFlagExperts, p.serial, p.st)) return;  // every owner's o rows
+  if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH2), p.st, 19, kFlagExperts))
+    return;  // (every owner's o rows)
   if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nHs), p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -383,6 +385,7 @@ __device__ __forceinline__ bool paired_phase(int k) { return k == 4 || k == 6; }
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
+  set_peers(sm, p.px, s, p.serial);
   // GEMM tasks per row tile (column-tile groups)
   const int nF1 = groups(cdiv(s.F, BF), s.H / BK), nS1 = groups(cdiv(s.Fs, BF), s.H / BK);
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
