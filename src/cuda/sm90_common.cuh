@@ -147,25 +147,31 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
 
 // ---- dependencies ----
 
-// Thread 0, W > 1: waits until every rank's flag `kind` in this rank's window holds the
-// step's serial (sm.peer_*), each wait bounded by the timeout (then
-// MOK_STATUS_COMM_TIMEOUT); sets sm.abort when the step is abandoned.
-__device__ __forceinline__ void poll_peers(Smem& sm, const GpuStep& st, int kind) {
-  for (int r = 0; r < sm.peer_W && sm.abort == 0; r++) {
-    const uint64_t t0 = globaltimer_ns();
-    while (flag_acquire_sys(sm.peer_flags + r * kFlagKinds + kind) < sm.peer_serial) {
-      if (*(volatile uint32_t*)&st.sync->error != 0) {
-        sm.abort = 1;
-        break;
-      }
-      if (globaltimer_ns() - t0 > st.timeout_ns) {
-        atomicCAS(&st.sync->error, 0u, (uint32_t)MOK_STATUS_COMM_TIMEOUT);
-        sm.abort = 1;
-        break;
-      }
-      __nanosleep(256);
+// Thread 0: polls until done() (an acquire), at most the step's timeout from now (then
+// MOK_STATUS_COMM_TIMEOUT); sets sm.abort when the step is abandoned (timeout, or an
+// error raised elsewhere).
+template <class Done>
+__device__ __forceinline__ void poll(Smem& sm, const GpuStep& st, Done done) {
+  const uint64_t t0 = globaltimer_ns();
+  while (!done()) {
+    if (*(volatile uint32_t*)&st.sync->error != 0) {
+      sm.abort = 1;
+      break;
     }
+    if (globaltimer_ns() - t0 > st.timeout_ns) {
+      atomicCAS(&st.sync->error, 0u, (uint32_t)MOK_STATUS_COMM_TIMEOUT);
+      sm.abort = 1;
+      break;
+    }
+    __nanosleep(128);
   }
+}
+
+// Thread 0, W > 1: every rank's flag `kind` in this rank's window reaches the step's
+// serial (sm.peer_*), each within the timeout.
+__device__ __forceinline__ void poll_peers(Smem& sm, const GpuStep& st, int kind) {
+  for (int r = 0; r < sm.peer_W && sm.abort == 0; r++)
+    poll(sm, st, [&] { return flag_acquire_sys(sm.peer_flags + r * kFlagKinds + kind) >= sm.peer_serial; });
 }
 
 // Thread 0 waits until *counter >= target, at most timeout_ns (with W > 1 and peer_kind
@@ -177,18 +183,7 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
                                           const GpuStep& st, int prof_slot, int peer_kind = -1) {
   if (threadIdx.x == 0) {
     const uint64_t t0 = globaltimer_ns();
-    while (ld_acquire(counter) < target) {
-      if (*(volatile uint32_t*)&st.sync->error != 0) {
-        sm.abort = 1;
-        break;
-      }
-      if (globaltimer_ns() - t0 > st.timeout_ns) {
-        atomicCAS(&st.sync->error, 0u, (uint32_t)MOK_STATUS_COMM_TIMEOUT);
-        sm.abort = 1;
-        break;
-      }
-      __nanosleep(128);
-    }
+    poll(sm, st, [&] { return ld_acquire(counter) >= target; });
     if (peer_kind >= 0 && sm.peer_W > 1) poll_peers(sm, st, peer_kind);
     fence_proxy_async();
     if (st.prof) {
