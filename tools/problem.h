@@ -85,8 +85,8 @@ typedef struct {
 mok_status_t mok_problem_run(mok_problem_t* p, const mok_run_opts_t* opts, char* err,
                              size_t err_len);
 
-/* The same on the CUDA backend (W ranks on GPUs 0 .. W-1, a thread each; W > 1 runs
- * the forward only in this version): inputs copied to the device, every
+/* The same on the CUDA backend (W ranks on GPUs 0 .. W-1, a thread each): inputs copied
+ * to the device, every
  * output poisoned (0xFF bytes) before the run, results copied back into p's outputs.
  * seconds_forward / seconds_backward: CUDA-event times of the last step. Returns
  * MOK_STATUS_BACKEND_UNAVAILABLE when the library has no CUDA backend. */

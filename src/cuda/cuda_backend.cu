@@ -589,10 +589,6 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
 
 mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
   const mok_config_t& c = ctx->cfg;
-  if (c.W > 1)  // (written but not wired: the replicated sums' two-round tree spills the kernel)
-    return MOK_ERR(ctx, MOK_STATUS_UNSUPPORTED_SHAPE,
-                   "cfg.W = %d: the CUDA backend's backward runs W = 1 only in this version (the forward runs W > 1)",
-                   c.W);
   const int64_t T = a->num_tokens, R = recv_rows(c, T), H = c.H, F = c.F, E = c.E, El = c.E / c.W, Fs = c.Fs;
   BwdParams p;
   memset(&p, 0, sizeof p);

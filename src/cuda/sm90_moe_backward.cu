@@ -464,72 +464,77 @@ __device__ __forceinline__ void tree_store(const BwdParams& p, void* out, int64_
   else reinterpret_cast<bf16*>(out)[k] = to_bf(v);
 }
 
-// W > 1, the replicated gradients in two rounds of TREE tasks (each a slice of columns).
-// First each rank sums its partials over the aligned subtrees of the global chunk tree
-// that lie inside its chunks (subtree_level), into its own tree window; the task that
-// completes the round publishes TREE. Then, after every rank's TREE, every rank pushes
-// all ranks' subtrees in chunk order through tree_column's binary counter: the same
-// nodes and additions as W = 1, so the same bits on every rank and for every W.
-__device__ __noinline__ void tree_subtrees_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_total,
-                                                 int slices) {
+// Replicated gradients, slice of kTreeSlice columns: each column's tree over the chunks.
+// W > 1: the phase has two rounds of the slices. In the first each rank sums its
+// partials over the aligned subtrees of the global chunk tree that lie inside its
+// chunks (subtree_level), into its own tree window; the task that completes the round
+// publishes TREE. In the second, after every rank's TREE, every rank pushes all ranks'
+// subtrees in chunk order through tree_column's binary counter: the same nodes and
+// additions as W = 1, so the same bits on every rank and for every W.
+__device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, uint32_t rw_total, int slices) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20)) return;
+  const bool combine = s.W > 1 && task >= slices;  // (W > 1: the second round)
+  const int slice = combine ? task - slices : task;
+  if (!(combine ? wait_counter(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.st, 20, kFlagTree)
+                : wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20)))
+    return;
   const int64_t len = p.partial_len;
   int chunk0 = 0;  // this rank's first chunk
   for (int r = 0; r < s.rank; r++) chunk0 += rank_chunks(p, r);
-  for (int64_t x = (int64_t)slice * kTreeSlice + threadIdx.x; x < min(len, (int64_t)(slice + 1) * kTreeSlice);
-       x += kThreads) {
-    int64_t unused;
-    if (!tree_out(p, x, &unused)) continue;
-    for (int a = chunk0, k = 0; a < chunk0 + s.chunks; k++) {
-      const int level = subtree_level(a, chunk0 + s.chunks);
-      if (k < p.px.tree_nodes)
-        p.px.tree[s.rank][k * len + x] = tree_column(p.partials + (a - chunk0) * len + x, len, 1 << level);
-      else raise_error(p.st, MOK_STATUS_INTERNAL_ERROR);  // (the window holds every split of <= T tokens)
-      a += 1 << level;
-    }
+  // the second round's counters, a thread's kTreeLevels pending nodes strided by kThreads,
+  // in the pipeline stages (no GEMM here; the last epilogue's stores have read them)
+  float* pending = reinterpret_cast<float*>(sm.stage[0]) + threadIdx.x;
+  if (combine) {
+    if (threadIdx.x == 0) release_stages_from_stores(sm);
+    __syncthreads();
   }
-  __threadfence_system();
-  signal_counter_publish(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.px, s, kFlagTree, p.serial);
-  __syncthreads();
-}
-
-__device__ __noinline__ void tree_combine_task(Smem& sm, const BwdParams& p, int slice) {
-  const Shape& s = p.s;
-  if (!wait_peers(sm, p.st, kFlagTree)) return;
-  const int64_t len = p.partial_len;
   for (int64_t x = (int64_t)slice * kTreeSlice + threadIdx.x; x < min(len, (int64_t)(slice + 1) * kTreeSlice);
        x += kThreads) {
     int64_t k;
     void* out = tree_out(p, x, &k);
     if (!out) continue;
-    TreeCounter tc;
-    for (int r = 0, c0 = 0; r < s.W; r++) {  // ranks in chunk order
-      const int n = rank_chunks(p, r);
-      const volatile float* nodes = p.px.tree[r];
-      for (int a = c0, j = 0; a < c0 + n; j++) {
-        const int level = subtree_level(a, c0 + n);
-        tc.push(nodes[j * len + x], level);
-        a += 1 << level;
+    if (!combine) {  // W = 1: the whole tree; W > 1: subtree j of this rank's chunks, into its window
+      for (int a = chunk0, j = 0, end = chunk0 + s.chunks; a < end; j++) {
+        const int n = s.W == 1 ? s.chunks : 1 << subtree_level(a, end);
+        const float v = tree_column(p.partials + (a - chunk0) * len + x, len, n);
+        if (s.W == 1) tree_store(p, out, k, v);
+        else if (j < p.px.tree_nodes) p.px.tree[s.rank][j * len + x] = v;
+        else raise_error(p.st, MOK_STATUS_INTERNAL_ERROR);  // (the window holds every split of <= T tokens)
+        a += n;
       }
-      c0 += n;
+    } else {  // every rank's subtrees, ranks in chunk order, through the binary counter
+      uint32_t seen = 0;  // (its pending nodes in shared memory: pending[L])
+      for (int r = 0, c0 = 0; r < s.W; r++) {
+        const int n = rank_chunks(p, r);
+        const volatile float* nodes = p.px.tree[r];
+        for (int a = c0, j = 0; a < c0 + n; j++) {
+          const int level = subtree_level(a, c0 + n);
+          float v = nodes[j * len + x];
+          for (int L = level;; L++) {  // TreeCounter::push
+            if (!((seen >> L) & 1u)) {
+              pending[L * kThreads] = v;
+              break;
+            }
+            v = __fadd_rn(pending[L * kThreads], v);
+          }
+          seen += 1u << level;
+          a += 1 << level;
+        }
+        c0 += n;
+      }
+      float v = 0.f;  // TreeCounter::fold
+      bool any = false;
+      for (int L = 0; L < kTreeLevels; L++)
+        if ((seen >> L) & 1u) {
+          v = any ? __fadd_rn(pending[L * kThreads], v) : pending[L * kThreads];
+          any = true;
+        }
+      tree_store(p, out, k, v);
     }
-    tree_store(p, out, k, tc.fold());
   }
-  __syncthreads();
-}
-
-// Replicated gradients, slice of kTreeSlice columns: each column's tree over the chunks.
-// W > 1: the two rounds' tasks (slices of them each).
-__device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int slice, uint32_t rw_total, int slices) {
-  const Shape& s = p.s;
-  (void)slices;  // W > 1: tree_subtrees_task, tree_combine_task (not called yet: see docs/DISTRIBUTED.md)
-  if (!wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20)) return;
-  const int64_t len = p.partial_len;
-  for (int64_t x = (int64_t)slice * kTreeSlice + threadIdx.x; x < min(len, (int64_t)(slice + 1) * kTreeSlice);
-       x += kThreads) {
-    int64_t k;
-    if (void* out = tree_out(p, x, &k)) tree_store(p, out, k, tree_column(p.partials + x, len, s.chunks));
+  if (s.W > 1 && !combine) {
+    __threadfence_system();
+    signal_counter_publish(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.px, s, kFlagTree, p.serial);
   }
   __syncthreads();
 }

@@ -31,57 +31,83 @@ static int peer_exchange_w2(void) {
   return 0;
 }
 
-/* The forward at W = 2 (two GPUs, a thread each) against the CPU backend at W = 2, and
- * D3: the same bits as the CUDA forward at W = 1 on the same global batch (the router
- * losses too where rank 0's T is a multiple of 64, as DESIGN's D3 asks). */
+/* Expert parallelism on two GPUs (a thread each): a shape run on the CPU backend at
+ * W = 2, then on the CUDA backend at W = 1 and W = 2. The CUDA W = 2 outputs must have
+ * the bits of W = 1 (D3) and be close to the CPU's. */
+typedef struct {
+  const char* name;
+  int64_t T, H, F, E, K, Fs;
+  mok_routing_t routing;
+  mok_wgrad_t wgrad;
+  float aux, z;
+} ep_shape_t;
+
+static int ep_compare(const ep_shape_t* sh, uint64_t seed, int backward) {
+  mok_config_t c = MOK_CONFIG_INIT;
+  c.H = sh->H, c.F = sh->F, c.E = sh->E, c.K = sh->K, c.Fs = sh->Fs;
+  c.routing = sh->routing, c.wgrad = sh->wgrad;
+  c.aux_loss_coef = sh->aux, c.z_loss_coef = sh->z;
+  mok_problem_t* p = test_problem(&c, sh->T, seed);
+  TEST_ASSERT(p, "problem");
+  mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+  o.backward = backward;
+  o.capacity = sh->T * sh->K;  // (both ranks' windows alike when their T differ by one)
+  test_outputs_t cpu, gpu[2];
+  o.W = 2;
+  if (test_run(p, &o)) return 1;
+  test_snapshot(p, backward, &cpu);
+  for (int w = 1; w <= 2; w++) {
+    char err[1024] = "";
+    o.W = w;
+    const mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
+    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: CUDA W = %d: %s: %s", sh->name, w, mok_status_string(st), err);
+    test_snapshot(p, backward, &gpu[w - 1]);
+  }
+  int b = test_same_bits(&gpu[1], &gpu[0], NULL, "D3 (CUDA W = 2 against W = 1)");
+  b += test_same_bits(&gpu[1], &cpu, "topk_idx tokens_per_expert", "W = 2 against the CPU");
+  b += test_close(&gpu[1], &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_w13 d_w2 d_ws13 d_ws2",
+                  1e-2, "W = 2 against the CPU");
+  if (!b) printf("    %-12s W = 2: the bits of W = 1, close to the CPU\n", sh->name);
+  return b;
+}
+
+/* The forward alone: token counts that split unevenly (77, 513), shared expert, replay;
+ * the router losses where rank 0's T is a multiple of 64 (DESIGN's D3 condition). */
 static int ep_forward_w2(void) {
   if (gpus() < 2) {
     printf("    not run: %d GPU(s), the case needs 2\n", gpus());
     return 0;
   }
-  static const struct {
-    const char* name;
-    int64_t T, H, F, E, K, Fs;
-    mok_routing_t routing;
-    float aux, z;
-  } shapes[] = {
-      {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, 0.f, 0.f},
-      {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, 0.f, 0.f},
-      {"replay", 513, 128, 64, 8, 2, 0, MOK_ROUTING_REPLAY, 0.f, 0.f},
-      {"losses", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, 1e-2f, 1e-3f},
-      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, 1e-2f, 1e-3f},
+  static const ep_shape_t shapes[] = {
+      {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f},
+      {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f},
+      {"replay", 513, 128, 64, 8, 2, 0, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f},
+      {"losses", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
   };
   int bad = 0;
-  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
-    mok_config_t c = MOK_CONFIG_INIT;
-    c.H = shapes[i].H, c.F = shapes[i].F, c.E = shapes[i].E, c.K = shapes[i].K, c.Fs = shapes[i].Fs;
-    c.routing = shapes[i].routing;
-    c.aux_loss_coef = shapes[i].aux, c.z_loss_coef = shapes[i].z;
-    mok_problem_t* p = test_problem(&c, shapes[i].T, test_case_seed() + i);
-    TEST_ASSERT(p, "problem");
-    mok_run_opts_t o = MOK_RUN_OPTS_INIT;
-    o.backward = 0;
-    o.capacity = shapes[i].T * shapes[i].K;  // (the ranks' T differ by one: the same windows on both)
-    test_outputs_t cpu, gpu1, gpu2;
-    o.W = 2;
-    if (test_run(p, &o)) return 1;
-    test_snapshot(p, 0, &cpu);
-    char err[1024] = "";
-    o.W = 1;
-    mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
-    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: CUDA W = 1: %s: %s", shapes[i].name, mok_status_string(st), err);
-    test_snapshot(p, 0, &gpu1);
-    o.W = 2;
-    st = mok_problem_run_cuda(p, &o, err, sizeof err);
-    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: CUDA W = 2: %s: %s", shapes[i].name, mok_status_string(st), err);
-    test_snapshot(p, 0, &gpu2);
-    int b = test_same_bits(&gpu2, &gpu1, NULL, "D3 (CUDA W = 2 against W = 1)");
-    b += test_same_bits(&gpu2, &cpu, "topk_idx tokens_per_expert", "W = 2 against the CPU");
-    b += test_close(&gpu2, &cpu, "y topk_weight aux_loss z_loss", 1e-2, "W = 2 against the CPU");
-    if (!b) printf("    %-12s W = 2: the same bits as W = 1, close to the CPU\n", shapes[i].name);
-    bad += b;
-  }
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) bad += ep_compare(&shapes[i], test_case_seed() + i, 0);
   return bad != 0;
 }
 
-const test_case_t suite_gpu_comm[] = {{"peer_exchange_w2", peer_exchange_w2}, {"ep_forward_w2", ep_forward_w2}, TEST_END};
+/* A training step (forward, backward): every gradient, the replicated ones through the
+ * ranks' subtrees (every rank's T a multiple of 64: the chunks W = 1 has). */
+static int ep_step_w2(void) {
+  if (gpus() < 2) {
+    printf("    not run: %d GPU(s), the case needs 2\n", gpus());
+    return 0;
+  }
+  static const ep_shape_t shapes[] = {
+      {"e16_k4", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+      {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+      {"replay", 256, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f},
+      {"accum", 1024, 256, 128, 16, 2, 128, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+  };
+  int bad = 0;
+  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) bad += ep_compare(&shapes[i], test_case_seed() + i, 1);
+  return bad != 0;
+}
+
+const test_case_t suite_gpu_comm[] = {
+    {"peer_exchange_w2", peer_exchange_w2}, {"ep_forward_w2", ep_forward_w2}, {"ep_step_w2", ep_step_w2}, TEST_END};
