@@ -76,8 +76,10 @@ typedef struct {
   int num_ctas;       /* CUDA: persistent CTAs, 0 = one per SM */
   int graph;          /* CUDA: capture one forward + backward step in a CUDA graph and replay it */
   int cta_pairs;      /* CUDA: cfg.cta_pairs (mok_cta_pairs_t) */
+  int silent_rank;    /* CUDA, W > 1: a rank that creates its context, then makes no call
+                         for comm_timeout_s + 1 s before destroying it (fault test), or -1 */
 } mok_run_opts_t;
-#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0, MOK_CTA_PAIRS_AUTO}
+#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0, MOK_CTA_PAIRS_AUTO, -1}
 
 /* Runs the problem; returns the first failing rank's status. The message of the first
  * failure is copied to err (size err_len) when err is not NULL. Gradient outputs in

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <vector>
 
 #include "cuda_backend.h"
@@ -48,6 +49,7 @@ struct GpuContext {
   PeerRows peer_x_rows, peer_o_rows, peer_dy_rows, peer_dx_rows;
   PeerExchange px;
   uint64_t backward_serial;  // (every rank calls the same sequence: the same serials)
+  bool broken;               // a step timed out waiting for a peer: no more steps, destroy aborts
 };
 static_assert(kMaxPeers == MOK_CUDA_MAX_RANKS, "kMaxPeers");
 
@@ -240,18 +242,46 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
 #endif
 }
 
-static void free_peers(GpuContext* g) {
+// Destroy, W > 1: peers may still read this rank's windows in their last step, so each
+// rank says goodbye (flag BYE in every rank's window, written from the host) and waits
+// for every rank's, at most comm_timeout_s; then the windows go, collectively. A rank
+// that never says it (or a context broken by a timeout) makes this one abort the
+// communicator instead, which waits for no one, and free its memory unregistered.
+static void free_peers(GpuContext* g, const mok_config_t& c) {
 #ifdef MOK_HAVE_NCCL
   if (!g->comm) return;
   mok_nccl_comm_t* comm = static_cast<mok_nccl_comm_t*>(g->comm);
-  cudaDeviceSynchronize();  // (this rank's last launches; peers' reads are covered by their own steps' flags)
-  mok_nccl_window_free(comm, g->rows_local, g->rows_win);
-  mok_nccl_window_free(comm, g->xchg_local, g->xchg_win);
-  mok_nccl_window_free(comm, g->tree_local, g->tree_win);
-  mok_nccl_comm_destroy(comm, 0);
+  cudaDeviceSynchronize();  // (this rank's last launches)
+  bool all = !g->broken && g->px.flags[0];
+  const uint64_t bye = 1;
+  for (int r = 0; r < c.W && all; r++)
+    all = cudaMemcpy(g->px.flags[r] + c.rank * kFlagKinds + kFlagBye, &bye, 8, cudaMemcpyHostToDevice) == cudaSuccess;
+  for (double waited = 0; all;) {
+    uint64_t f[kMaxPeers * kFlagKinds];
+    if (cudaMemcpy(f, g->px.flags[c.rank], sizeof(uint64_t) * c.W * kFlagKinds, cudaMemcpyDeviceToHost) != cudaSuccess)
+      all = false;
+    int n = 0;
+    for (int r = 0; r < c.W && all; r++) n += f[r * kFlagKinds + kFlagBye] >= bye;
+    if (n == c.W) break;
+    if (waited > c.comm_timeout_s) all = false;
+    struct timespec ts = {0, 1000000};
+    nanosleep(&ts, nullptr);
+    waited += 1e-3;
+  }
+  if (all) {
+    mok_nccl_window_free(comm, g->rows_local, g->rows_win);
+    mok_nccl_window_free(comm, g->xchg_local, g->xchg_win);
+    mok_nccl_window_free(comm, g->tree_local, g->tree_win);
+    mok_nccl_comm_destroy(comm, 0);
+  } else {
+    mok_nccl_comm_destroy(comm, 1);
+    mok_nccl_window_free(nullptr, g->rows_local, nullptr);  // (no collective deregistration)
+    mok_nccl_window_free(nullptr, g->xchg_local, nullptr);
+    mok_nccl_window_free(nullptr, g->tree_local, nullptr);
+  }
   g->comm = nullptr;
 #else
-  (void)g;
+  (void)g, (void)c;
 #endif
 }
 
@@ -328,7 +358,8 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   if (c.W > 1) {
     const mok_status_t st = setup_peers(ctx, g);
     if (st) {
-      free_peers(&g);
+      g.broken = true;  // (the peers' creates may not have come: no collective step)
+      free_peers(&g, c);
       return st;
     }
   }
@@ -339,7 +370,7 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
 void mok_cuda_destroy(mok_context_t* ctx) {
   GpuContext* g = gpu(ctx);
   if (!g) return;
-  free_peers(g);
+  free_peers(g, ctx->cfg);
   cudaFree(g->sync);
   cudaFree(g->status);
   cudaFree(g->prof);
@@ -396,6 +427,13 @@ mok_status_t mok_cuda_sync(mok_context_t* ctx) {
   CUDA_TRY(ctx, cudaMemcpy(&st, g->status, sizeof st, cudaMemcpyDeviceToHost));
   CUDA_TRY(ctx, cudaMemset(g->status, 0, sizeof st));
   if (g->prof) print_profile(ctx);
+  if (st == MOK_STATUS_COMM_TIMEOUT && ctx->cfg.W > 1) {
+    g->broken = true;
+    return MOK_ERR(ctx, MOK_STATUS_COMM_TIMEOUT,
+                   "a step on the device stopped: a peer rank did not arrive within cfg.comm_timeout_s = %g s; the "
+                   "context takes no more steps (destroy it)",
+                   ctx->cfg.comm_timeout_s);
+  }
   if (st != MOK_STATUS_SUCCESS)
     return MOK_ERR(ctx, (mok_status_t)st, "a step on the device stopped with %s", mok_status_string((mok_status_t)st));
   return MOK_STATUS_SUCCESS;
@@ -522,8 +560,16 @@ static cudaError_t launch(const mok_context_t* ctx, void (*kernel)(Params), cons
   return cudaLaunchKernelEx(&lc, kernel, p);
 }
 
+// A context whose step timed out waiting for a peer takes no more steps.
+static mok_status_t check_not_broken(mok_context_t* ctx) {
+  if (!gpu(ctx)->broken) return MOK_STATUS_SUCCESS;
+  return MOK_ERR(ctx, MOK_STATUS_COMM_TIMEOUT,
+                 "an earlier step timed out waiting for a peer rank: this context takes no more steps (destroy it)");
+}
+
 mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   const mok_config_t& c = ctx->cfg;
+  if (mok_status_t st = check_not_broken(ctx)) return st;
   const int64_t T = a->num_tokens, R = recv_rows(c, T), H = c.H, F = c.F, E = c.E, El = c.E / c.W, Fs = c.Fs;
   FwdParams p;
   memset(&p, 0, sizeof p);
@@ -589,6 +635,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
 
 mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
   const mok_config_t& c = ctx->cfg;
+  if (mok_status_t st = check_not_broken(ctx)) return st;
   const int64_t T = a->num_tokens, R = recv_rows(c, T), H = c.H, F = c.F, E = c.E, El = c.E / c.W, Fs = c.Fs;
   BwdParams p;
   memset(&p, 0, sizeof p);

@@ -128,7 +128,9 @@ struct PeerRows {
 //   tree[r]    [tree_nodes][partial_len] fp32, written by rank r alone: the sums of its
 //              replicated-gradient partials over the aligned subtrees of the chunk
 //              tree that lie inside its chunks (tree_nodes), read by every rank.
-enum : int { kFlagCounts, kFlagDispatch, kFlagExperts, kFlagStats, kFlagDg, kFlagDx, kFlagTree, kFlagKinds = 8 };
+// (kFlagBye: written by the host at destroy, which waits for every rank's before it
+// frees the windows that peers may still read)
+enum : int { kFlagCounts, kFlagDispatch, kFlagExperts, kFlagStats, kFlagDg, kFlagDx, kFlagTree, kFlagBye, kFlagKinds };
 struct PeerExchange {
   int32_t* counts[kMaxPeers];
   uint64_t* flags[kMaxPeers];

@@ -5,6 +5,7 @@
  * runs nothing. */
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_runtime_api.h>
 
@@ -109,5 +110,55 @@ static int ep_step_w2(void) {
   return bad != 0;
 }
 
+/* A step that would overflow a rank's capacity stops on both ranks with
+ * MOK_STATUS_CAPACITY_EXCEEDED (each rank sees every count, so both decide alike). */
+static int ep_capacity_w2(void) {
+  if (gpus() < 2) {
+    printf("    not run: %d GPU(s), the case needs 2\n", gpus());
+    return 0;
+  }
+  mok_config_t c = MOK_CONFIG_INIT;
+  c.H = 128, c.F = 64, c.E = 8, c.K = 2;
+  mok_problem_t* p = test_problem(&c, 512, test_case_seed());
+  TEST_ASSERT(p, "problem");
+  mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+  o.W = 2;
+  o.capacity = 512 * 2 / 4;  // each rank's experts get about half of the 1024 rows
+  char err[1024] = "";
+  const mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
+  printf("    %s: %s\n", mok_status_string(st), err);
+  TEST_ASSERT(st == MOK_STATUS_CAPACITY_EXCEEDED, "got %s, not MOK_STATUS_CAPACITY_EXCEEDED", mok_status_string(st));
+  return 0;
+}
+
+/* A rank that creates its context and then never steps: the other's step returns
+ * MOK_STATUS_COMM_TIMEOUT within its bound (0.5 s here), no hang, and both contexts
+ * are destroyed. */
+static int ep_timeout_w2(void) {
+  if (gpus() < 2) {
+    printf("    not run: %d GPU(s), the case needs 2\n", gpus());
+    return 0;
+  }
+  mok_config_t c = MOK_CONFIG_INIT;
+  c.H = 128, c.F = 64, c.E = 8, c.K = 2;
+  mok_problem_t* p = test_problem(&c, 256, test_case_seed());
+  TEST_ASSERT(p, "problem");
+  mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+  o.W = 2;
+  o.silent_rank = 1;
+  o.comm_timeout_s = 0.5;
+  char err[1024] = "";
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  const mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  const double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+  printf("    %s after %.2f s (rank 1 silent for 1.5 s): %s\n", mok_status_string(st), s, err);
+  TEST_ASSERT(st == MOK_STATUS_COMM_TIMEOUT, "got %s, not MOK_STATUS_COMM_TIMEOUT", mok_status_string(st));
+  TEST_ASSERT(s < 10.0, "the run took %.1f s", s);
+  return 0;
+}
+
 const test_case_t suite_gpu_comm[] = {
-    {"peer_exchange_w2", peer_exchange_w2}, {"ep_forward_w2", ep_forward_w2}, {"ep_step_w2", ep_step_w2}, TEST_END};
+    {"peer_exchange_w2", peer_exchange_w2}, {"ep_forward_w2", ep_forward_w2}, {"ep_step_w2", ep_step_w2},
+    {"ep_capacity_w2", ep_capacity_w2},     {"ep_timeout_w2", ep_timeout_w2},   TEST_END};
