@@ -20,11 +20,22 @@ static int gpus(void) {
   return n;
 }
 
+/* Whether the machine has the 2 GPUs a case needs; says so when not. */
+static int two_gpus(void) {
+  if (gpus() >= 2) return 1;
+  printf("    not run: %d GPU(s), the case needs 2\n", gpus());
+  return 0;
+}
+
+/* The fault cases' small problem: E = 8, K = 2 on T tokens. */
+static mok_problem_t* small_problem(int64_t T) {
+  mok_config_t c = MOK_CONFIG_INIT;
+  c.H = 128, c.F = 64, c.E = 8, c.K = 2;
+  return test_problem(&c, T, test_case_seed());
+}
+
 static int peer_exchange_w2(void) {
-  if (gpus() < 2) {
-    printf("    not run: %d GPU(s), the case needs 2\n", gpus());
-    return 0;
-  }
+  if (!two_gpus()) return 0;
   char why[1024];
   const int failures = mok_test_peer_exchange(2, 3, 300.0, why, sizeof why);
   if (why[0]) printf("    %s\n", why);
@@ -75,10 +86,7 @@ static int ep_compare(const ep_shape_t* sh, uint64_t seed, int backward) {
 /* The forward alone: token counts that split unevenly (77, 513), shared expert, replay;
  * the router losses where rank 0's T is a multiple of 64 (DESIGN's D3 condition). */
 static int ep_forward_w2(void) {
-  if (gpus() < 2) {
-    printf("    not run: %d GPU(s), the case needs 2\n", gpus());
-    return 0;
-  }
+  if (!two_gpus()) return 0;
   static const ep_shape_t shapes[] = {
       {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f},
       {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f},
@@ -94,10 +102,7 @@ static int ep_forward_w2(void) {
 /* A training step (forward, backward): every gradient, the replicated ones through the
  * ranks' subtrees (every rank's T a multiple of 64: the chunks W = 1 has). */
 static int ep_step_w2(void) {
-  if (gpus() < 2) {
-    printf("    not run: %d GPU(s), the case needs 2\n", gpus());
-    return 0;
-  }
+  if (!two_gpus()) return 0;
   static const ep_shape_t shapes[] = {
       {"e16_k4", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
       {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
@@ -113,13 +118,8 @@ static int ep_step_w2(void) {
 /* A step that would overflow a rank's capacity stops on both ranks with
  * MOK_STATUS_CAPACITY_EXCEEDED (each rank sees every count, so both decide alike). */
 static int ep_capacity_w2(void) {
-  if (gpus() < 2) {
-    printf("    not run: %d GPU(s), the case needs 2\n", gpus());
-    return 0;
-  }
-  mok_config_t c = MOK_CONFIG_INIT;
-  c.H = 128, c.F = 64, c.E = 8, c.K = 2;
-  mok_problem_t* p = test_problem(&c, 512, test_case_seed());
+  if (!two_gpus()) return 0;
+  mok_problem_t* p = small_problem(512);
   TEST_ASSERT(p, "problem");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
   o.W = 2;
@@ -135,13 +135,8 @@ static int ep_capacity_w2(void) {
  * MOK_STATUS_COMM_TIMEOUT within its bound (0.5 s here), no hang, and both contexts
  * are destroyed. */
 static int ep_timeout_w2(void) {
-  if (gpus() < 2) {
-    printf("    not run: %d GPU(s), the case needs 2\n", gpus());
-    return 0;
-  }
-  mok_config_t c = MOK_CONFIG_INIT;
-  c.H = 128, c.F = 64, c.E = 8, c.K = 2;
-  mok_problem_t* p = test_problem(&c, 256, test_case_seed());
+  if (!two_gpus()) return 0;
+  mok_problem_t* p = small_problem(256);
   TEST_ASSERT(p, "problem");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
   o.W = 2;
