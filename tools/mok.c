@@ -59,7 +59,7 @@ static void usage(FILE* out) {
           "  info                      version, backends, CPU, OpenMP threads, GPUs\n"
           "  check [options]           determinism D1-D4 on a random problem; on cuda, the\n"
           "                            GPU against the CPU backend too\n"
-          "      --backend cpu|cuda    backend (default cpu; cuda runs W = 1)\n"
+          "      --backend cpu|cuda    backend (default cpu; cuda: a GPU per rank)\n"
           "      --shape NAME          named shape (default tiny)\n"
           "      --ranks W1,W2,...     expert-parallel sizes to compare (default 1,2,4)\n"
           "      --seed N              random inputs (default: fresh, printed)\n"
@@ -223,7 +223,18 @@ static int parse_options(int argc, char** argv, const char* allowed, options_t* 
 
 typedef enum { BACKEND_CPU, BACKEND_CUDA } backend_t;
 
-/* Runs the problem on the chosen backend (CUDA: W = 1, one GPU). */
+/* GPUs visible (0 without a CUDA backend). */
+static int gpu_count(void) {
+#ifdef MOK_HAVE_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+  return n;
+#else
+  return 0;
+#endif
+}
+
+/* Runs the problem on the chosen backend (CUDA: a GPU per rank). */
 static mok_status_t run_problem(backend_t b, mok_problem_t* p, const mok_run_opts_t* o,
                                 char* err, size_t len) {
   return b == BACKEND_CUDA ? mok_problem_run_cuda(p, o, err, len)
@@ -372,7 +383,7 @@ static int cmd_info(void) {
       }
     printf("\n");
   }
-  printf("nccl:     not used in this version (W > 1 runs on the CPU backend only)\n");
+  printf("nccl:     W > 1 on GPUs: a rank per GPU, loaded when a context of W > 1 is created\n");
 #endif
   return v == MOK_VERSION_CODE ? 0 : 1;
 }
@@ -563,7 +574,7 @@ static int cmd_check(int argc, char** argv) {
   backend_t backend;
   if ((rc = resolve_backend(&o, "check", &backend))) return rc;
   const int cuda = backend == BACKEND_CUDA;
-  if (cuda && !o.ranks) num_ranks = 1; /* one GPU: W = 1 */
+  if (cuda && !o.ranks) num_ranks = gpu_count() >= 2 ? 2 : 1; /* W = 1, and 2 where two GPUs are */
   int W_max = 0;
   for (int i = 0; i < num_ranks; i++) {
     if (shape->E % ranks[i])
@@ -574,7 +585,9 @@ static int cmd_check(int argc, char** argv) {
   uint64_t seed = o.has_seed ? (uint64_t)o.seed : (uint64_t)(now_s() * 1e6) % 1000000007u;
 
   /* the reference run: W0 ranks on the CPU, W = 1 on the GPU */
-  const int W0 = cuda ? 1 : ranks[0];
+  const int W0 = ranks[0];
+  if (cuda && W0 > gpu_count())
+    return usage_error("--ranks %d: the CUDA backend runs a rank per GPU, and %d are visible", W0, gpu_count());
   const int64_t T_global = shape->T * W_max;
   const int threads = o.has_threads ? (int)o.threads : default_threads(W0);
   char tstr[24];
@@ -585,8 +598,8 @@ static int cmd_check(int argc, char** argv) {
   printf("routing: fused softmax top-%lld, normalised, aux_loss_coef 1e-2, z_loss_coef 1e-3; "
          "forward + backward\n", (long long)shape->K);
   if (cuda)
-    printf("seed %llu (--seed %llu repeats it); the GPU runs W = 1; CPU oracle on %s\n",
-           (unsigned long long)seed, (unsigned long long)seed,
+    printf("seed %llu (--seed %llu repeats it); W = %d on GPUs is the reference; CPU oracle (W = %d) on %s\n",
+           (unsigned long long)seed, (unsigned long long)seed, W0, W0,
            threads_str(threads, tstr, sizeof tstr));
   else
     printf("seed %llu (--seed %llu repeats it); W = %d is the reference; %s per rank%s\n",
@@ -656,17 +669,17 @@ static int cmd_check(int argc, char** argv) {
     check_run(&tally, "D2 CTA pairs off (vs the default)", backend, p, &off, &ref);
   }
 
-  /* D3: the same global batch on every W of the list */
-  if (cuda) {
-    printf("D3 needs W > 1: skipped (the CUDA backend runs W = 1 in this version)\n");
-  } else {
-    for (int i = 1; i < num_ranks; i++) {
-      mok_run_opts_t w = one;
-      w.W = ranks[i];
-      w.num_threads = o.has_threads ? (int)o.threads : default_threads(ranks[i]);
-      snprintf(label, sizeof label, "D3 W=%d vs W=%d (all outputs)", ranks[i], W0);
-      check_run(&tally, label, backend, p, &w, &ref);
+  /* D3: the same global batch on every W of the list (CUDA: a GPU per rank) */
+  for (int i = 1; i < num_ranks; i++) {
+    if (cuda && ranks[i] > gpu_count()) {
+      printf("D3 W=%d: skipped (a GPU per rank, and %d are visible)\n", ranks[i], gpu_count());
+      continue;
     }
+    mok_run_opts_t w = one;
+    w.W = ranks[i];
+    w.num_threads = o.has_threads ? (int)o.threads : default_threads(ranks[i]);
+    snprintf(label, sizeof label, "D3 W=%d vs W=%d (all outputs)", ranks[i], W0);
+    check_run(&tally, label, backend, p, &w, &ref);
   }
 
   /* D4: the first 4 tokens alone give the bits they had in the batch */
@@ -788,9 +801,9 @@ static int cmd_bench(int argc, char** argv) {
   backend_t backend;
   if ((rc = resolve_backend(&o, "bench", &backend))) return rc;
   const int cuda = backend == BACKEND_CUDA;
-  if (cuda && W != 1) {
-    fprintf(stderr, "mok: --ranks %lld: the CUDA backend runs W = 1 in this version\n",
-            (long long)W);
+  if (cuda && W > gpu_count()) {
+    fprintf(stderr, "mok: --ranks %lld: the CUDA backend runs a rank per GPU, and %d are visible\n",
+            (long long)W, gpu_count());
     return 2;
   }
   /* CPU: 5 steps, 1 for the model shapes (minutes each); GPU: 20, as bench/ does */
