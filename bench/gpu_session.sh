@@ -11,7 +11,11 @@
 #   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
 #                 (BENCH_ROUNDS=N: mok and the peer timed N times a row, in turn)
-#   comm          the 2-GPU NCCL case alone (comm.peer_exchange_w2)
+#   comm          the 2-GPU cases alone (suite comm: the NCCL exchange, the forward and
+#                 a step at W = 2 against the CPU and bitwise against W = 1, capacity,
+#                 timeout)
+#   ep            bench/bench_ep.py: mok and the torch all-to-all peer at W = 1 and
+#                 W = RANKS (default 2), same tokens per GPU; JSON in $OUT/bench-ep.json
 #   repeat        one GPU test case (CASE, default gpu.racecheck) REPEAT times (default 20),
 #                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
 #                 hang: one line a run (exit 124: it hung), then the counts; logs in
@@ -111,7 +115,12 @@ for part in "$@"; do
       done
       ;;
     comm)
-      ./build/mok_gpu_tests -k comm.peer_exchange_w2 2>&1 | tail -4
+      ./build/mok_gpu_tests -k comm 2>&1 | tail -40
+      ;;
+    ep)
+      [ -x build/mok ] || make -j"$(nproc)" build/mok > "$OUT/build-mok.log" 2>&1
+      python3 bench/bench_ep.py --ranks "${RANKS:-2}" --shapes "${EP_SHAPES:-qwen3-30b-a3b,deepseek-v3}" \
+        --json "$OUT/bench-ep.json" 2>&1 | tee "$OUT/bench-ep.txt"
       ;;
     repeat)
       ok=0 failed=0 hung=0
