@@ -81,7 +81,7 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   s.use_bias = c.use_bias_select != 0;
   s.route_scale = c.route_scale, s.aux_coef = c.aux_loss_coef, s.z_coef = c.z_loss_coef;
   s.nb = cdiv(T, 128);
-  s.ns = cdiv(T, kSubTokens);
+  s.ns = std::max(cdiv(T, kSubTokens), c.W > 1 ? 1 : 0);  // (W > 1: one DISPATCH and DG task publishes even at T = 0)
   s.max_mt = pad_even(cdiv(recv_rows(c, T), BM) + (int)c.E, pairs);
   s.pairs = pairs;
   s.smt = s.nb;
@@ -456,7 +456,9 @@ static mok_status_t encode_map(mok_context_t* ctx, CUtensorMap* map, const void*
                                const char* name) {
   memset(map, 0, sizeof *map);
   if (!base) return MOK_STATUS_SUCCESS;
-  const CUresult r = encode_tiled(ctx, map, base, rank, dims, strides, box);
+  cuuint64_t d[5];  // (an extent of 0, a rank's T = 0 at W > 1: 1, never loaded, as no task reads it)
+  for (cuuint32_t i = 0; i < rank; i++) d[i] = dims[i] ? dims[i] : 1;
+  const CUresult r = encode_tiled(ctx, map, base, rank, d, strides, box);
   if (r != CUDA_SUCCESS) {
     char shape[96];
     int n = 0;
