@@ -198,19 +198,29 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
           col[(int64_t)i * (E + 1)] = 2 * i + 1 < n ? __fadd_rn(left, col[(int64_t)(2 * i + 1) * (E + 1)]) : left;
         }
     }
+  __shared__ int over;  // some rank's experts would receive more rows than the capacity
   __syncthreads();
   if (threadIdx.x == 0) {
     // expert_off[e]: expert e's first row in its owner's buffers (each owner's experts
     // in order); [E]: the rows this rank's experts receive. The tile table covers this
     // rank's experts, tile_expert holding the local index (the weights are local).
-    int off = 0, mt = 0, mine = 0;
+    int off = 0, mine = 0;
+    over = 0;
     for (int e = 0; e < E; e++) {
       if (e % s.e_loc == 0) off = 0;
       p.sv.expert_off[e] = off, off += p.sv.counts[e];
-      if (off > p.capacity) raise_error(p.st, MOK_STATUS_CAPACITY_EXCEEDED);  // (every rank alike)
+      over |= off > p.capacity;
       if (e / s.e_loc == s.rank) mine = off;
     }
     p.sv.expert_off[E] = mine;
+    // every rank sees every count and stops alike, before any row moves or output is
+    // written: PREFIX never completes, so the tasks waiting for it give up
+    if (over) raise_error(p.st, MOK_STATUS_CAPACITY_EXCEEDED);
+  }
+  __syncthreads();
+  if (over) return;
+  if (threadIdx.x == 0) {
+    int mt = 0;
     const int e0 = s.rank * s.e_loc;
     walk_tiles(p.sv.counts + e0, p.sv.expert_off + e0, s.e_loc, s.pairs, [&](int e, int row0, int n, int row_end) {
       for (int i = 0; i < n; i++, mt++)
