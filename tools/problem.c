@@ -478,7 +478,7 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
     return MOK_STATUS_CUDA_ERROR;
   }
   mok_config_t cfg = *c;
-  cfg.T = T;
+  cfg.T = (p->T_global + W - 1) / W; /* every rank's bound alike: W > 1 sizes symmetric windows by it */
   cfg.W = (int)W;
   cfg.rank = rank;
   cfg.comm_unique_id = unique_id;

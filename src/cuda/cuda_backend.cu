@@ -48,7 +48,6 @@ struct GpuContext {
   void *rows_local, *rows_win, *xchg_local, *xchg_win, *tree_local, *tree_win;
   PeerRows peer_x_rows, peer_o_rows, peer_dy_rows, peer_dx_rows;
   PeerExchange px;
-  uint64_t backward_serial;  // (every rank calls the same sequence: the same serials)
   bool broken;               // a step timed out waiting for a peer: no more steps, destroy aborts
 };
 static_assert(kMaxPeers == MOK_CUDA_MAX_RANKS, "kMaxPeers");
@@ -663,7 +662,6 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
     GpuContext* g = gpu(ctx);
     p.peer_o_rows = g->peer_o_rows, p.peer_dy_rows = g->peer_dy_rows, p.peer_dx_rows = g->peer_dx_rows;
     p.px = g->px;
-    p.serial = ++g->backward_serial;
     p.sv.x_rows = g->peer_x_rows.rows[c.rank];
     p.sv.o_rows = g->peer_o_rows.rows[c.rank];
     p.dy_rows = g->peer_dy_rows.rows[c.rank];

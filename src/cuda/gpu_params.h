@@ -26,7 +26,9 @@ struct GpuSync {
   uint32_t ticket;      // next task
   uint32_t exit_count;  // CTAs done
   uint32_t error;       // first mok_status_t raised in the step
-  uint32_t pad;
+  uint32_t launches;    // launches ended (either kernel): W > 1, the flags' step serial is this
+                        // + 1, the same on every rank (the same calls in the same order), and
+                        // read on the device, so a step replayed from a CUDA graph gets a new one
   uint32_t counter[1];  // the step's dependency counters follow (num_counters)
 };
 
@@ -249,7 +251,6 @@ struct BwdParams {
   PeerRows peer_dy_rows;  // dispatch target of dy_j
   PeerRows peer_dx_rows;  // combine source of dx_j
   PeerExchange px;        // W > 1: flags and the replicated sums' subtrees
-  uint64_t serial;        // W > 1: this backward's serial (flags)
   const bf16* dy;
   const float* d_aux;   // or null (1)
   const float* d_z;     // or null (1)

@@ -276,10 +276,13 @@ static __device__ __noinline__ bool wait_peers(Smem& sm, const GpuStep& st, int 
   return sm.abort == 0;
 }
 
-// Thread 0 at a kernel's start, W > 1: the flags and serial wait_counter's peer_kind
-// and wait_peers look at.
-__device__ __forceinline__ void set_peers(Smem& sm, const PeerExchange& px, const Shape& s, uint64_t serial) {
-  if (threadIdx.x == 0 && s.W > 1) sm.peer_flags = px.flags[s.rank], sm.peer_serial = serial, sm.peer_W = s.W;
+// Thread 0 at a kernel's start, W > 1: the flags wait_counter's peer_kind and
+// wait_peers look at, and the step's serial (GpuSync::launches + 1: no CTA has ended
+// this launch yet, since the last to end counts it).
+__device__ __forceinline__ void set_peers(Smem& sm, const PeerExchange& px, const Shape& s, const GpuStep& st) {
+  if (threadIdx.x == 0 && s.W > 1)
+    sm.peer_flags = px.flags[s.rank], sm.peer_serial = (uint64_t)*(volatile uint32_t*)&st.sync->launches + 1,
+    sm.peer_W = s.W;
 }
 
 // Thread 0: this rank's part `kind` of the step is done, told to every rank (itself
@@ -438,6 +441,7 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
   if (threadIdx.x == 0) {
     st.sync->ticket = 0;
     st.sync->error = 0;
+    st.sync->launches++;
     __threadfence();
     st.sync->exit_count = 0;
   }

@@ -135,7 +135,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     }
   }
   if (s.W > 1) __threadfence_system();  // (each thread's dy rows into owners' buffers)
-  signal_counter_publish(sm, &p.st.sync->counter[B_DG], (uint32_t)s.ns, p.px, s, kFlagDg, p.serial);
+  signal_counter_publish(sm, &p.st.sync->counter[B_DG], (uint32_t)s.ns, p.px, s, kFlagDg, sm.peer_serial);
 }
 
 // Weight-gradient tile out: bf16 written, or added into fp32 buffers.
@@ -255,7 +255,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
         });
   });
   signal_counter_publish(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * groups(cdivb(s.H, BN), 2 * s.F / BK)), p.px,
-                         s, kFlagDx, p.serial);
+                         s, kFlagDx, sm.peer_serial);
 }
 
 // Column tiles of a weight-gradient task: about 128 K blocks of work, from the mean rows
@@ -534,7 +534,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   }
   if (s.W > 1 && !combine) {
     __threadfence_system();
-    signal_counter_publish(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.px, s, kFlagTree, p.serial);
+    signal_counter_publish(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.px, s, kFlagTree, sm.peer_serial);
   }
   __syncthreads();
 }
@@ -571,7 +571,7 @@ __device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 ||
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
-  set_peers(sm, p.px, s, p.serial);
+  set_peers(sm, p.px, s, p.st);
   if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
                            p.sv.header[2] != (uint64_t)s.T))
     raise_error(p.st, MOK_STATUS_INVALID_SAVED);

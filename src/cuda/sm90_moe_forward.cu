@@ -145,7 +145,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence_system();
-      publish_peers(p.px, s, kFlagCounts, p.serial);
+      publish_peers(p.px, s, kFlagCounts, sm.peer_serial);
     }
     if (!wait_peers(sm, p.st, kFlagCounts)) return;
   }
@@ -184,7 +184,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
         for (int64_t i = threadIdx.x; i < n; i += kThreads) p.px.stats[r][chunk0 * (int64_t)(E + 1) + i] = p.chunk_stats[i];
       __threadfence_system();
       __syncthreads();
-      if (threadIdx.x == 0) publish_peers(p.px, s, kFlagStats, p.serial);
+      if (threadIdx.x == 0) publish_peers(p.px, s, kFlagStats, sm.peer_serial);
       if (!wait_peers(sm, p.st, kFlagStats)) return;
       stats = p.px.stats[s.rank];
     }
@@ -283,7 +283,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     }
   }
   if (s.W > 1) __threadfence_system();  // (each thread's stores into peers' rows)
-  signal_counter_publish(sm, &p.st.sync->counter[C_DISPATCH], (uint32_t)s.ns, p.px, s, kFlagDispatch, p.serial);
+  signal_counter_publish(sm, &p.st.sync->counter[C_DISPATCH], (uint32_t)s.ns, p.px, s, kFlagDispatch, sm.peer_serial);
 }
 
 // ---- expert and shared GEMMs ----
@@ -346,7 +346,7 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
         });
   });
   signal_counter_publish(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * groups(cdiv(s.H, BN), s.F / BK)), p.px, s,
-                         kFlagExperts, p.serial);
+                         kFlagExperts, sm.peer_serial);
 }
 
 __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int g) {
@@ -395,7 +395,7 @@ __device__ __forceinline__ bool paired_phase(int k) { return k == 4 || k == 6; }
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
-  set_peers(sm, p.px, s, p.serial);
+  set_peers(sm, p.px, s, p.st);
   // GEMM tasks per row tile (column-tile groups)
   const int nF1 = groups(cdiv(s.F, BF), s.H / BK), nS1 = groups(cdiv(s.Fs, BF), s.H / BK);
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
