@@ -6,15 +6,16 @@
     loss = y.float().pow(2).mean() + moe.aux_loss
     loss.backward()
 
-mok.MoE (nn.Module), mok.moe_forward (the functional form), mok.reduce_replicated
-(the fixed-tree sum of replicated gradients), mok.MokError (a libmok failure, with its
-status). The custom ops are torch.ops.mok.moe_forward / moe_backward, so
+mok.MoE (nn.Module; process_group= for expert parallelism over GPUs), mok.moe_forward
+(the functional form), mok.reduce_replicated (the fixed-tree sum of replicated
+gradients), mok.comm_unique_id (the NCCL id of a functional layer's ranks),
+mok.MokError (a libmok failure, with its status). The custom ops are torch.ops.mok.moe_forward / moe_backward, so
 torch.compile(fullgraph=True) traces a model that uses mok.MoE.
 
 libmok.so is found at $MOK_LIBRARY, or at build/libmok.so of the repository this
 package lives in (`make python`).
 """
-from ._lib import MOK_REDUCE_CHUNK_TOKENS, MokError, library_path, status_string, version
+from ._lib import MOK_REDUCE_CHUNK_TOKENS, MokError, comm_unique_id, library_path, status_string, version
 from ._context import Config, clear_cache, synchronize
 from .ops import MoEOutput, moe_forward
 from .moe import MoE
@@ -33,6 +34,7 @@ __all__ = [
     "MoEOutput",
     "Config",
     "reduce_replicated",
+    "comm_unique_id",
     "MokError",
     "clear_cache",
     "synchronize",

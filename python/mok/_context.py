@@ -44,6 +44,12 @@ class Config:
     exact: bool = False
     num_threads: int = 0
     capacity: int = 0  # rows this rank can receive; 0 = the library's safe default
+    # expert parallelism (CUDA backend, a GPU per rank): this rank of world_size, which
+    # holds experts rank * E / W .. + E / W; comm_id, the ranks' NCCL unique id as hex
+    # (mok.comm_unique_id() on one rank, the same string on every rank)
+    world_size: int = 1
+    rank: int = 0
+    comm_id: str = ""
 
     def __post_init__(self):
         def positive_int(name, v, allow_zero=False):
@@ -59,6 +65,20 @@ class Config:
         positive_int("shared_ffn", self.shared_ffn, allow_zero=True)
         positive_int("num_threads", self.num_threads, allow_zero=True)
         positive_int("capacity", self.capacity, allow_zero=True)
+        positive_int("world_size", self.world_size)
+        positive_int("rank", self.rank, allow_zero=True)
+        if self.num_experts % self.world_size:
+            raise ValueError(f"mok: num_experts = {self.num_experts} must be a multiple of world_size = {self.world_size}")
+        if self.rank >= self.world_size:
+            raise ValueError(f"mok: rank = {self.rank} must be < world_size = {self.world_size}")
+        if self.world_size > 1:
+            if not isinstance(self.comm_id, str) or len(self.comm_id) != 2 * _lib.MOK_COMM_UNIQUE_ID_BYTES:
+                raise ValueError(
+                    f"mok: world_size = {self.world_size} needs comm_id, the ranks' NCCL unique id as "
+                    f"{2 * _lib.MOK_COMM_UNIQUE_ID_BYTES} hex digits (mok.comm_unique_id() on one rank)")
+            if self.max_tokens is None:
+                raise ValueError(
+                    f"mok: world_size = {self.world_size} needs max_tokens: every rank's buffers are sized alike")
         if self.max_tokens is not None:
             positive_int("max_tokens", self.max_tokens, allow_zero=True)
         if self.top_k > self.num_experts:
@@ -87,6 +107,11 @@ class Config:
     @property
     def fused(self) -> bool:
         return self.routing == "fused"
+
+    @property
+    def local_experts(self) -> int:
+        """The experts this rank holds (E / world_size)."""
+        return self.num_experts // self.world_size
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -119,7 +144,10 @@ class Config:
     def c_config(self, T_max: int, backend: int) -> _lib.MokConfig:
         c = _lib.MokConfig.init()
         c.T, c.H, c.F, c.E, c.K = T_max, self.hidden, self.ffn, self.num_experts, self.top_k
-        c.W, c.rank = 1, 0
+        c.W, c.rank = self.world_size, self.rank
+        if self.world_size > 1:  # (kept with the struct: it must outlive mok_context_create)
+            c._comm_id = ctypes.create_string_buffer(bytes.fromhex(self.comm_id), _lib.MOK_COMM_UNIQUE_ID_BYTES)
+            c.comm_unique_id = ctypes.cast(c._comm_id, ctypes.c_void_p)
         c.routing = ROUTINGS[self.routing]
         c.score = SCORES[self.score]
         c.normalize = int(self.normalize)

@@ -58,6 +58,7 @@ ALIGN_WORKSPACE = 256   # workspace and saved buffers
 
 # ---- struct mirrors ---------------------------------------------------------------
 
+MOK_COMM_UNIQUE_ID_BYTES = 128  # mok.h
 _c_enum = ctypes.c_int  # C enums with small non-negative values are int on the ABIs mok runs on
 
 
@@ -241,6 +242,7 @@ def _declare(lib):
         "mok_backward": (st, [P, ctypes.POINTER(MokBackwardArgs)]),
         "mok_reduce_tree": (st, [P, ctypes.c_int64, ctypes.c_int64, P]),
         "mok_cpu_comm_create": (st, [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]),
+        "mok_comm_unique_id": (st, [P, ctypes.c_size_t]),
         "mok_cpu_comm_destroy": (st, [P]),
     }
     optional = {"mok_context_sync": (st, [P])}
@@ -324,3 +326,11 @@ def check(status: int, call: str, ctx=None):
     else:
         msg = L.mok_status_string(int(status)).decode(errors="replace")
     raise MokError(status, msg, call)
+
+
+def comm_unique_id() -> str:
+    """A new NCCL unique id for the W ranks of a CUDA layer (mok_comm_unique_id), as hex:
+    made on one rank, given to every rank's mok.Config(comm_id=...)."""
+    buf = ctypes.create_string_buffer(MOK_COMM_UNIQUE_ID_BYTES)
+    check(lib().mok_comm_unique_id(buf, MOK_COMM_UNIQUE_ID_BYTES), "mok_comm_unique_id")
+    return buf.raw.hex()

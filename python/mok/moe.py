@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from . import _lib
 from ._context import Config
 from .ops import moe_forward
 
@@ -40,6 +41,14 @@ class MoE(nn.Module):
             for torch.autograd.gradcheck.
         num_threads: CPU threads of the layer; 0 = all cores.
         capacity: rows the experts can receive per call; 0 = safe default.
+        process_group: expert parallelism over this torch.distributed group (NCCL, a
+            GPU per rank, CUDA backend): each rank holds experts rank * E / W .. + E / W
+            (w13, w2 hold those) and its own tokens; the ranks' NCCL unique id goes
+            through the group once, here (a collective: every rank makes its layers in
+            the same order). Needs max_tokens, the same on every rank. The router and
+            shared-expert gradients come out already summed over the ranks by mok's
+            fixed tree, the same bits on every rank: do not all-reduce them again over
+            this group.
 
     Weights (nn.Parameter, bf16 or float64 when exact), initialised as nn.Linear does
     (U(-1/sqrt(in), 1/sqrt(in))): w_router [E, H] (fused routing only), w13 [E, 2F, H]
@@ -69,9 +78,19 @@ class MoE(nn.Module):
         exact: bool = False,
         num_threads: int = 0,
         capacity: int = 0,
+        process_group=None,
         device=None,
     ):
         super().__init__()
+        world_size, rank, comm_id = 1, 0, ""
+        if process_group is not None:
+            import torch.distributed as dist
+
+            world_size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+            if world_size > 1:
+                box = [_lib.comm_unique_id() if rank == 0 else None]
+                dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
+                comm_id = box[0]
         cfg = Config(
             hidden=hidden,
             ffn=ffn,
@@ -90,14 +109,18 @@ class MoE(nn.Module):
             exact=exact,
             num_threads=num_threads,
             capacity=capacity,
+            world_size=world_size,
+            rank=rank,
+            comm_id=comm_id,
         )
         self.config = cfg
         H, F, E, Fs = hidden, ffn, num_experts, shared_ffn
         act, real = cfg.param_dtype, cfg.real_dtype
         kw = dict(dtype=act, device=device)
         self.register_parameter("w_router", nn.Parameter(torch.empty(E, H, **kw)) if cfg.fused else None)
-        self.w13 = nn.Parameter(torch.empty(E, 2 * F, H, **kw))
-        self.w2 = nn.Parameter(torch.empty(E, H, F, **kw))
+        El = cfg.local_experts
+        self.w13 = nn.Parameter(torch.empty(El, 2 * F, H, **kw))
+        self.w2 = nn.Parameter(torch.empty(El, H, F, **kw))
         self.register_parameter("ws13", nn.Parameter(torch.empty(2 * Fs, H, **kw)) if Fs else None)
         self.register_parameter("ws2", nn.Parameter(torch.empty(H, Fs, **kw)) if Fs else None)
         self.register_buffer("bias_select", torch.zeros(E, dtype=real, device=device))
@@ -118,7 +141,10 @@ class MoE(nn.Module):
 
     # -- parameters --
     def reset_parameters(self):
-        """nn.Linear's initialisation of each [out, in] matrix: U(-1/sqrt(in), 1/sqrt(in))."""
+        """nn.Linear's initialisation of each [out, in] matrix: U(-1/sqrt(in), 1/sqrt(in)).
+        With world_size > 1 every rank draws all E experts and keeps its own, so that
+        the same seed gives the weights of world_size = 1."""
+        c = self.config
         with torch.no_grad():
             for name in _WEIGHTS:
                 p = getattr(self, name)
@@ -126,8 +152,12 @@ class MoE(nn.Module):
                     continue
                 fan_in = p.shape[-1]
                 bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-                tmp = torch.empty(p.shape, dtype=torch.float64 if self.config.exact else torch.float32, device=p.device)
+                experts = name in ("w13", "w2") and c.world_size > 1
+                shape = (c.num_experts,) + tuple(p.shape[1:]) if experts else p.shape
+                tmp = torch.empty(shape, dtype=torch.float64 if c.exact else torch.float32, device=p.device)
                 nn.init.uniform_(tmp, -bound, bound)
+                if experts:
+                    tmp = tmp[c.rank * c.local_experts:(c.rank + 1) * c.local_experts]
                 p.copy_(tmp)
 
     def _link_main_grads(self):

@@ -191,6 +191,7 @@ def _moe_backward_op(
     the returned ones are empty."""
     cfg = Config.from_key(config)
     T, H, F, E, K, Fs = x.shape[0], cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.shared_ffn
+    El = cfg.local_experts
     dev = x.device
     ctx = get_context(cfg, T, dev)
     act, real = cfg.param_dtype, cfg.real_dtype
@@ -211,8 +212,8 @@ def _moe_backward_op(
         p_r, p_13, p_2, p_s13, p_s2 = (_ptr(g) for g in grad_acc)
     else:
         dwr = alloc(E, H, dtype=act, device=dev) if cfg.fused else _nothing(dev)
-        d13 = alloc(E, 2 * F, H, dtype=act, device=dev)
-        d2 = alloc(E, H, F, dtype=act, device=dev)
+        d13 = alloc(El, 2 * F, H, dtype=act, device=dev)
+        d2 = alloc(El, H, F, dtype=act, device=dev)
         ds13 = alloc(2 * Fs, H, dtype=act, device=dev) if Fs else _nothing(dev)
         ds2 = alloc(H, Fs, dtype=act, device=dev) if Fs else _nothing(dev)
         p_r, p_13, p_2, p_s13, p_s2 = (_ptr(g) for g in (dwr, d13, d2, ds13, ds2))
@@ -247,6 +248,7 @@ def _moe_backward_op(
 def _moe_backward_fake(dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux_loss, d_z_loss, grad_acc, config):
     cfg = Config.from_key(config)
     T, H, F, E, K, Fs = x.shape[0], cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.shared_ffn
+    El = cfg.local_experts
     act, real = cfg.param_dtype, cfg.real_dtype
 
     def nothing():
@@ -259,8 +261,8 @@ def _moe_backward_fake(dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux_loss, d
     return (
         dx,
         x.new_empty((E, H), dtype=act) if cfg.fused else nothing(),
-        x.new_empty((E, 2 * F, H), dtype=act),
-        x.new_empty((E, H, F), dtype=act),
+        x.new_empty((El, 2 * F, H), dtype=act),
+        x.new_empty((El, H, F), dtype=act),
         x.new_empty((2 * Fs, H), dtype=act) if Fs else nothing(),
         x.new_empty((H, Fs), dtype=act) if Fs else nothing(),
         dtw,
@@ -371,6 +373,7 @@ def moe_forward(
     if not isinstance(cfg, Config):
         raise TypeError(f"mok: config must be a mok.Config, got {type(config).__name__}")
     H, F, E, K, Fs = cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.shared_ffn
+    El = cfg.local_experts  # (w13, w2 and their gradients: this rank's experts)
     act, real = cfg.param_dtype, cfg.real_dtype
     hint = " (this layer runs exact numerics: float64)" if cfg.exact else " (this layer is bf16)"
     if not isinstance(x, Tensor):
@@ -410,8 +413,8 @@ def moe_forward(
             topk_idx = topk_idx.to(torch.int32)
         _check_tensor("topk_idx", topk_idx, (T, K), torch.int32, dev, " (or torch.int64)")
         _check_tensor("topk_weight", topk_weight, (T, K), real, dev)
-    _check_tensor("w13", w13, (E, 2 * F, H), act, dev, hint)
-    _check_tensor("w2", w2, (E, H, F), act, dev, hint)
+    _check_tensor("w13", w13, (El, 2 * F, H), act, dev, hint)
+    _check_tensor("w2", w2, (El, H, F), act, dev, hint)
     if Fs:
         if ws13 is None or ws2 is None:
             raise ValueError(f"mok: ws13 and ws2 are required with shared_ffn = {Fs}")
@@ -425,7 +428,7 @@ def moe_forward(
         if main_grads is None:
             main_grads = [getattr(w, "main_grad", None) if w is not None else None for w in (w_router, w13, w2, ws13, ws2)]
         names = ("main_grads[0] (router)", "main_grads[1] (w13)", "main_grads[2] (w2)", "main_grads[3] (ws13)", "main_grads[4] (ws2)")
-        shapes = ((E, H), (E, 2 * F, H), (E, H, F), (2 * Fs, H), (H, Fs))
+        shapes = ((E, H), (El, 2 * F, H), (El, H, F), (2 * Fs, H), (H, Fs))
         needed = (cfg.fused, True, True, Fs > 0, Fs > 0)
         if len(main_grads) != 5:
             raise ValueError("mok: main_grads must be [router, w13, w2, ws13, ws2] (None where the layer has none)")

@@ -295,6 +295,21 @@ def test_bad_configs():
         mok.MoE(H, F, E, K, routing="replay", aux_loss_coef=0.1)
 
 
+def test_expert_parallel_configs():
+    """world_size > 1 (a GPU per rank): the rules named, and a rank's share of experts."""
+    ok_id = "00" * 128
+    with pytest.raises(ValueError, match="comm_id"):
+        mok.Config(H, F, 8, 2, world_size=2, max_tokens=64)
+    with pytest.raises(ValueError, match="max_tokens"):
+        mok.Config(H, F, 8, 2, world_size=2, comm_id=ok_id)
+    with pytest.raises(ValueError, match="multiple of world_size"):
+        mok.Config(H, F, 6, 2, world_size=4, comm_id=ok_id, max_tokens=64)
+    with pytest.raises(ValueError, match="rank = 2"):
+        mok.Config(H, F, 8, 2, world_size=2, rank=2, comm_id=ok_id, max_tokens=64)
+    c = mok.Config(H, F, 8, 2, world_size=4, rank=3, comm_id=ok_id, max_tokens=64)
+    assert c.local_experts == 2 and mok.Config(H, F, 8, 2).local_experts == 8
+
+
 def test_cuda_is_a_clear_error_not_a_copy():
     """Without a GPU, a context for CUDA tensors fails with the library's
     MOK_STATUS_BACKEND_UNAVAILABLE (mok never copies to the CPU)."""
