@@ -307,7 +307,14 @@ static int memcheck(void) { return sanitize("memcheck"); }
 static int racecheck(void) { return sanitize("racecheck"); }
 
 const test_case_t suite_gpu[] = {
-    {"vs_cpu_paired", gpu_vs_cpu_paired}, {"vs_cpu_unpaired", gpu_vs_cpu_unpaired}, {"d1_repeat", d1_repeat},         {"d2_grid", d2_grid},
-    {"d4_batch", d4_batch},        {"graph_capture", graph_capture}, {"device_errors", device_errors},
-    {"sanitizer_small", sanitizer_small}, {"memcheck", memcheck},    {"racecheck", racecheck},
+    {"vs_cpu_paired", gpu_vs_cpu_paired},
+    {"vs_cpu_unpaired", gpu_vs_cpu_unpaired},
+    {"d1_repeat", d1_repeat},
+    {"d2_grid", d2_grid},
+    {"d4_batch", d4_batch},
+    {"graph_capture", graph_capture},
+    {"device_errors", device_errors},
+    {"sanitizer_small", sanitizer_small},
+    {"memcheck", memcheck},
+    {"racecheck", racecheck},
     TEST_END};
