@@ -753,6 +753,14 @@ template <class F> __device__ __forceinline__ void with_pairing(bool paired, F f
   if (paired) f(Flag<true>());
   else f(Flag<false>());
 }
+// A GEMM task of a paired phase on expert e's column group g: both CTAs agree whether to
+// pair (pair_agree), then, when the task has a tile (valid, which implies it is past its
+// dependency wait, ok), run(Flag<paired>()).
+template <class Run>
+__device__ __forceinline__ void paired_task(Smem& sm, bool pairable, bool ok, bool valid, int e, int g, Run run) {
+  const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, e, g));
+  if (valid) with_pairing(paired, run);
+}
 
 // One tile: gemm_tiles with a single tile; epi(acc, wg, warp, lane, spare).
 template <int TA, int TB, class Epi>

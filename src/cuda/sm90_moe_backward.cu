@@ -185,9 +185,7 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
   const bool ok = wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20, kFlagDg);  // (every rank's dy rows)
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
-  const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, e, g));
-  if (!ok) return;
-  if (valid) with_pairing(paired, [&](auto P) {
+  paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
     gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.F, BN), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
@@ -199,6 +197,7 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
                            p.d_a, spare);
         });
   });
+  if (!ok) return;
   signal_counter(sm, &p.st.sync->counter[B_FIXED + mt]);
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
 }
@@ -241,9 +240,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
                   wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN), s.H / BK), p.st, 20);
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
-  const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, e, g));
-  if (!ok) return;
-  if (valid) with_pairing(paired, [&](auto P) {
+  paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
     gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.H, BN), 2 * s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
@@ -254,6 +251,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.dx_rows, s.H, &p.st_dxrows, row0, spare);
         });
   });
+  if (!ok) return;
   signal_counter_publish(sm, &p.st.sync->counter[B_DX], (uint32_t)(s.max_mt * groups(cdivb(s.H, BN), 2 * s.F / BK)), p.px,
                          s, kFlagDx, sm.peer_serial);
 }

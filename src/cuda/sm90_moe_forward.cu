@@ -292,10 +292,8 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
 __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
   const bool ok = wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19, kFlagDispatch);  // (every rank's rows)
-  const bool valid = ok && mt < *p.num_tiles && p.tile_row0[mt] < p.tile_row_end[mt];
-  const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, valid ? p.tile_expert[mt] : 0, g));
-  if (!ok) return;
-  if (valid) with_pairing(paired, [&](auto P) {
+  const bool valid = ok && mt < *p.num_tiles;  // (walk_tiles' tiles all hold rows)
+  paired_task(sm, pairable, ok, valid, valid ? p.tile_expert[mt] : 0, g, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
     gemm_group<0, 0, decltype(P)::value>(
         sm, g, cdiv(F, BF), s.H / BK,
@@ -309,6 +307,7 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt,
                        row0, spare);
         });
   });
+  if (!ok) return;
   signal_counter(sm, &p.st.sync->counter[C_FIXED + mt]);
 }
 
@@ -330,10 +329,8 @@ __device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int m
 __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
   const bool ok = wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(cdiv(s.F, BF), s.H / BK), p.st, 19);
-  const bool valid = ok && mt < *p.num_tiles && p.tile_row0[mt] < p.tile_row_end[mt];
-  const bool paired = pair_agree(sm, pairable, ok, pair_key(valid, valid ? p.tile_expert[mt] : 0, g));
-  if (!ok) return;
-  if (valid) with_pairing(paired, [&](auto P) {
+  const bool valid = ok && mt < *p.num_tiles;  // (walk_tiles' tiles all hold rows)
+  paired_task(sm, pairable, ok, valid, valid ? p.tile_expert[mt] : 0, g, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
     gemm_group<0, 0, decltype(P)::value>(
         sm, g, cdiv(s.H, BN), s.F / BK,
@@ -345,6 +342,7 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H, &p.st_orows, row0, spare);
         });
   });
+  if (!ok) return;
   signal_counter_publish(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * groups(cdiv(s.H, BN), s.F / BK)), p.px, s,
                          kFlagExperts, sm.peer_serial);
 }
