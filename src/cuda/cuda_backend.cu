@@ -88,6 +88,16 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   return s;
 }
 
+// The forward's DISPATCH tasks (Shape::nd). W = 1: one per token block. W > 1: the
+// stream tasks, which meet at a barrier, so all run at once: at most the grid;
+// MOK_DISPATCH_STREAMS (a measurement knob) sets how many.
+static int dispatch_tasks(const Shape& s, const mok_config_t& c, int grid) {
+  if (c.W == 1) return s.ns;
+  const char* v = getenv("MOK_DISPATCH_STREAMS");
+  const int n = v ? atoi(v) : 16;
+  return std::max(1, std::min(std::min(n, kMaxStreams), grid));
+}
+
 // ---- byte plans (every piece 256-byte aligned); for the context's max T ----
 struct Plan {
   size_t at = 0;
@@ -99,7 +109,7 @@ struct Plan {
 };
 
 struct SavedPlan {
-  size_t header, idx, g, pos, logits, counts, expert_off, x_rows, a_rows, h_rows, o_rows, sa, sh, total;
+  size_t header, idx, g, pos, logits, counts, expert_off, sorted, loc_off, loc_shift, x_rows, a_rows, h_rows, o_rows, sa, sh, total;
 };
 static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   const int64_t R = recv_rows(c, T), Rx = c.W == 1 ? R : 0;  // (W > 1: x_rows, o_rows in the window)
@@ -112,6 +122,9 @@ static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   s.logits = p.take(T * c.E * 4);
   s.counts = p.take(c.E * 4);
   s.expert_off = p.take((c.E + 1) * 4);
+  s.sorted = p.take(c.W > 1 ? T * c.K * 4 : 0);
+  s.loc_off = p.take(c.W > 1 ? (c.E + 1) * 4 : 0);
+  s.loc_shift = p.take(c.W > 1 ? c.E * 4 : 0);
   s.x_rows = p.take(Rx * c.H * 2);
   s.a_rows = p.take(R * 2 * c.F * 2);
   s.h_rows = p.take(R * c.F * 2);
@@ -202,7 +215,8 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
   auto up256 = [](size_t n) { return (n + 255) / 256 * 256; };
   const size_t rows_bytes = (size_t)c.capacity * c.H * 2;  // x_rows, o_rows, dy_rows, dx_rows
   const size_t counts_bytes = up256((size_t)c.W * (c.E + 1) * 4), flags_bytes = up256((size_t)c.W * kFlagKinds * 8);
-  const size_t stats_bytes = (size_t)c.W * cdiv(c.T, MOK_REDUCE_CHUNK_TOKENS) * (c.E + 1) * 4;  // (every rank's T <= c.T)
+  const size_t stats_bytes = up256((size_t)c.W * cdiv(c.T, MOK_REDUCE_CHUNK_TOKENS) * (c.E + 1) * 4);  // (T_r <= c.T)
+  const size_t arrive_bytes = (size_t)c.W * kMaxStreams * kArriveGroups * 8;
   // the replicated sums' subtrees: [a, a + n) of n <= ceil(T / 64) chunks splits into at
   // most 2 ceil(log2(n + 1)) aligned subtrees (tree_nodes in the kernel)
   int bits = 0;
@@ -211,17 +225,18 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
   const size_t tree_bytes = (size_t)g.px.tree_nodes * (c.E * c.H + 3 * c.Fs * c.H) * 4;
   st = mok_nccl_window_alloc(comm, 4 * rows_bytes, &g.rows_local, &g.rows_win, err, sizeof err);
   if (!st) st = mok_nccl_window_alloc(comm, tree_bytes, &g.tree_local, &g.tree_win, err, sizeof err);
-  if (!st) st = mok_nccl_window_alloc(comm, counts_bytes + flags_bytes + stats_bytes, &g.xchg_local, &g.xchg_win, err,
+  if (!st) st = mok_nccl_window_alloc(comm, counts_bytes + flags_bytes + stats_bytes + arrive_bytes, &g.xchg_local, &g.xchg_win, err,
                                       sizeof err);
   if (st) return MOK_ERR(ctx, st, "the exchange windows (capacity = %lld rows of H = %lld): %s",
                          (long long)c.capacity, (long long)c.H, err);
   const size_t rows_at[4] = {0, rows_bytes, 2 * rows_bytes, 3 * rows_bytes};
-  const size_t xchg_at[3] = {0, counts_bytes, counts_bytes + flags_bytes}, tree_at[1] = {0};
+  const size_t xchg_at[4] = {0, counts_bytes, counts_bytes + flags_bytes, counts_bytes + flags_bytes + stats_bytes};
+  const size_t tree_at[1] = {0};
   void* rows[4 * kMaxPeers];
-  void* xchg[3 * kMaxPeers];
+  void* xchg[4 * kMaxPeers];
   void* tree[kMaxPeers];
   st = mok_nccl_peer_pointers(g.rows_win, c.W, rows_at, 4, rows, err, sizeof err);
-  if (!st) st = mok_nccl_peer_pointers(g.xchg_win, c.W, xchg_at, 3, xchg, err, sizeof err);
+  if (!st) st = mok_nccl_peer_pointers(g.xchg_win, c.W, xchg_at, 4, xchg, err, sizeof err);
   if (!st) st = mok_nccl_peer_pointers(g.tree_win, c.W, tree_at, 1, tree, err, sizeof err);
   if (st) return MOK_ERR(ctx, st, "%s", err);
   for (int r = 0; r < c.W; r++) {
@@ -230,6 +245,7 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
     g.px.counts[r] = static_cast<int32_t*>(xchg[r]);
     g.px.flags[r] = static_cast<uint64_t*>(xchg[c.W + r]);
     g.px.stats[r] = static_cast<float*>(xchg[2 * c.W + r]);
+    g.px.arrive[r] = static_cast<uint64_t*>(xchg[3 * c.W + r]);
     g.peer_dy_rows.rows[r] = static_cast<bf16*>(rows[2 * c.W + r]);
     g.peer_dx_rows.rows[r] = static_cast<bf16*>(rows[3 * c.W + r]);
     g.px.tree[r] = static_cast<float*>(tree[r]);
@@ -529,6 +545,9 @@ static SavedView saved_view(const mok_config_t& c, void* base) {
   v.logits = reinterpret_cast<float*>(b + sp.logits);
   v.counts = reinterpret_cast<int32_t*>(b + sp.counts);
   v.expert_off = reinterpret_cast<int32_t*>(b + sp.expert_off);
+  v.sorted = reinterpret_cast<int32_t*>(b + sp.sorted);
+  v.loc_off = reinterpret_cast<int32_t*>(b + sp.loc_off);
+  v.loc_shift = reinterpret_cast<int32_t*>(b + sp.loc_shift);
   v.x_rows = reinterpret_cast<bf16*>(b + sp.x_rows);
   v.a_rows = reinterpret_cast<bf16*>(b + sp.a_rows);
   v.h_rows = reinterpret_cast<bf16*>(b + sp.h_rows);
@@ -575,6 +594,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   FwdParams p;
   memset(&p, 0, sizeof p);
   p.s = make_shape(c, T, gpu(ctx)->clusters);
+  p.s.nd = dispatch_tasks(p.s, c, gpu(ctx)->grid);
   p.st = make_step(ctx);
   p.context_id = (uint64_t)(uintptr_t)ctx;
   p.serial = ++ctx->forward_serial;

@@ -102,6 +102,12 @@ struct SavedView {
   float* logits;      // [T, E]
   int32_t* counts;    // [E] rows per expert
   int32_t* expert_off;// [E + 1] first row of each expert
+  // W > 1: this rank's slots in the order the stream dispatch sends them (by expert,
+  // then owner position): sorted[j] = slot i; the rows of expert e are j in
+  // [loc_off[e], loc_off[e + 1]), going to owner row j - loc_shift[e]
+  int32_t* sorted;    // [T, K]
+  int32_t* loc_off;   // [E + 1]
+  int32_t* loc_shift; // [E]
   bf16* x_rows;       // [R, H] dispatched rows
   bf16* a_rows;       // [R, 2F] gate | up
   bf16* h_rows;       // [R, F]
@@ -117,6 +123,13 @@ constexpr int kMaxPeers = 8;
 struct PeerRows {
   bf16* rows[kMaxPeers];
 };
+
+// W > 1: the forward's DISPATCH runs as Shape::nd stream tasks (at most kMaxStreams,
+// at most the grid), each sending its share of every expert's rows, expert groups in
+// order (kArriveGroups groups of each rank's experts, each published when sent), so
+// that GEMM1 starts on the first groups while later ones are still on the way.
+constexpr int kMaxStreams = 32;
+constexpr int kArriveGroups = 16;
 
 // W > 1 (docs/DISTRIBUTED.md): every rank's exchange window, reached through NCCL's
 // peer pointers. In rank r's copy, row q is written by rank q:
@@ -138,6 +151,10 @@ struct PeerExchange {
   uint64_t* flags[kMaxPeers];
   float* stats[kMaxPeers];
   float* tree[kMaxPeers];
+  // arrive[r] [W][kMaxStreams][kArriveGroups] step serials in rank r's copy: stream
+  // task d of rank q has written all of q's rows of r's expert group g (forward's
+  // DISPATCH; GEMM1 of a tile of group g waits for every q and d)
+  uint64_t* arrive[kMaxPeers];
   int tree_nodes;  // subtrees a rank can publish (the windows' size)
 };
 constexpr int kHeaderWords = 5 + kMaxPeers;
@@ -150,6 +167,7 @@ struct Shape {
   float route_scale, aux_coef, z_coef;
   int nb;       // token blocks of 128 (routing, shared-expert m-tiles)
   int ns;       // token blocks of kSubTokens (memory-bound token tasks: more of them)
+  int nd;       // the forward's DISPATCH tasks: W = 1 ns, W > 1 the stream tasks (kMaxStreams)
   int max_mt;   // expert m-tiles at most: ceil(T*K / 128) + E (pairs: rounded up to even)
   int smt;      // shared-expert m-tiles: nb
   int chunks;   // replicated-sum chunks of MOK_REDUCE_CHUNK_TOKENS tokens

@@ -8,8 +8,11 @@
 //   SHARED1[m,n]  shared expert gate|up with SwiGLU (no dependency: fills the gaps)
 //   PREFIX        counts -> expert offsets (prefix sums in global token order), the
 //                 expert m-tile table, tokens_per_expert, aux and z losses (fixed tree)
-//   DISPATCH[b]   x rows of 32-token block b to their expert rows at pos = expert_off[e] +
-//                 block_off[b, e] + rank (written through the rank's peer pointer)
+//   DISPATCH[b]   W = 1: x rows of 32-token block b to their expert rows at pos =
+//                 expert_off[e] + block_off[b, e] + rank
+//   DISPATCH[d]   W > 1: stream task d of nd: the slots in stream order, then its share
+//                 of every expert's rows into the owners' windows, expert groups in
+//                 order, each group flagged to its owner (dispatch_stream_task)
 //   GEMM1[m,n]    expert m-tile: a = x_rows w13[e]^T, epilogue h = silu(gate) * up
 //   SHARED2[m,n]  shared expert down projection
 //   GEMM2[m,n]    o = h w2[e]^T
@@ -153,6 +156,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     int before = 0, tot = s.W > 1 ? 0 : p.sv.counts[e];  // rows of ranks < s.rank; all ranks'
     for (int r = 0; r < s.W && s.W > 1; r++) {  // (ranks in order: integer sums)
       const int n = *(volatile int32_t*)&p.px.counts[s.rank][r * (E + 1) + e];
+      if (r == s.rank) p.sv.loc_off[e] = n, p.sv.loc_shift[e] = before;  // (made offsets below)
       if (r < s.rank) before += n;
       tot += n;
     }
@@ -228,6 +232,15 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       return false;
     });
     *p.num_tiles = mt;
+    if (s.W > 1) {  // this rank's rows in stream order (by expert, then owner row: j = pos + loc_shift[e])
+      int j = 0;
+      for (int e = 0; e < E; e++) {
+        const int mine = p.sv.loc_off[e], owner_row = p.sv.expert_off[e] + p.sv.loc_shift[e];
+        p.sv.loc_off[e] = j, p.sv.loc_shift[e] = j - owner_row;
+        j += mine;
+      }
+      p.sv.loc_off[E] = j;
+    }
     if (losses) {  // aux = alpha E sum_e f_e P_e (increasing e); z = beta mean_t lse^2
       float aux = 0.f;
       const float TK = (float)T_all * (float)s.K;
@@ -260,9 +273,57 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   signal_counter(sm, &p.st.sync->counter[C_PREFIX]);
 }
 
-// ---- DISPATCH ----
+// ---- DISPATCH, W > 1: stream task d of s.nd ----
+// First every stream task puts its share of the slots into the stream order (sv.pos,
+// sv.sorted), and they all meet (C_DISPATCH). Then task d sends rows j = loc_off[e] + d +
+// nd * (warp + kWarps * i) of each expert e, expert groups in order (local expert l in
+// group l / gs, of every owner), and after each group tells the owner, in its arrive
+// table, that its part of the group is there: GEMM1 starts on a group when every rank's
+// every stream task has sent it, while the later groups travel.
+__device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, int d) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
+  const int K = s.K, H = s.H, E = s.E;
+  for (int i = d * kThreads + threadIdx.x; i < s.T * K; i += s.nd * kThreads) {
+    const int e = p.sv.idx[i];
+    const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)(i / K / 128) * E + e] + p.rank[i];
+    p.sv.pos[i] = pos;
+    p.sv.sorted[pos + p.sv.loc_shift[e]] = i;
+  }
+  signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);  // (W > 1: the stream order's barrier)
+  if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], (uint32_t)s.nd, p.st, 19)) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
+  const int gs = cdiv(s.e_loc, kArriveGroups), groups = cdiv(s.e_loc, gs);
+  for (int g = 0; g < groups; g++) {
+    for (int r = 0; r < s.W; r++)
+      for (int l = g * gs; l < min(s.e_loc, (g + 1) * gs); l++) {
+        const int e = r * s.e_loc + l, j1 = p.sv.loc_off[e + 1], shift = p.sv.loc_shift[e];
+        bf16* rows = p.peer_x_rows.rows[r];
+        for (int j = p.sv.loc_off[e] + d + s.nd * warp; j < j1; j += s.nd * warps) {
+          const uint4* src = reinterpret_cast<const uint4*>(p.x + (int64_t)(p.sv.sorted[j] / K) * H);
+          uint4* dst = reinterpret_cast<uint4*>(rows + (int64_t)(j - shift) * H);
+          for (int v0 = lane; v0 < H / 8; v0 += 32 * 2) {  // 2 chunks a lane in flight
+            uint4 x[2];
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+              if (v0 + 32 * u < H / 8) x[u] = src[v0 + 32 * u];
+#pragma unroll
+            for (int u = 0; u < 2; u++)
+              if (v0 + 32 * u < H / 8) dst[v0 + 32 * u] = x[u];
+          }
+        }
+      }
+    __threadfence_system();  // (each thread's stores into the owners' rows)
+    __syncthreads();
+    if (threadIdx.x < s.W)  // (flag_release_sys: a system-scope fence, then the serial)
+      flag_release_sys(p.px.arrive[threadIdx.x] + ((int64_t)s.rank * kMaxStreams + d) * kArriveGroups + g, sm.peer_serial);
+  }
+}
+
+// ---- DISPATCH: W = 1 block sb of kSubTokens tokens; W > 1 stream task sb ----
 __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb) {
   const Shape& s = p.s;
+  if (s.W > 1) return dispatch_stream_task(sm, p, sb);
   if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), b = t0 / 128, K = s.K, H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -271,7 +332,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
     if (lane == 0) p.sv.pos[i] = pos;
     const uint4* src = reinterpret_cast<const uint4*>(p.x + (int64_t)t * H);
-    uint4* dst = reinterpret_cast<uint4*>(p.peer_x_rows.rows[e / s.e_loc] + (int64_t)pos * H);
+    uint4* dst = reinterpret_cast<uint4*>(p.sv.x_rows + (int64_t)pos * H);
     for (int v0 = lane; v0 < H / 8; v0 += 32 * 4) {  // 4 chunks a lane in flight
       uint4 r[4];
 #pragma unroll
@@ -282,8 +343,30 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
         if (v0 + 32 * u < H / 8) dst[v0 + 32 * u] = r[u];
     }
   }
-  if (s.W > 1) __threadfence_system();  // (each thread's stores into peers' rows)
-  signal_counter_publish(sm, &p.st.sync->counter[C_DISPATCH], (uint32_t)s.ns, p.px, s, kFlagDispatch, sm.peer_serial);
+  signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
+}
+
+// GEMM1 of m-tile mt may read its rows. W = 1: every DISPATCH task is done. W > 1: C_PREFIX (the tile table), then, when mt is a tile, every
+// rank's every stream task has sent its rows of the tile's expert group: lanes of warp
+// 0 poll the W x nd flags.
+static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p, int mt) {
+  const Shape& s = p.s;
+  const uint32_t* counter = &p.st.sync->counter[s.W == 1 ? C_DISPATCH : C_PREFIX];
+  const uint32_t target = s.W == 1 ? s.ns : 1;
+  if (threadIdx.x < 32) {
+    if (threadIdx.x == 0) poll(sm, p.st, [&] { return ld_acquire(counter) >= target; });
+    __syncwarp();
+    if (s.W > 1 && sm.abort == 0 && mt < *(volatile const int*)p.num_tiles) {
+      const int g = p.tile_expert[mt] / cdiv(s.e_loc, kArriveGroups);
+      for (int k = threadIdx.x; k < s.W * s.nd && sm.abort == 0; k += 32) {
+        const uint64_t* f = p.px.arrive[s.rank] + ((k / s.nd) * kMaxStreams + k % s.nd) * kArriveGroups + g;
+        poll(sm, p.st, [&] { return flag_acquire_sys(f) >= sm.peer_serial; });
+      }
+    }
+    fence_proxy_async();  // (GEMM1's TMA loads of the rows)
+  }
+  __syncthreads();
+  return sm.abort == 0;
 }
 
 // ---- expert and shared GEMMs ----
@@ -291,7 +374,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
 // the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
 __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  const bool ok = wait_counter(sm, &p.st.sync->counter[C_DISPATCH], s.ns, p.st, 19, kFlagDispatch);  // (every rank's rows)
+  const bool ok = wait_tile_rows(sm, p, mt);
   const bool valid = ok && mt < *p.num_tiles;  // (walk_tiles' tiles all hold rows)
   paired_task(sm, pairable, ok, valid, valid ? p.tile_expert[mt] : 0, g, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
@@ -407,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   // would be local memory.
   __shared__ int phase_start[8], phase_end[8];
   if (threadIdx.x == 0) {
-    const int count[8] = {n_route, n_sh1, 1, s.ns, n_g1, n_sh2, n_g2, s.ns};
+    const int count[8] = {n_route, n_sh1, 1, s.nd, n_g1, n_sh2, n_g2, s.ns};
     int t = 0;
     for (int k = 0; k < 8; k++) {
       t = pad_even(t, s.pairs && paired_phase(k));
