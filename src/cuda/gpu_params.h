@@ -128,7 +128,7 @@ struct PeerRows {
 // at most the grid), each sending its share of every expert's rows, expert groups in
 // order (kArriveGroups groups of each rank's experts, each published when sent), so
 // that GEMM1 starts on the first groups while later ones are still on the way.
-constexpr int kMaxStreams = 32;
+constexpr int kMaxStreams = 64;
 constexpr int kArriveGroups = 16;
 
 // W > 1 (docs/DISTRIBUTED.md): every rank's exchange window, reached through NCCL's
