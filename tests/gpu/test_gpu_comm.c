@@ -54,33 +54,63 @@ typedef struct {
   float aux, z;
 } ep_shape_t;
 
-static int ep_compare(const ep_shape_t* sh, uint64_t seed, int backward) {
-  mok_config_t c = MOK_CONFIG_INIT;
-  c.H = sh->H, c.F = sh->F, c.E = sh->E, c.K = sh->K, c.Fs = sh->Fs;
-  c.routing = sh->routing, c.wgrad = sh->wgrad;
-  c.aux_loss_coef = sh->aux, c.z_loss_coef = sh->z;
-  mok_problem_t* p = test_problem(&c, sh->T, seed);
-  TEST_ASSERT(p, "problem");
-  mok_run_opts_t o = MOK_RUN_OPTS_INIT;
-  o.backward = backward;
-  o.capacity = sh->T * sh->K;  // (both ranks' windows alike when their T differ by one)
-  test_outputs_t cpu, gpu[2];
-  o.W = 2;
-  if (test_run(p, &o)) return 1;
-  test_snapshot(p, backward, &cpu);
-  for (int w = 1; w <= 2; w++) {
-    char err[1024] = "";
-    o.W = w;
-    const mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
-    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: CUDA W = %d: %s: %s", sh->name, w, mok_status_string(st), err);
-    test_snapshot(p, backward, &gpu[w - 1]);
+/* Did the GPU's top-K (gpu) differ from the CPU's (cpu) only at near-ties? (selection
+ * keys within 1e-6 in the double-precision reference of the same input: the backends'
+ * fp32 logits differ in summation order) */
+static int ties_only(mok_config_t c, int64_t T, uint64_t seed, const test_outputs_t* cpu, const test_outputs_t* gpu) {
+  const mok_tensor_view_t* gi = test_view(gpu, "topk_idx");
+  const mok_tensor_view_t* ci = test_view(cpu, "topk_idx");
+  if (c.routing != MOK_ROUTING_FUSED || !gi || !ci) return 0;
+  c.numerics = MOK_NUMERICS_EXACT;
+  mok_problem_t* pe = test_problem(&c, T, seed);
+  if (!pe) return 0;
+  mok_problem_t pb = *pe;
+  memcpy(pe->out_topk_idx, ci->data, (size_t)ci->count * 4);
+  pb.out_topk_idx = (int32_t*)gi->data;
+  return test_same_routing_up_to_ties(&pb, pe);
+}
+
+/* One global batch at W = 2 against the CPU at W = 2 and bitwise against CUDA W = 1
+ * (D3). A near-tie flipped in top-K changes that token's outputs on either backend
+ * rightly: such an input is checked for D3 and its routing up to ties, and the values
+ * against the CPU on the next seed's input, up to 4 tries (as gpu.vs_cpu does). */
+static int ep_compare(const ep_shape_t* sh, uint64_t seed0, int backward) {
+  for (int attempt = 0;; attempt++) {
+    const uint64_t seed = seed0 + 0x9e3779b97f4a7c15ull * (uint64_t)attempt;
+    mok_config_t c = MOK_CONFIG_INIT;
+    c.H = sh->H, c.F = sh->F, c.E = sh->E, c.K = sh->K, c.Fs = sh->Fs;
+    c.routing = sh->routing, c.wgrad = sh->wgrad;
+    c.aux_loss_coef = sh->aux, c.z_loss_coef = sh->z;
+    mok_problem_t* p = test_problem(&c, sh->T, seed);
+    TEST_ASSERT(p, "problem");
+    mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+    o.backward = backward;
+    o.capacity = sh->T * sh->K;  // (both ranks' windows alike when their T differ by one)
+    test_outputs_t cpu, gpu[2];
+    o.W = 2;
+    if (test_run(p, &o)) return 1;
+    test_snapshot(p, backward, &cpu);
+    for (int w = 1; w <= 2; w++) {
+      char err[1024] = "";
+      o.W = w;
+      const mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
+      TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: CUDA W = %d: %s: %s", sh->name, w, mok_status_string(st), err);
+      test_snapshot(p, backward, &gpu[w - 1]);
+    }
+    int b = test_same_bits(&gpu[1], &gpu[0], NULL, "D3 (CUDA W = 2 against W = 1)");
+    if (test_same_bits(&gpu[1], &cpu, "topk_idx tokens_per_expert", "W = 2 against the CPU")) {
+      if (b == 0 && attempt < 3 && ties_only(c, sh->T, seed, &cpu, &gpu[1])) {
+        printf("    %-12s top-K differs from the CPU only at near-ties: values compared on the next seed's input\n",
+               sh->name);
+        continue;
+      }
+      b++;
+    }
+    b += test_close(&gpu[1], &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_w13 d_w2 d_ws13 d_ws2",
+                    1e-2, "W = 2 against the CPU");
+    if (!b) printf("    %-12s W = 2: the bits of W = 1, close to the CPU\n", sh->name);
+    return b;
   }
-  int b = test_same_bits(&gpu[1], &gpu[0], NULL, "D3 (CUDA W = 2 against W = 1)");
-  b += test_same_bits(&gpu[1], &cpu, "topk_idx tokens_per_expert", "W = 2 against the CPU");
-  b += test_close(&gpu[1], &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_w13 d_w2 d_ws13 d_ws2",
-                  1e-2, "W = 2 against the CPU");
-  if (!b) printf("    %-12s W = 2: the bits of W = 1, close to the CPU\n", sh->name);
-  return b;
 }
 
 /* The forward alone: token counts that split unevenly (77, 513), shared expert, replay;
