@@ -144,7 +144,8 @@ constexpr int kArriveGroups = 16;
 //              replicated-gradient partials over the aligned subtrees of the chunk
 //              tree that lie inside its chunks (tree_nodes), read by every rank.
 // (kFlagBye: written by the host at destroy, which waits for every rank's before it
-// frees the windows that peers may still read)
+// frees the windows that peers may still read; kFlagDispatch: no longer written, the
+// stream dispatch flags each expert group in the arrive table, below, instead)
 enum : int { kFlagCounts, kFlagDispatch, kFlagExperts, kFlagStats, kFlagDg, kFlagDx, kFlagTree, kFlagBye, kFlagKinds };
 struct PeerExchange {
   int32_t* counts[kMaxPeers];
