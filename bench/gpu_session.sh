@@ -16,6 +16,9 @@
 #                 timeout)
 #   ep            bench/bench_ep.py: mok and the torch all-to-all peer at W = 1 and
 #                 W = RANKS (default 2), same tokens per GPU; JSON in $OUT/bench-ep.json
+#   ep-trace      MOK_TRACE of one step per EP shape (EP_SHAPES) at W = 1 and at W = RANKS,
+#                 a trace file per rank ($OUT/ep-trace-<shape>-w<W>.txt.rank<r>), and
+#                 bench/trace_report.py's span, per-kind times and waits of each
 #   repeat        one GPU test case (CASE, default gpu.racecheck) REPEAT times (default 20),
 #                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
 #                 hang: one line a run (exit 124: it hung), then the counts; logs in
@@ -111,6 +114,24 @@ for part in "$@"; do
           echo "== ab round $round: $lib"
           MOK_LIBRARY="$PWD/$lib" python3 bench/bench_moe.py --mok-only $([ -n "${SKEWED:-}" ] || echo --uniform-only) --shapes "$SHAPES" \
             --commit "$lib" 2>&1 | grep -v "^-\|^shape" | tee -a "$OUT/ab.txt"
+        done
+      done
+      ;;
+    ep-trace)
+      [ -x build/mok ] || make -j"$(nproc)" build/mok > "$OUT/build-mok.log" 2>&1
+      for s in $(echo "${EP_SHAPES:-qwen3-30b-a3b,deepseek-v3}" | tr , " "); do
+        for w in 1 "${RANKS:-2}"; do
+          base="$OUT/ep-trace-$s-w$w.txt"
+          rm -f "$base" "$base".rank*
+          MOK_TRACE="$base" ./build/mok bench --backend cuda --ranks "$w" --shape "$s" --steps 1 > /dev/null 2>&1 ||
+            echo "ep-trace: mok bench --ranks $w --shape $s failed"
+          for f in "$base" "$base".rank*; do
+            [ -f "$f" ] || continue
+            python3 bench/trace_report.py "$f" --shape "$s" > "$f.report" 2>&1
+            echo "== $s W = $w: ${f##*/}"
+            grep -E "span|TFLOP|waiting" "$f.report"
+            gzip -f "$f"
+          done
         done
       done
       ;;

@@ -36,6 +36,7 @@ struct GpuContext {
   cudaStream_t last_stream;
   unsigned long long* prof;  // MOK_PROFILE=1 or MOK_TRACE: per task kind ns and counts (gpu_params.h)
   TraceRecord* trace;        // MOK_TRACE=file: per task records, appended to the file at each sync
+  char trace_path[512];      // MOK_TRACE's file; with W > 1 file.rank<r> (every rank appends its own)
   uint32_t* trace_len;
   int syncs;
   PFN_cuTensorMapEncodeTiled_v12000 encode;
@@ -334,6 +335,13 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   CUDA_TRY(ctx, cudaMalloc(&g.sync, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   CUDA_TRY(ctx, cudaMemset(g.sync, 0, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   const char* trace = getenv("MOK_TRACE");
+  if (trace && *trace) {
+    const int n = c.W > 1 ? snprintf(g.trace_path, sizeof g.trace_path, "%s.rank%d", trace, c.rank)
+                          : snprintf(g.trace_path, sizeof g.trace_path, "%s", trace);
+    if (n < 0 || n >= (int)sizeof g.trace_path)
+      return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT, "MOK_TRACE: a path of at most %d characters",
+                     (int)sizeof g.trace_path - 8);
+  }
   if ((getenv("MOK_PROFILE") && atoi(getenv("MOK_PROFILE")) > 0) || (trace && *trace)) {
     CUDA_TRY(ctx, cudaMalloc(&g.prof, sizeof(unsigned long long) * 2 * kProfSlots));
     CUDA_TRY(ctx, cudaMemset(g.prof, 0, sizeof(unsigned long long) * 2 * kProfSlots));
@@ -397,7 +405,8 @@ void mok_cuda_destroy(mok_context_t* ctx) {
 
 // MOK_PROFILE=1: CTA time per task kind since the last sync, summed over CTAs (wall-clock
 // ms from %globaltimer), to stderr; a measurement aid for choosing what to speed up next.
-// MOK_TRACE=file: also appends every task of those launches to the file, one line each:
+// MOK_TRACE=file: also appends every task of those launches to the file (W > 1:
+// file.rank<r>, a file per rank), one line each:
 // "sync kind cta start_ns end_ns wait_ns cycles" and TraceRecord's stall counts
 // (bench/trace_report.py reads it).
 static mok_status_t print_profile(mok_context_t* ctx) {
@@ -408,7 +417,7 @@ static mok_status_t print_profile(mok_context_t* ctx) {
   unsigned long long h[2 * kProfSlots];
   CUDA_TRY(ctx, cudaMemcpy(h, g->prof, sizeof h, cudaMemcpyDeviceToHost));
   CUDA_TRY(ctx, cudaMemset(g->prof, 0, sizeof h));
-  fprintf(stderr, "mok profile (CTA-ms summed over CTAs; / %d SMs for wall share):", g->num_sms);
+  fprintf(stderr, "mok profile, rank %d (CTA-ms summed over CTAs; / %d SMs for wall share):", ctx->cfg.rank, g->num_sms);
   for (int i = 0; i < kProfSlots; i++)
     if (h[2 * i]) fprintf(stderr, " %s %.2f (%llu)", names[i], (double)h[2 * i] * 1e-6, h[2 * i + 1]);
   fprintf(stderr, "\n");
@@ -422,8 +431,8 @@ static mok_status_t print_profile(mok_context_t* ctx) {
   }
   std::vector<TraceRecord> r(n);
   CUDA_TRY(ctx, cudaMemcpy(r.data(), g->trace, sizeof(TraceRecord) * n, cudaMemcpyDeviceToHost));
-  FILE* f = fopen(getenv("MOK_TRACE"), "a");
-  if (!f) return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT, "MOK_TRACE=%s: cannot open for appending", getenv("MOK_TRACE"));
+  FILE* f = fopen(g->trace_path, "a");
+  if (!f) return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT, "MOK_TRACE: cannot open %s for appending", g->trace_path);
   for (const TraceRecord& t : r) {
     fprintf(f, "%d %d %d %llu %llu %u %u", g->syncs, (int)t.kind, (int)t.cta, (unsigned long long)t.start,
             (unsigned long long)t.end, t.wait_ns, t.cycles);
