@@ -110,7 +110,7 @@ $(BUILD)/micro/%: bench/micro/%.cu $(wildcard src/cuda/*.h src/cuda/*.cuh)
 	$(NVCC) $(NVFLAGS) -o $@ $<
 
 test-gpu: $(BUILD)/mok_gpu_tests $(BUILD)/libmok.so
-	MOK_LIBRARY=$(abspath $(BUILD))/libmok.so $(PYTHON) -m pytest -q python/tests/test_cuda.py
+	MOK_LIBRARY=$(abspath $(BUILD))/libmok.so $(PYTHON) -m pytest -q python/tests/test_cuda.py python/tests/test_cuda_ep.py
 	$(BUILD)/mok_gpu_tests
 
 run: $(BUILD)/mok

@@ -92,7 +92,8 @@ def mok_ms(shape, W, steps):
         out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
         if out.returncode != 0:
             raise RuntimeError(f"mok at W = {W} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-        return json.load(open(f.name))["step_ms"]
+        d = json.load(open(f.name))
+        return d["step_ms"], d["forward_ms"], d["backward_ms"]
 
 
 def main():
@@ -111,15 +112,19 @@ def main():
     for shape in args.shapes.split(","):
         T, H, Fd, E, K = SHAPES[shape]
         flop = step_flops(T * W, H, Fd, E, K)
-        m1, mW = mok_ms(shape, 1, args.steps), mok_ms(shape, W, args.steps)
+        (m1, f1, b1), (mW, fW, bW) = mok_ms(shape, 1, args.steps), mok_ms(shape, W, args.steps)
         p1, pW = peer_ms(shape, 1, args.steps), peer_ms(shape, W, args.steps)
         r = {"shape": shape, "W": W, "tokens_per_gpu": T, "mok_ms_w1": m1, "mok_ms": mW, "peer_ms_w1": p1, "peer_ms": pW,
              "mok_scaling": m1 / mW, "peer_scaling": p1 / pW, "mok_tflops_per_gpu": flop / W / (mW * 1e-3) * 1e-12,
-             "peer_tflops_per_gpu": flop / W / (pW * 1e-3) * 1e-12, "mok_over_peer": pW / mW}
+             "peer_tflops_per_gpu": flop / W / (pW * 1e-3) * 1e-12, "mok_over_peer": pW / mW,
+             "mok_forward_ms_w1": f1, "mok_backward_ms_w1": b1, "mok_forward_ms": fW, "mok_backward_ms": bW}
         rows.append(r)
         print(f"{shape:15} | {m1:10.2f} {mW:8.2f} {r['mok_scaling']:8.3f} {r['mok_tflops_per_gpu']:9.0f} | "
               f"{p1:11.2f} {pW:8.2f} {r['peer_scaling']:8.3f} {r['peer_tflops_per_gpu']:9.0f} | {r['mok_over_peer']:10.2f}",
               flush=True)
+    print("mok's forward / backward ms, W = 1 against W = " + str(W) + ": " + "; ".join(
+        f"{r['shape']} {r['mok_forward_ms_w1']:.2f} / {r['mok_backward_ms_w1']:.2f} against "
+        f"{r['mok_forward_ms']:.2f} / {r['mok_backward_ms']:.2f}" for r in rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
