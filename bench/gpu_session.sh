@@ -19,6 +19,11 @@
 #   ep-trace      MOK_TRACE of one step per EP shape (EP_SHAPES) at W = 1 and at W = RANKS,
 #                 a trace file per rank ($OUT/ep-trace-<shape>-w<W>.txt.rank<r>), and
 #                 bench/trace_report.py's span, per-kind times and waits of each
+#   ep-ab         mok bench at W = RANKS (default 2) of REF's mok commands (build-NAME/mok
+#                 from bench/build_refs.sh; a space-separated list) and this one's,
+#                 alternating, ROUNDS times (default 2), EP_SHAPES; then this one at
+#                 W = 1: forward, backward and step ms a line (MOK_DISPATCH_STREAMS
+#                 passes through)
 #   repeat        one GPU test case (CASE, default gpu.racecheck) REPEAT times (default 20),
 #                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
 #                 hang: one line a run (exit 124: it hung), then the counts; logs in
@@ -71,6 +76,10 @@ else
   }
 fi
 export MOK_LIBRARY="$PWD/build/libmok.so"
+# libnccl.so.2 for binaries built elsewhere (carried): their build-time NCCL path is the
+# CPU machine's; Python's nvidia-nccl has the library here
+NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+[ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH="$NCCL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)  # peer-cycles, phase-ncu
 
 # trace_shapes NAME: MOK_TRACE of one step per shape with the library in $MOK_LIBRARY,
@@ -133,6 +142,21 @@ for part in "$@"; do
             gzip -f "$f"
           done
         done
+      done
+      ;;
+    ep-ab)
+      [ -x build/mok ] || make -j"$(nproc)" build/mok > "$OUT/build-mok.log" 2>&1
+      ep_bench() {  # label mok W shape
+        "$2" bench --backend cuda --ranks "$3" --shape "$4" --steps "${STEPS:-3}" --json "$OUT/ep-ab.json" \
+          > "$OUT/ep-ab-run.txt" 2>&1 || { echo "$1 $4 W = $3 failed: $(tail -1 "$OUT/ep-ab-run.txt")"; return; }
+        python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('%-24s %-15s W=%s fwd %7.3f bwd %7.3f step %7.3f' % (sys.argv[2], sys.argv[3], sys.argv[4], d['forward_ms'], d['backward_ms'], d['step_ms']))" \
+          "$OUT/ep-ab.json" "$1" "$4" "$3" | tee -a "$OUT/ep-ab.txt"
+      }
+      for s in $(echo "${EP_SHAPES:-qwen3-30b-a3b,deepseek-v3}" | tr , " "); do
+        for round in $(seq "${ROUNDS:-2}"); do
+          for m in ${REF:-} build/mok; do ep_bench "$m" "$m" "${RANKS:-2}" "$s"; done
+        done
+        ep_bench build/mok build/mok 1 "$s"
       done
       ;;
     comm)
