@@ -346,14 +346,16 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
 }
 
-// GEMM1 of m-tile mt may read its rows. W = 1: every DISPATCH task is done. W > 1: C_PREFIX (the tile table), then, when mt is a tile, every
-// rank's every stream task has sent its rows of the tile's expert group: lanes of warp
-// 0 poll the W x nd flags.
+// GEMM1 of m-tile mt may read its rows. W = 1: every DISPATCH task is done. W > 1:
+// PREFIX is (the tile table), then, when mt is a tile, every rank's every stream task
+// has sent its rows of the tile's expert group: lanes of warp 0 poll the W x nd flags.
+// MOK_PROFILE / MOK_TRACE count the wait, as wait_counter's.
 static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p, int mt) {
   const Shape& s = p.s;
   const uint32_t* counter = &p.st.sync->counter[s.W == 1 ? C_DISPATCH : C_PREFIX];
   const uint32_t target = s.W == 1 ? s.ns : 1;
   if (threadIdx.x < 32) {
+    const uint64_t t0 = globaltimer_ns();
     if (threadIdx.x == 0) poll(sm, p.st, [&] { return ld_acquire(counter) >= target; });
     __syncwarp();
     if (s.W > 1 && sm.abort == 0 && mt < *(volatile const int*)p.num_tiles) {
@@ -362,8 +364,14 @@ static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p,
         const uint64_t* f = p.px.arrive[s.rank] + ((k / s.nd) * kMaxStreams + k % s.nd) * kArriveGroups + g;
         poll(sm, p.st, [&] { return flag_acquire_sys(f) >= sm.peer_serial; });
       }
+      __syncwarp();
     }
     fence_proxy_async();  // (GEMM1's TMA loads of the rows)
+    if (threadIdx.x == 0 && p.st.prof) {
+      const uint64_t waited = globaltimer_ns() - t0;
+      atomicAdd(&p.st.prof[2 * 19], (unsigned long long)waited);
+      sm.wait_ns += (uint32_t)waited;
+    }
   }
   __syncthreads();
   return sm.abort == 0;
