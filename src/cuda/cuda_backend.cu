@@ -42,9 +42,10 @@ struct GpuContext {
   PFN_cuTensorMapEncodeTiled_v12000 encode;
   int grid;       // persistent CTAs a launch: cfg.num_ctas, or one per SM (maybe fewer: clusters)
   bool clusters;  // launched in clusters of 2 (paired GEMM tasks sharing B through TMA multicast)
-  // W > 1 (docs/DISTRIBUTED.md): the NCCL communicator, and two symmetric windows: the
-  // rows ([capacity, H] x_rows, then o_rows) and the exchange ([W][E] counts, then
-  // [W][kFlagKinds] flags), with every rank's copy as this GPU's kernels reach it
+  // W > 1 (docs/DISTRIBUTED.md): the NCCL communicator, and three symmetric windows:
+  // the rows ([capacity, H] x_rows, o_rows, dy_rows, dx_rows), the exchange (counts,
+  // flags, loss statistics, arrive table: PeerExchange) and the replicated sums'
+  // subtrees, with every rank's copy as this GPU's kernels reach it
   void* comm;
   void *rows_local, *rows_win, *xchg_local, *xchg_win, *tree_local, *tree_win;
   PeerRows peer_x_rows, peer_o_rows, peer_dy_rows, peer_dx_rows;
@@ -110,7 +111,8 @@ struct Plan {
 };
 
 struct SavedPlan {
-  size_t header, idx, g, pos, logits, counts, expert_off, sorted, loc_off, loc_shift, x_rows, a_rows, h_rows, o_rows, sa, sh, total;
+  size_t header, idx, g, pos, logits, counts, expert_off, sorted, loc_off, loc_shift, x_rows, a_rows, h_rows, o_rows,
+      sa, sh, total;
 };
 static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   const int64_t R = recv_rows(c, T), Rx = c.W == 1 ? R : 0;  // (W > 1: x_rows, o_rows in the window)
@@ -226,8 +228,9 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
   const size_t tree_bytes = (size_t)g.px.tree_nodes * (c.E * c.H + 3 * c.Fs * c.H) * 4;
   st = mok_nccl_window_alloc(comm, 4 * rows_bytes, &g.rows_local, &g.rows_win, err, sizeof err);
   if (!st) st = mok_nccl_window_alloc(comm, tree_bytes, &g.tree_local, &g.tree_win, err, sizeof err);
-  if (!st) st = mok_nccl_window_alloc(comm, counts_bytes + flags_bytes + stats_bytes + arrive_bytes, &g.xchg_local, &g.xchg_win, err,
-                                      sizeof err);
+  if (!st)
+    st = mok_nccl_window_alloc(comm, counts_bytes + flags_bytes + stats_bytes + arrive_bytes, &g.xchg_local,
+                               &g.xchg_win, err, sizeof err);
   if (st) return MOK_ERR(ctx, st, "the exchange windows (capacity = %lld rows of H = %lld): %s",
                          (long long)c.capacity, (long long)c.H, err);
   const size_t rows_at[4] = {0, rows_bytes, 2 * rows_bytes, 3 * rows_bytes};
@@ -417,7 +420,8 @@ static mok_status_t print_profile(mok_context_t* ctx) {
   unsigned long long h[2 * kProfSlots];
   CUDA_TRY(ctx, cudaMemcpy(h, g->prof, sizeof h, cudaMemcpyDeviceToHost));
   CUDA_TRY(ctx, cudaMemset(g->prof, 0, sizeof h));
-  fprintf(stderr, "mok profile, rank %d (CTA-ms summed over CTAs; / %d SMs for wall share):", ctx->cfg.rank, g->num_sms);
+  fprintf(stderr, "mok profile, rank %d (CTA-ms summed over CTAs; / %d SMs for wall share):", ctx->cfg.rank,
+          g->num_sms);
   for (int i = 0; i < kProfSlots; i++)
     if (h[2 * i]) fprintf(stderr, " %s %.2f (%llu)", names[i], (double)h[2 * i] * 1e-6, h[2 * i + 1]);
   fprintf(stderr, "\n");

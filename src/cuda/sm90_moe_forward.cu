@@ -315,8 +315,10 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
       }
     __threadfence_system();  // (each thread's stores into the owners' rows)
     __syncthreads();
-    if (threadIdx.x < s.W)  // (flag_release_sys: a system-scope fence, then the serial)
-      flag_release_sys(p.px.arrive[threadIdx.x] + ((int64_t)s.rank * kMaxStreams + d) * kArriveGroups + g, sm.peer_serial);
+    if (threadIdx.x < s.W) {  // (flag_release_sys: a system-scope fence, then the serial)
+      uint64_t* flag = p.px.arrive[threadIdx.x] + ((int64_t)s.rank * kMaxStreams + d) * kArriveGroups + g;
+      flag_release_sys(flag, sm.peer_serial);
+    }
   }
 }
 
