@@ -19,7 +19,8 @@
 #   ep-trace      MOK_TRACE of one step per EP shape (EP_SHAPES) at W = 1 and at W = RANKS,
 #                 a trace file per rank ($OUT/ep-trace-<shape>-w<W>.txt.rank<r>), and
 #                 bench/trace_report.py's span, per-kind times and waits of each
-#   ep-ab         mok bench at W = RANKS (default 2) of REF's mok commands (build-NAME/mok
+#   ep-ab         mok check --ranks 1,RANKS (tiny shape: D3 and the CPU) of each build, then
+#                 mok bench at W = RANKS (default 2) of REF's mok commands (build-NAME/mok
 #                 from bench/build_refs.sh; a space-separated list) and this one's,
 #                 alternating, ROUNDS times (default 2), EP_SHAPES; then this one at
 #                 W = 1: forward, backward and step ms a line (MOK_DISPATCH_STREAMS
@@ -152,6 +153,10 @@ for part in "$@"; do
         python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('%-24s %-15s W=%s fwd %7.3f bwd %7.3f step %7.3f' % (sys.argv[2], sys.argv[3], sys.argv[4], d['forward_ms'], d['backward_ms'], d['step_ms']))" \
           "$OUT/ep-ab.json" "$1" "$4" "$3" | tee -a "$OUT/ep-ab.txt"
       }
+      for m in ${REF:-} build/mok; do  # each build's D3 first: W = 1 and RANKS against the CPU, bitwise
+        "$m" check --backend cuda --ranks "1,${RANKS:-2}" --shape tiny > "$OUT/ep-ab-check.txt" 2>&1
+        echo "$m check (exit $?): $(tail -1 "$OUT/ep-ab-check.txt")" | tee -a "$OUT/ep-ab.txt"
+      done
       for s in $(echo "${EP_SHAPES:-qwen3-30b-a3b,deepseek-v3}" | tr , " "); do
         for round in $(seq "${ROUNDS:-2}"); do
           for m in ${REF:-} build/mok; do ep_bench "$m" "$m" "${RANKS:-2}" "$s"; done
