@@ -105,6 +105,13 @@ def reduce_and_step(params, master, opt, partials, losses, num_chunks):
     width = sum(p.numel() for p in params)
     grad = mok.reduce_replicated(torch.stack(partials) if partials else torch.zeros(0, width, device=dev))
     loss = mok.reduce_replicated(torch.stack(losses) if losses else torch.zeros(0, 1, device=dev)) / num_chunks
+    optimizer_step(params, master, opt, grad)
+    return loss
+
+
+def optimizer_step(params, master, opt, grad):
+    """AdamW on the fp32 masters from grad (every parameter's, one vector in params'
+    order); the model's weights take the masters' values."""
     at = 0
     for m in master:
         m.grad = grad[at : at + m.numel()].view_as(m)
@@ -113,7 +120,6 @@ def reduce_and_step(params, master, opt, partials, losses, num_chunks):
     with torch.no_grad():
         for p, m in zip(params, master):
             p.copy_(m)
-    return loss
 
 
 def checksum(params):

@@ -6,6 +6,9 @@ GPU and on two.
     python examples/train_moe_lm.py --curve one.json              # 1 GPU (or CPU)
     torchrun --nproc_per_node 2 examples/train_moe_lm.py --curve two.json --compare one.json
     python examples/train_moe_lm.py --moe torch --curve torch.json  # plain-PyTorch MoE
+    python examples/train_moe_lm.py --ep 2 --curve ep1.json       # MoE calls of 2 chunks, 1 GPU
+    torchrun --nproc_per_node 2 examples/train_moe_lm.py --ep 2 --curve ep2.json --compare ep1.json
+                                                   # the experts split over 2 GPUs, same bits
 
 The model: byte embedding -> L x (RMSNorm -> causal attention -> RMSNorm -> MoE with a
 shared expert) -> RMSNorm -> head; the MoE is mok.MoE, or with --moe torch the same
@@ -19,10 +22,21 @@ into fp32 main_grad buffers); mok.reduce_replicated sums the partials with mok's
 binary tree over the chunks, which gives the same bits however the chunks are shared
 out; AdamW on fp32 master weights then makes the same update everywhere. torch runs
 deterministic algorithms (attention written out, no atomics in the embedding's
-backward). The script prints a loss per step, writes the curve (--curve, exact floats)
-and a PNG (--png), and with --compare says whether another run's curve is bitwise equal.
+backward).
+
+With --ep W the MoE layers are expert-parallel: under torchrun with W processes each
+holds experts / W of them (mok.MoE(process_group=...)) and each MoE call takes one
+chunk from every process, which mok's kernels send to the experts' GPUs and back. The
+curve to compare it with comes from one process with the same --ep: there each MoE
+call takes the same W chunks together, and the dense parts run per chunk on their own
+copy of the dense weights, so that each chunk's gradient stays a partial. mok gives an
+MoE call the same bits on one GPU and on W (D3), and the rest is as above.
+
+The script prints a loss per step, writes the curve (--curve, exact floats) and a PNG
+(--png), and with --compare says whether another run's curve is bitwise equal.
 """
 import argparse
+import copy
 import json
 import math
 import os
@@ -38,7 +52,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import mok  # noqa: E402
-from train_moe import chunk_partial, my_chunks, reduce_and_step, zero_grads  # noqa: E402 (this directory)
+from train_moe import chunk_partial, my_chunks, optimizer_step, zero_grads  # noqa: E402 (this directory)
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "genesis-kjv.txt")
 VOCAB = 128  # the text is ASCII
@@ -87,7 +101,7 @@ class TorchMoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args, tokens, device):
+    def __init__(self, args, tokens, device, group=None):
         super().__init__()
         H = args.hidden
         kw = dict(dtype=torch.bfloat16, device=device)
@@ -99,7 +113,7 @@ class Block(nn.Module):
         moe = dict(shared_ffn=args.shared_ffn, aux_loss_coef=1e-2, z_loss_coef=1e-3)
         if args.moe == "mok":
             self.moe = mok.MoE(H, args.ffn, args.experts, args.top_k, wgrad_fp32_accum=True, max_tokens=tokens,
-                               device=device, **moe)
+                               process_group=group, device=device, **moe)
         else:
             self.moe = TorchMoE(H, args.ffn, args.experts, args.top_k, device=device, **moe)
 
@@ -111,28 +125,42 @@ class Block(nn.Module):
         o = att.softmax(-1).to(h.dtype) @ v
         return self.proj(o.permute(0, 2, 1, 3).reshape(seqs * S, H))
 
-    def forward(self, h, seqs):
-        h = h + self.attention(self.norm1(h), seqs)
-        return h + self.moe(self.norm2(h))
-
 
 class ByteLM(nn.Module):
-    def __init__(self, args, tokens, device):
+    def __init__(self, args, tokens, device, group=None):
         super().__init__()
         kw = dict(dtype=torch.bfloat16, device=device)
         self.emb = nn.Embedding(VOCAB, args.hidden, **kw)
-        self.blocks = nn.ModuleList(Block(args, tokens, device) for _ in range(args.layers))
+        self.blocks = nn.ModuleList(Block(args, tokens, device, group) for _ in range(args.layers))
         self.norm = nn.RMSNorm(args.hidden, **kw)
         self.head = nn.Linear(args.hidden, VOCAB, bias=False, **kw)
 
-    def forward(self, seqs_in):  # [seqs, S] bytes -> logits [seqs * S, V], router losses
-        seqs = seqs_in.shape[0]
-        h = self.emb(seqs_in.reshape(-1))
-        router = torch.zeros((), dtype=torch.float32, device=h.device)
-        for b in self.blocks:
-            h = b(h, seqs)
-            router = router + b.moe.aux_loss.float() + b.moe.z_loss.float()
-        return self.head(self.norm(h)), router
+    def moes(self):
+        return [b.moe for b in self.blocks]
+
+    def dense(self):
+        """The parameters outside the MoE layers"""
+        moe = {id(p) for m in self.moes() for p in m.parameters()}
+        return [p for p in self.parameters() if id(p) not in moe]
+
+
+def round_forward(replicas, inputs):
+    """One MoE call per layer over several chunks: chunk k ([seqs, S] bytes) runs the
+    dense parts on replicas[k] (its own copy of the dense weights, so that its gradient
+    stays a chunk partial), and the MoE layers (replicas[0]'s) take the chunks' tokens
+    together, in chunk order: what the expert-parallel ranks' call sees, each rank one
+    chunk. Returns each chunk's logits [seqs * S, V] and the router losses."""
+    seqs = inputs[0].shape[0]
+    hs = [r.emb(x.reshape(-1)) for r, x in zip(replicas, inputs)]
+    router = torch.zeros((), dtype=torch.float32, device=hs[0].device)
+    for i, moe in enumerate(replicas[0].moes()):
+        blocks = [r.blocks[i] for r in replicas]
+        hs = [h + b.attention(b.norm1(h), seqs) for b, h in zip(blocks, hs)]
+        xs = [b.norm2(h) for b, h in zip(blocks, hs)]
+        ys = moe(torch.cat(xs)).split([x.shape[0] for x in xs])
+        hs = [h + y for h, y in zip(hs, ys)]
+        router = router + moe.aux_loss.float() + moe.z_loss.float()
+    return [r.head(r.norm(h)) for r, h in zip(replicas, hs)], router
 
 
 def batch(step, args, data):
@@ -204,6 +232,10 @@ def main():
     ap.add_argument("--compare", default="", help="a curve JSON of another run: say whether it is bitwise equal")
     ap.add_argument("--png", default="", help="write the loss curve (and --compare's) as a PNG")
     ap.add_argument("--torch-threads", type=int, default=1, help="CPU: torch's threads, fixed for the same bits")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert parallelism: each MoE call takes EP chunks at once, one a rank; under torchrun "
+                         "with EP processes each MoE layer holds experts / EP of them (mok.MoE(process_group=...)), "
+                         "in one process the same calls run on EP chunks together (the curve to compare with)")
     args = ap.parse_args()
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -217,20 +249,33 @@ def main():
     torch.set_num_threads(args.torch_threads)
     torch.use_deterministic_algorithms(True)
     assert args.batch % args.chunks == 0, "--batch must be a multiple of --chunks"
+    G = args.ep
+    assert args.chunks % G == 0, "--chunks must be a multiple of --ep"
+    ep = distributed and G > 1  # the experts spread over the processes
+    assert not ep or (world == G and args.moe == "mok" and args.device == "cuda"), \
+        "expert parallelism over processes: --ep = the number of processes, --moe mok, --device cuda"
     seqs = args.batch // args.chunks
 
     data = torch.frombuffer(bytearray(open(TEXT, "rb").read()), dtype=torch.uint8)
-    torch.manual_seed(args.seed)  # the same initial weights on every process
-    model = ByteLM(args, seqs * args.seq, device)
-    params = list(model.parameters())
-    master = [p.detach().float().clone().requires_grad_(True) for p in params]
+    torch.manual_seed(args.seed)  # the same initial weights on every process (its experts' slice of them)
+    calls = 1 if ep else G  # chunks in one MoE call on this process
+    model = ByteLM(args, calls * seqs * args.seq, device, dist.group.WORLD if ep else None)
+    # rounds: each MoE call takes chunk runs[k][i] of every rank k (runs: my_chunks over
+    # G ranks); with G = 1 a round is one chunk of this process's run
+    runs = [list(my_chunks(args.chunks, G, k)) for k in range(G)] if G > 1 else [list(my_chunks(args.chunks, world, rank))]
+    here = [rank] if ep else range(len(runs))  # the ranks' runs this process computes
+    replicas = [model] + [copy.deepcopy(model) for _ in range(len(here) - 1)]
+    for r in replicas[1:]:  # the dense weights copied, the MoE layers shared
+        for b, b0 in zip(r.blocks, model.blocks):
+            b.moe = b0.moe
+    dense, moe_params = model.dense(), [p for m in model.moes() for p in m.parameters()]
+    master = [p.detach().float().clone().requires_grad_(True) for p in dense + moe_params]
     opt = torch.optim.AdamW(master, lr=args.lr, weight_decay=0.0)
-    mine = my_chunks(args.chunks, world, rank)
     if rank == 0:
-        n = sum(p.numel() for p in params)
-        print(f"{args.moe} MoE, {n / 1e6:.2f} M parameters, {world} process(es) on {device.type}, {args.chunks} chunks "
-              f"of {seqs} x {args.seq} bytes a step; chunks {list(mine)} on rank 0; text {os.path.basename(TEXT)} "
-              f"({data.numel()} bytes)")
+        n = sum(p.numel() for p in model.parameters())
+        how = f"experts over {world} processes" if ep else f"{world} process(es)"
+        print(f"{args.moe} MoE, {n / 1e6:.2f} M parameters on rank 0, {how} on {device.type}, {args.chunks} chunks "
+              f"of {seqs} x {args.seq} bytes a step, {G} a MoE call; text {os.path.basename(TEXT)} ({data.numel()} bytes)")
 
     curve, t0, tokens = [], None, 0
     for step in range(args.steps):
@@ -239,16 +284,34 @@ def main():
                 torch.cuda.synchronize()
             t0, tokens = time.time(), 0
         inp, tgt = batch(step, args, data)
-        partials, losses = [], []
-        for c in mine:  # one forward/backward per chunk
-            zero_grads(params, [b.moe for b in model.blocks])
-            sl = slice(c * seqs, (c + 1) * seqs)
-            logits, router = model(inp[sl].to(device))
-            ce = nn.functional.cross_entropy(logits.float(), tgt[sl].reshape(-1).to(device))
-            ((ce + router) / args.chunks).backward()
-            partials.append(chunk_partial(params))
-            losses.append(ce.detach().float().reshape(1))
-        loss = reduce_and_step(params, master, opt, partials, losses, args.chunks)  # the fixed tree, then AdamW
+        dense_parts, moe_parts, losses = {}, [], {}
+        for i in range(len(runs[0])):  # a forward/backward per round
+            zero_grads([p for r in replicas for p in r.dense()] + moe_params, model.moes())
+            chunks = [runs[k][i] for k in here]
+            sl = [slice(c * seqs, (c + 1) * seqs) for c in chunks]
+            logits, router = round_forward(replicas, [inp[x].to(device) for x in sl])
+            ce = [nn.functional.cross_entropy(lg.float(), tgt[x].reshape(-1).to(device)) for lg, x in zip(logits, sl)]
+            ((sum(ce[1:], ce[0]) + router) / args.chunks).backward()
+            for c, r, l in zip(chunks, replicas, ce):
+                dense_parts[c] = chunk_partial(r.dense())
+                losses[c] = l.detach().float().reshape(1)
+            moe_parts.append(chunk_partial(moe_params))
+        # the fixed trees: dense weights and losses over every chunk (this process's in
+        # chunk order, then across processes); the MoE layers over the rounds, across
+        # processes only when each holds every expert (ep: mok summed the router and
+        # shared expert over the ranks already, and each rank's experts are its own)
+        order = sorted(dense_parts)
+        width = sum(p.numel() for p in dense)
+        g_dense = mok.reduce_replicated(torch.stack([dense_parts[c] for c in order]) if order else
+                                        torch.zeros(0, width, device=device))
+        g_moe = mok.reduce_replicated(torch.stack(moe_parts), distributed=distributed and not ep)
+        loss = mok.reduce_replicated(torch.stack([losses[c] for c in order]) if order else
+                                     torch.zeros(0, 1, device=device)) / args.chunks
+        optimizer_step(dense + moe_params, master, opt, torch.cat([g_dense, g_moe]))
+        with torch.no_grad():  # every replica's dense weights take the new values
+            for r in replicas[1:]:
+                for p, p0 in zip(r.dense(), dense):
+                    p.copy_(p0)
         tokens += args.batch * args.seq
         curve.append(loss.item())
         if rank == 0:
@@ -264,7 +327,7 @@ def main():
         print(f"final loss {curve[-1]:.4f}; {rate:,.0f} tokens/s over all processes (steps 6..{args.steps})")
         if args.curve:
             with open(args.curve, "w") as f:
-                json.dump({"moe": args.moe, "world": world, "device": device.type, "tokens_per_s": rate,
+                json.dump({"moe": args.moe, "world": world, "ep": G, "device": device.type, "tokens_per_s": rate,
                            "loss_hex": [float.hex(v) for v in curve]}, f)
         other = None
         if args.compare:
@@ -276,7 +339,7 @@ def main():
                 print(f"{args.compare}: {len(theirs)} steps against {len(curve)}: not comparable")
             elif diff is None:
                 print(f"the loss curve is bitwise identical to {args.compare} ({other['world']} process(es), "
-                      f"{other['moe']} MoE): all {len(curve)} steps")
+                      f"{other['moe']} MoE, --ep {other.get('ep', 1)}): all {len(curve)} steps")
             else:
                 print(f"the loss curve differs from {args.compare} from step {diff + 1} on "
                       f"({curve[diff]!r} against {theirs[diff]!r})")
