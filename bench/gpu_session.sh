@@ -25,6 +25,9 @@
 #                 alternating, ROUNDS times (default 2), EP_SHAPES; then this one at
 #                 W = 1: forward, backward and step ms a line (MOK_DISPATCH_STREAMS
 #                 passes through)
+#   ep-example    examples/train_moe_lm.py --ep RANKS (STEPS_LM steps, default 40): one
+#                 process, then torchrun on RANKS GPUs with --compare (its verdict line),
+#                 curves and PNG in $OUT
 #   repeat        one GPU test case (CASE, default gpu.racecheck) REPEAT times (default 20),
 #                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
 #                 hang: one line a run (exit 124: it hung), then the counts; logs in
@@ -163,6 +166,14 @@ for part in "$@"; do
         done
         ep_bench build/mok build/mok 1 "$s"
       done
+      ;;
+    ep-example)
+      lm="python3 examples/train_moe_lm.py --ep ${RANKS:-2} --steps ${STEPS_LM:-40}"
+      $lm --curve "$OUT/lm-ep1.json" > "$OUT/lm-ep1.txt" 2>&1 || tail -5 "$OUT/lm-ep1.txt"
+      torchrun --standalone --nproc_per_node "${RANKS:-2}" examples/train_moe_lm.py --ep "${RANKS:-2}" \
+        --steps "${STEPS_LM:-40}" --curve "$OUT/lm-ep2.json" --compare "$OUT/lm-ep1.json" --png "$OUT/lm-ep.png" \
+        > "$OUT/lm-ep2.txt" 2>&1 || tail -20 "$OUT/lm-ep2.txt"
+      grep -E "final loss|bitwise|differs" "$OUT/lm-ep1.txt" "$OUT/lm-ep2.txt"
       ;;
     comm)
       ./build/mok_gpu_tests -k comm 2>&1 | tail -40
