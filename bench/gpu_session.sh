@@ -170,7 +170,7 @@ for part in "$@"; do
     ep-example)
       lm="python3 examples/train_moe_lm.py --ep ${RANKS:-2} --steps ${STEPS_LM:-40}"
       $lm --curve "$OUT/lm-ep1.json" > "$OUT/lm-ep1.txt" 2>&1 || tail -5 "$OUT/lm-ep1.txt"
-      torchrun --standalone --nproc_per_node "${RANKS:-2}" examples/train_moe_lm.py --ep "${RANKS:-2}" \
+      python3 -m torch.distributed.run --standalone --nproc_per_node "${RANKS:-2}" examples/train_moe_lm.py --ep "${RANKS:-2}" \
         --steps "${STEPS_LM:-40}" --curve "$OUT/lm-ep2.json" --compare "$OUT/lm-ep1.json" --png "$OUT/lm-ep.png" \
         > "$OUT/lm-ep2.txt" 2>&1 || tail -20 "$OUT/lm-ep2.txt"
       grep -E "final loss|bitwise|differs" "$OUT/lm-ep1.txt" "$OUT/lm-ep2.txt"
