@@ -387,6 +387,9 @@ def moe_forward(
     dev = x.device
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"mok: x is on device {dev}: mok runs on 'cpu' (CPU backend) or 'cuda' (CUDA backend)")
+    if cfg.world_size > 1 and dev.type != "cuda":
+        raise ValueError(f"mok: x is on device {dev}, but the layer is expert-parallel over world_size = "
+                         f"{cfg.world_size} ranks, which runs on the CUDA backend (a GPU per rank)")
     T = x.shape[0]
     if cfg.max_tokens is not None and T > cfg.max_tokens:
         raise ValueError(f"mok: x has {T} tokens, more than max_tokens = {cfg.max_tokens} of this layer")

@@ -308,6 +308,13 @@ def test_expert_parallel_configs():
         mok.Config(H, F, 8, 2, world_size=2, rank=2, comm_id=ok_id, max_tokens=64)
     c = mok.Config(H, F, 8, 2, world_size=4, rank=3, comm_id=ok_id, max_tokens=64)
     assert c.local_experts == 2 and mok.Config(H, F, 8, 2).local_experts == 8
+    # CPU tensors into an expert-parallel layer: named before any context is made
+    from mok.ops import moe_forward
+
+    x = torch.zeros(4, H, dtype=torch.bfloat16)
+    w13, w2 = torch.zeros(2, 2 * F, H, dtype=torch.bfloat16), torch.zeros(2, H, F, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="expert-parallel over world_size = 4"):
+        moe_forward(x, torch.zeros(8, H, dtype=torch.bfloat16), w13, w2, None, None, config=c)
 
 
 def test_cuda_is_a_clear_error_not_a_copy():
