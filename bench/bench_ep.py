@@ -13,13 +13,13 @@ is the peer's ms over mok's at W (it asks >= 2).
 mok: `build/mok bench --backend cuda --ranks W --shape S --steps N --json F` (each step a
 fresh run whose last step CUDA events time on rank 0). The peer: this file as the
 torchrun worker (--worker): forward + backward of ep_moe on bf16 weights and inputs,
-CUDA events around --steps back-to-back steps after a warm-up, median of 3 such runs,
+bench_moe.time_ms (CUDA events around --steps back-to-back steps after a warm-up, median
+of 3 such runs, a barrier before each),
 the slowest rank's; no torch.compile (its graph breaks at every collective).
 """
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +34,7 @@ def worker(shape, steps):
     """One torchrun rank: times ep_moe's forward + backward; rank 0 prints a JSON line."""
     import torch
     import torch.distributed as dist
+    from bench_moe import time_ms
     from ep_peer import ep_moe
 
     dist.init_process_group("nccl")
@@ -55,20 +56,7 @@ def worker(shape, steps):
         y = ep_moe(x, w_router, bias, w13, w2, K)
         y.backward(dy)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(3):
-        dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(steps):
-            step()
-        b.record()
-        b.synchronize()
-        runs.append(a.elapsed_time(b) / steps)
-    ms = torch.tensor([statistics.median(runs)], device="cuda")
+    ms = torch.tensor([time_ms(step, steps, before_run=dist.barrier)], device="cuda")
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank's
     if rank == 0:
         print(json.dumps({"peer_ms": ms.item(), "W": W, "shape": shape}), flush=True)

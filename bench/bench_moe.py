@@ -39,10 +39,11 @@ from ep_peer import route  # noqa: E402  (bench/ is this script's directory)
 from shapes import SHAPES, hot_experts, step_flops  # noqa: E402
 
 
-def time_ms(fn, steps, warmup=3):
+def time_ms(fn, steps, warmup=3, before_run=None):
     """Milliseconds a call of fn: CUDA events around `steps` back-to-back calls (the
     host queues the next call while the GPU runs, as in training), median of 3 such
-    runs. The GPU is idle before each run, so its first call's launch latency counts."""
+    runs. The GPU is idle before each run, so its first call's launch latency counts.
+    before_run (e.g. a distributed barrier) is called before each run."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -50,6 +51,8 @@ def time_ms(fn, steps, warmup=3):
     t0 = time.time()
     runs = []
     for _ in range(3):
+        if before_run:
+            before_run()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(steps):

@@ -174,6 +174,15 @@ __device__ __forceinline__ void poll_peers(Smem& sm, const GpuStep& st, int kind
     poll(sm, st, [&] { return flag_acquire_sys(sm.peer_flags + r * kFlagKinds + kind) >= sm.peer_serial; });
 }
 
+// Thread 0, MOK_PROFILE / MOK_TRACE: a dependency wait that began at t0 (globaltimer)
+// into prof_slot's total (an integer counter) and this task's wait_ns.
+__device__ __forceinline__ void count_wait(Smem& sm, const GpuStep& st, int prof_slot, uint64_t t0) {
+  if (!st.prof) return;
+  const uint64_t waited = globaltimer_ns() - t0;
+  atomicAdd(&st.prof[2 * prof_slot], (unsigned long long)waited);
+  sm.wait_ns += (uint32_t)waited;
+}
+
 // Thread 0 waits until *counter >= target, at most timeout_ns (with W > 1 and peer_kind
 // >= 0, then for every rank's flag peer_kind too: poll_peers); then every thread of the
 // CTA returns true, or false when the step is being abandoned (timeout or an error
@@ -186,11 +195,7 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
     poll(sm, st, [&] { return ld_acquire(counter) >= target; });
     if (peer_kind >= 0 && sm.peer_W > 1) poll_peers(sm, st, peer_kind);
     fence_proxy_async();
-    if (st.prof) {
-      const uint64_t waited = globaltimer_ns() - t0;
-      atomicAdd(&st.prof[2 * prof_slot], (unsigned long long)waited);
-      sm.wait_ns += (uint32_t)waited;
-    }
+    count_wait(sm, st, prof_slot, t0);
   }
   __syncthreads();
   return sm.abort == 0;

@@ -273,6 +273,24 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   signal_counter(sm, &p.st.sync->counter[C_PREFIX]);
 }
 
+// One warp copies an x row (H bf16) from src to dst: kInFlight 16-byte loads a lane
+// before their stores (latency hiding; the stream task keeps 2, which its registers
+// allow beside the kernel's).
+template <int kInFlight>
+__device__ __forceinline__ void copy_row(const bf16* src_row, bf16* dst_row, int H, int lane) {
+  const uint4* src = reinterpret_cast<const uint4*>(src_row);
+  uint4* dst = reinterpret_cast<uint4*>(dst_row);
+  for (int v0 = lane; v0 < H / 8; v0 += 32 * kInFlight) {
+    uint4 r[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; u++)
+      if (v0 + 32 * u < H / 8) r[u] = src[v0 + 32 * u];
+#pragma unroll
+    for (int u = 0; u < kInFlight; u++)
+      if (v0 + 32 * u < H / 8) dst[v0 + 32 * u] = r[u];
+  }
+}
+
 // ---- DISPATCH, W > 1: stream task d of s.nd ----
 // First every stream task puts its share of the slots into the stream order (sv.pos,
 // sv.sorted), and they all meet (C_DISPATCH). Then task d sends rows j = loc_off[e] + d +
@@ -299,19 +317,8 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
       for (int l = g * gs; l < min(s.e_loc, (g + 1) * gs); l++) {
         const int e = r * s.e_loc + l, j1 = p.sv.loc_off[e + 1], shift = p.sv.loc_shift[e];
         bf16* rows = p.peer_x_rows.rows[r];
-        for (int j = p.sv.loc_off[e] + d + s.nd * warp; j < j1; j += s.nd * warps) {
-          const uint4* src = reinterpret_cast<const uint4*>(p.x + (int64_t)(p.sv.sorted[j] / K) * H);
-          uint4* dst = reinterpret_cast<uint4*>(rows + (int64_t)(j - shift) * H);
-          for (int v0 = lane; v0 < H / 8; v0 += 32 * 2) {  // 2 chunks a lane in flight
-            uint4 x[2];
-#pragma unroll
-            for (int u = 0; u < 2; u++)
-              if (v0 + 32 * u < H / 8) x[u] = src[v0 + 32 * u];
-#pragma unroll
-            for (int u = 0; u < 2; u++)
-              if (v0 + 32 * u < H / 8) dst[v0 + 32 * u] = x[u];
-          }
-        }
+        for (int j = p.sv.loc_off[e] + d + s.nd * warp; j < j1; j += s.nd * warps)
+          copy_row<2>(p.x + (int64_t)(p.sv.sorted[j] / K) * H, rows + (int64_t)(j - shift) * H, H, lane);
       }
     __threadfence_system();  // (each thread's stores into the owners' rows)
     __syncthreads();
@@ -333,17 +340,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     const int t = i / K, e = p.sv.idx[i];
     const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
     if (lane == 0) p.sv.pos[i] = pos;
-    const uint4* src = reinterpret_cast<const uint4*>(p.x + (int64_t)t * H);
-    uint4* dst = reinterpret_cast<uint4*>(p.sv.x_rows + (int64_t)pos * H);
-    for (int v0 = lane; v0 < H / 8; v0 += 32 * 4) {  // 4 chunks a lane in flight
-      uint4 r[4];
-#pragma unroll
-      for (int u = 0; u < 4; u++)
-        if (v0 + 32 * u < H / 8) r[u] = src[v0 + 32 * u];
-#pragma unroll
-      for (int u = 0; u < 4; u++)
-        if (v0 + 32 * u < H / 8) dst[v0 + 32 * u] = r[u];
-    }
+    copy_row<4>(p.x + (int64_t)t * H, p.sv.x_rows + (int64_t)pos * H, H, lane);
   }
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
 }
@@ -369,11 +366,7 @@ static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p,
       __syncwarp();
     }
     fence_proxy_async();  // (GEMM1's TMA loads of the rows)
-    if (threadIdx.x == 0 && p.st.prof) {
-      const uint64_t waited = globaltimer_ns() - t0;
-      atomicAdd(&p.st.prof[2 * 19], (unsigned long long)waited);
-      sm.wait_ns += (uint32_t)waited;
-    }
+    if (threadIdx.x == 0) count_wait(sm, p.st, 19, t0);
   }
   __syncthreads();
   return sm.abort == 0;
