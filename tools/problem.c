@@ -437,6 +437,30 @@ typedef struct {
   char err[512];
 } cuda_job_t;
 
+/* One step's library calls, made on a thread of their own (mok_run_opts_t.step_thread). */
+typedef struct {
+  mok_context_t* ctx;
+  const mok_forward_args_t* fa;
+  const mok_backward_args_t* ba;  /* NULL: forward only */
+  int other_device;               /* the device made current first, or -1 */
+  mok_status_t status;
+  int device_after;               /* the thread's current device after the calls */
+} step_job_t;
+
+static void* step_thread_main(void* arg) {
+  step_job_t* j = arg;
+  if (j->other_device >= 0 && cudaSetDevice(j->other_device) != cudaSuccess) {
+    j->status = MOK_STATUS_CUDA_ERROR;
+    return NULL;
+  }
+  j->status = mok_forward(j->ctx, j->fa);
+  if (!j->status && j->ba) j->status = mok_backward(j->ctx, j->ba);
+  if (!j->status) j->status = mok_context_sync(j->ctx);
+  j->device_after = -1;
+  if (j->other_device >= 0) cudaGetDevice(&j->device_after);
+  return NULL;
+}
+
 static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int rank, int64_t t0, int64_t T,
                                   const void* unique_id, char* err, size_t err_len) {
   const mok_config_t* c = &p->cfg;
@@ -574,6 +598,23 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
     if (o->graph) {
       if (cudaGraphLaunch(exec, stream) != cudaSuccess) CU_FAIL("cudaGraphLaunch");
       cudaEventRecord(ev[1], stream);
+    } else if (o->step_thread) {
+      int devices = 0;
+      cudaGetDeviceCount(&devices);
+      step_job_t j = {ctx, &fa, o->backward ? &ba : NULL, o->step_thread == 2 ? devices - 1 : -1,
+                      MOK_STATUS_SUCCESS, -1};
+      pthread_t th;
+      if (pthread_create(&th, NULL, step_thread_main, &j) != 0) CU_FAIL("pthread_create");
+      pthread_join(th, NULL);
+      status = j.status;
+      if (status) goto fail;
+      if (j.device_after != j.other_device) {
+        if (err) snprintf(err, err_len, "the step's calls left device %d current on their thread, not %d",
+                          j.device_after, j.other_device);
+        status = MOK_STATUS_CUDA_ERROR;
+        goto done;
+      }
+      cudaEventRecord(ev[1], stream);  /* (the thread's step is synced: no split times) */
     } else {
       status = mok_forward(ctx, &fa);
       if (status) goto fail;

@@ -78,8 +78,14 @@ typedef struct {
   int cta_pairs;      /* CUDA: cfg.cta_pairs (mok_cta_pairs_t) */
   int silent_rank;    /* CUDA, W > 1: a rank that creates its context, then makes no call
                          for comm_timeout_s + 1 s before destroying it (fault test), or -1 */
+  int step_thread;    /* CUDA, no graph: each step's mok_forward, mok_backward and
+                         mok_context_sync are called from a new thread (a framework's
+                         worker, such as PyTorch's autograd thread): 0 no; 1 a thread that
+                         makes no CUDA call of its own (no context current on it); 2 one
+                         whose current device is the last visible GPU, which the calls must
+                         leave current */
 } mok_run_opts_t;
-#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0, MOK_CTA_PAIRS_AUTO, -1}
+#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0, MOK_CTA_PAIRS_AUTO, -1, 0}
 
 /* Runs the problem; returns the first failing rank's status. The message of the first
  * failure is copied to err (size err_len) when err is not NULL. Gradient outputs in

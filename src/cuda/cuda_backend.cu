@@ -63,6 +63,32 @@ static_assert(kMaxPeers == MOK_CUDA_MAX_RANKS, "kMaxPeers");
 
 static GpuContext* gpu(const mok_context_t* ctx) { return static_cast<GpuContext*>(ctx->gpu); }
 
+// The context's device made current on the calling thread for one call into the
+// backend, and the caller's device restored after it, as a framework's device guard
+// does. A call may come from a thread whose current device is another GPU, or from one
+// with no CUDA context current at all: PyTorch's autograd thread for device 0 skips
+// cudaSetDevice (0 is already "current"), and the driver's cuTensorMapEncodeTiled then
+// fails there with CUDA_ERROR_INVALID_CONTEXT (201). cudaSetDevice makes the device's
+// primary context current even when the device number does not change.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) : device_(device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = device;
+    error_ = cudaSetDevice(device);
+  }
+  ~DeviceScope() {
+    if (prev_ != device_) cudaSetDevice(prev_);
+  }
+  cudaError_t error() const { return error_; }
+
+ private:
+  int device_, prev_;
+  cudaError_t error_;
+};
+#define DEVICE_SCOPE(ctx)                        \
+  DeviceScope device_scope_(gpu(ctx)->device); \
+  CUDA_TRY(ctx, device_scope_.error())
+
 static int cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
 // pairs: a launch in clusters of 2, whose paired phases want max_mt even (band_order's
@@ -396,6 +422,7 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
 void mok_cuda_destroy(mok_context_t* ctx) {
   GpuContext* g = gpu(ctx);
   if (!g) return;
+  DeviceScope device_scope(g->device);  // (an error here: the frees below report nothing either)
   free_peers(g, ctx->cfg);
   cudaFree(g->sync);
   cudaFree(g->status);
@@ -450,6 +477,7 @@ static mok_status_t print_profile(mok_context_t* ctx) {
 
 mok_status_t mok_cuda_sync(mok_context_t* ctx) {
   GpuContext* g = gpu(ctx);
+  DEVICE_SCOPE(ctx);
   CUDA_TRY(ctx, cudaStreamSynchronize(g->last_stream));
   uint32_t st = 0;
   CUDA_TRY(ctx, cudaMemcpy(&st, g->status, sizeof st, cudaMemcpyDeviceToHost));
@@ -603,6 +631,7 @@ static mok_status_t check_not_broken(mok_context_t* ctx) {
 mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   const mok_config_t& c = ctx->cfg;
   if (mok_status_t st = check_not_broken(ctx)) return st;
+  DEVICE_SCOPE(ctx);
   const int64_t T = a->num_tokens, R = recv_rows(c, T), H = c.H, F = c.F, E = c.E, El = c.E / c.W, Fs = c.Fs;
   FwdParams p;
   memset(&p, 0, sizeof p);
@@ -670,6 +699,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
 mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
   const mok_config_t& c = ctx->cfg;
   if (mok_status_t st = check_not_broken(ctx)) return st;
+  DEVICE_SCOPE(ctx);
   const int64_t T = a->num_tokens, R = recv_rows(c, T), H = c.H, F = c.F, E = c.E, El = c.E / c.W, Fs = c.Fs;
   BwdParams p;
   memset(&p, 0, sizeof p);

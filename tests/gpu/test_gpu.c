@@ -247,6 +247,20 @@ static int graph_capture(void) {
   return same_bits_runs(&shapes[9], eager, graph, "graph replay") + same_bits_runs(&shapes[16], eager, graph, "graph replay (replay routing)");
 }
 
+/* Steps called from a thread other than the one that made the context give the same
+ * bits: one with no CUDA context current (PyTorch's autograd thread for device 0), and
+ * one whose current device is another GPU (the last one visible), left current. */
+static int step_thread(void) {
+  mok_run_opts_t here = MOK_RUN_OPTS_INIT, bare = MOK_RUN_OPTS_INIT, here2 = MOK_RUN_OPTS_INIT,
+                 other = MOK_RUN_OPTS_INIT;
+  bare.step_thread = 1;
+  here2.steps = other.steps = 2;  // (fp32 accumulation over two steps)
+  other.step_thread = 2;
+  return same_bits_runs(&shapes[9], here, bare, "a step on a thread with no context") +
+         same_bits_runs(&shapes[15], here2, other, "steps on a thread with another device current") +
+         same_bits_runs(&shapes[16], here, bare, "a replay step on a thread with no context");
+}
+
 /* Device-side errors come back as statuses from mok_context_sync, outputs untouched. */
 static int device_errors(void) {
   const gpu_shape_t* s = &shapes[16];
@@ -313,6 +327,7 @@ const test_case_t suite_gpu[] = {
     {"d2_grid", d2_grid},
     {"d4_batch", d4_batch},
     {"graph_capture", graph_capture},
+    {"step_thread", step_thread},
     {"device_errors", device_errors},
     {"sanitizer_small", sanitizer_small},
     {"memcheck", memcheck},
