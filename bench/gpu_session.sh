@@ -26,8 +26,8 @@
 #                 W = 1: forward, backward and step ms a line (MOK_DISPATCH_STREAMS
 #                 passes through)
 #   ep-example    examples/train_moe_lm.py --ep RANKS (STEPS_LM steps, default 40): one
-#                 process, then torchrun on RANKS GPUs with --compare (its verdict line),
-#                 curves and PNG in $OUT
+#                 process twice, then torchrun on RANKS GPUs twice, each later run with
+#                 --compare against the first (its verdict line), curves and PNG in $OUT
 #   repeat        one GPU test case (CASE, default gpu.racecheck) REPEAT times (default 20),
 #                 each bounded by `timeout` (LIMIT s, default 30), for a rare failure or
 #                 hang: one line a run (exit 124: it hung), then the counts; logs in
@@ -168,12 +168,20 @@ for part in "$@"; do
       done
       ;;
     ep-example)
-      lm="python3 examples/train_moe_lm.py --ep ${RANKS:-2} --steps ${STEPS_LM:-40}"
-      $lm --curve "$OUT/lm-ep1.json" > "$OUT/lm-ep1.txt" 2>&1 || tail -5 "$OUT/lm-ep1.txt"
-      python3 -m torch.distributed.run --standalone --nproc_per_node "${RANKS:-2}" examples/train_moe_lm.py --ep "${RANKS:-2}" \
-        --steps "${STEPS_LM:-40}" --curve "$OUT/lm-ep2.json" --compare "$OUT/lm-ep1.json" --png "$OUT/lm-ep.png" \
-        > "$OUT/lm-ep2.txt" 2>&1 || tail -20 "$OUT/lm-ep2.txt"
-      grep -E "final loss|bitwise|differs" "$OUT/lm-ep1.txt" "$OUT/lm-ep2.txt"
+      lm="examples/train_moe_lm.py --ep ${RANKS:-2} --steps ${STEPS_LM:-40}"
+      run_lm() {  # name, then python3 or torchrun's arguments before the script, then the script's extra arguments
+        local name=$1
+        shift
+        "$@" > "$OUT/$name.txt" 2>&1 || tail -20 "$OUT/$name.txt"
+      }
+      tr="python3 -m torch.distributed.run --standalone --nproc_per_node ${RANKS:-2}"
+      # one process twice (the second must repeat the first's bits), then torchrun on RANKS
+      # GPUs twice, each against the one-process curve
+      run_lm lm-ep1 python3 $lm --curve "$OUT/lm-ep1.json"
+      run_lm lm-ep1b python3 $lm --curve "$OUT/lm-ep1b.json" --compare "$OUT/lm-ep1.json"
+      run_lm lm-ep2 $tr $lm --curve "$OUT/lm-ep2.json" --compare "$OUT/lm-ep1.json" --png "$OUT/lm-ep.png"
+      run_lm lm-ep2b $tr $lm --curve "$OUT/lm-ep2b.json" --compare "$OUT/lm-ep1.json"
+      grep -E "final loss|bitwise|differs" "$OUT"/lm-ep1.txt "$OUT"/lm-ep1b.txt "$OUT"/lm-ep2.txt "$OUT"/lm-ep2b.txt
       ;;
     comm)
       ./build/mok_gpu_tests -k comm 2>&1 | tail -40
