@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # gpu_session.sh — what one call on the GPU machine usually needs, in one command
 # (device time is short and every call starts a fresh machine): build, then the parts
-# named on the command line, logs and results under $OUT (default /tmp/mok-out).
+# named on the command line, logs and results under $OUT (default /tmp/mok-out). The
+# device tool brings back at most 8 files, so each part's files go into one archive,
+# $OUT/<part>.tar, when the part ends (`tar -xf` to read them; the file names below
+# are inside it); a part cut short by a time limit leaves only what it printed.
 #
 #   bench/gpu_session.sh test trace bench          # all three, in this order
 #   SHAPES=deepseek-v3 bench/gpu_session.sh trace  # traces of one shape
@@ -60,11 +63,12 @@
 # PREBUILT=1 COMMIT=<sha> bench/gpu_session.sh test bench
 set -u
 export NCCL_NVLS_ENABLE=0  # never NVLink multicast
-OUT=${OUT:-/tmp/mok-out}
+RESULTS=${OUT:-/tmp/mok-out}   # <part>.tar of each part; the parts write into OUT
+OUT=$(mktemp -d /tmp/mok-part-XXXXXX)
 SHAPES=${SHAPES:-qwen3-30b-a3b,gpt-oss-120b,mixtral-8x7b,deepseek-v3}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
 cd "$(dirname "$0")/.."
-mkdir -p "$OUT"
+mkdir -p "$RESULTS"
 
 # PREBUILT=1: use build/libmok.so and build/mok_gpu_tests as they came (built on the
 # CPU machine from this tree and sent with the device tool's carry; saves the ~40 s
@@ -74,8 +78,8 @@ if [ -n "${PREBUILT:-}" ] && [ -f build/libmok.so ] && [ -f build/mok_gpu_tests 
   echo "prebuilt build/libmok.so and build/mok_gpu_tests"
   TEST_GPU="make -o build/libmok.so -o build/mok_gpu_tests test-gpu"
 else
-  make -j"$(nproc)" build/libmok.so build/mok_gpu_tests > "$OUT/build.log" 2>&1 || {
-    tail -30 "$OUT/build.log"
+  make -j"$(nproc)" build/libmok.so build/mok_gpu_tests > "$RESULTS/build.log" 2>&1 || {
+    tail -30 "$RESULTS/build.log"
     exit 1
   }
 fi
@@ -264,4 +268,11 @@ torch.cuda.synchronize()"
       exit 2
       ;;
   esac
+  # this part's files, one archive (named by the part, or part-2 when it comes again)
+  tarball="$RESULTS/$part.tar" n=1
+  while [ -e "$tarball" ]; do n=$((n + 1)) tarball="$RESULTS/$part-$n.tar"; done
+  if [ -n "$(ls -A "$OUT")" ]; then
+    tar -cf "$tarball" -C "$OUT" . && rm -rf "${OUT:?}"/*
+  fi
 done
+rmdir "$OUT" 2>/dev/null
