@@ -49,6 +49,7 @@ struct GpuContext {
   void* comm;
   void *rows_local, *rows_win, *xchg_local, *xchg_win, *tree_local, *tree_win;
   PeerRows peer_x_rows, peer_o_rows, peer_dy_rows, peer_dx_rows;
+  bf16* o_kept;  // [cfg.T K, H]: the o rows of this rank's slots that other ranks computed
   PeerExchange px;
   bool broken;               // a step timed out waiting for a peer: no more steps, destroy aborts
 };
@@ -252,7 +253,9 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
   while ((1ll << bits) <= cdiv(c.T, MOK_REDUCE_CHUNK_TOKENS)) bits++;
   g.px.tree_nodes = 2 * bits;
   const size_t tree_bytes = (size_t)g.px.tree_nodes * (c.E * c.H + 3 * c.Fs * c.H) * 4;
-  st = mok_nccl_window_alloc(comm, 4 * rows_bytes, &g.rows_local, &g.rows_win, err, sizeof err);
+  // o_kept after the four: local use only, in the same allocation for one free path
+  const size_t kept_bytes = (size_t)c.T * c.K * c.H * 2;
+  st = mok_nccl_window_alloc(comm, 4 * rows_bytes + kept_bytes, &g.rows_local, &g.rows_win, err, sizeof err);
   if (!st) st = mok_nccl_window_alloc(comm, tree_bytes, &g.tree_local, &g.tree_win, err, sizeof err);
   if (!st)
     st = mok_nccl_window_alloc(comm, counts_bytes + flags_bytes + stats_bytes + arrive_bytes, &g.xchg_local,
@@ -280,6 +283,7 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
     g.peer_dx_rows.rows[r] = static_cast<bf16*>(rows[3 * c.W + r]);
     g.px.tree[r] = static_cast<float*>(tree[r]);
   }
+  g.o_kept = reinterpret_cast<bf16*>(static_cast<char*>(g.rows_local) + 4 * rows_bytes);
   return MOK_STATUS_SUCCESS;
 #else
   (void)g;
@@ -644,7 +648,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.capacity = (int)R;
   if (c.W > 1) {  // expert rows in the windows, which peers write (x_rows) and read (o_rows)
     const GpuContext* g = gpu(ctx);
-    p.peer_x_rows = g->peer_x_rows, p.peer_o_rows = g->peer_o_rows, p.px = g->px;
+    p.peer_x_rows = g->peer_x_rows, p.peer_o_rows = g->peer_o_rows, p.px = g->px, p.o_kept = g->o_kept;
     p.sv.x_rows = g->peer_x_rows.rows[c.rank];
     p.sv.o_rows = g->peer_o_rows.rows[c.rank];
   } else {  // this rank owns every expert
@@ -724,6 +728,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   if (c.W > 1) {  // expert rows in the windows: peers write dy_rows and read o_rows, dx_rows
     GpuContext* g = gpu(ctx);
     p.peer_o_rows = g->peer_o_rows, p.peer_dy_rows = g->peer_dy_rows, p.peer_dx_rows = g->peer_dx_rows;
+    p.o_kept = g->o_kept;
     p.px = g->px;
     p.sv.x_rows = g->peer_x_rows.rows[c.rank];
     p.sv.o_rows = g->peer_o_rows.rows[c.rank];

@@ -212,6 +212,7 @@ struct FwdParams {
   uint64_t context_id, serial;
   PeerRows peer_x_rows;       // dispatch target: [R, H] rows of each rank's experts
   PeerRows peer_o_rows;       // combine source: [R, H] expert outputs of each rank
+  bf16* o_kept;               // W > 1: [T K, H], COMBINE's copy of other ranks' o rows, at the slot
   PeerExchange px;            // W > 1: counts and flags
   int capacity;               // rows this rank's buffers hold (R)
   const bf16* x;
@@ -267,6 +268,7 @@ struct BwdParams {
   uint64_t context_id;
   int wgrad_fp32;       // add into fp32 buffers instead of writing bf16
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
+  const bf16* o_kept;     // W > 1: [T K, H], the forward COMBINE's copy of other ranks' o rows
   PeerRows peer_dy_rows;  // dispatch target of dy_j
   PeerRows peer_dx_rows;  // combine source of dx_j
   PeerExchange px;        // W > 1: flags and the replicated sums' subtrees

@@ -833,9 +833,12 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
 // acc[k] += (kWeighted: the slot's weight g x) chunk v (8 bf16) of token t's K slot rows
 // (peer.rows[idx / e_loc] + pos * H), slots in increasing j: combine's and dxsum's sum.
 // 4 slots' loads go out before any is added (gpu_params.h's kSubTokens: latency).
+// With kept (W > 1, the forward's COMBINE): a row read from another rank is also stored
+// at its slot, kept + (t K + j) H, for the backward's DG to read locally (a local store
+// instead of a second remote load, which waits on the NVLink round trip).
 template <bool kWeighted>
 __device__ __forceinline__ void add_slot_rows(float (&acc)[8], const PeerRows& peer, const SavedView& sv,
-                                              const Shape& s, int t, int v) {
+                                              const Shape& s, int t, int v, bf16* kept = nullptr) {
   const int K = s.K;
   for (int j0 = 0; j0 < K; j0 += 4) {
     uint4 raw[4];
@@ -849,7 +852,9 @@ __device__ __forceinline__ void add_slot_rows(float (&acc)[8], const PeerRows& p
     }
 #pragma unroll
     for (int jj = 0; jj < 4; jj++) {
+      const int64_t i = (int64_t)t * K + j0 + jj;
       if (j0 + jj >= K) continue;
+      if (kept && sv.idx[i] / s.e_loc != s.rank) reinterpret_cast<uint4*>(kept + i * s.H)[v] = raw[jj];
       const bf16* x = reinterpret_cast<const bf16*>(&raw[jj]);
 #pragma unroll
       for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], kWeighted ? __fmul_rn(g[jj], bf(x[k])) : bf(x[k]));

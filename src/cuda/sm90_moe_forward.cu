@@ -461,7 +461,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
   for (int t = t0 + warp; t < t1; t += kThreads / 32)
     for (int v = lane; v < H / 8; v += 32) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      add_slot_rows<true>(acc, p.peer_o_rows, p.sv, s, t, v);  // slots in order
+      add_slot_rows<true>(acc, p.peer_o_rows, p.sv, s, t, v, p.o_kept);  // slots in order
       if (s.Fs > 0) {
         float o[8];
         load_bf16x8(p.shared_o + (int64_t)t * H + v * 8, o);
