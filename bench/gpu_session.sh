@@ -24,7 +24,9 @@
 #                 bench/trace_report.py's span, per-kind times and waits of each
 #   ep-ab         mok check --ranks 1,RANKS (tiny shape: D3 and the CPU) of each build, then
 #                 mok bench at W = RANKS (default 2) of REF's mok commands (build-NAME/mok
-#                 from bench/build_refs.sh; a space-separated list) and this one's,
+#                 from bench/build_refs.sh; a space-separated list; an entry
+#                 path@VAR=value runs that build with the variable, e.g.
+#                 build-split/mok@MOK_DISPATCH_STREAMS=64) and this one's,
 #                 alternating, ROUNDS times (default 2), EP_SHAPES; then this one at
 #                 W = 1: forward, backward and step ms a line (MOK_DISPATCH_STREAMS
 #                 passes through)
@@ -154,14 +156,19 @@ for part in "$@"; do
       ;;
     ep-ab)
       [ -x build/mok ] || make -j"$(nproc)" build/mok > "$OUT/build-mok.log" 2>&1
+      run_mok() {  # REF entry (path, or path@VAR=value: run with that variable), then mok's arguments
+        local entry=$1
+        shift
+        if [[ $entry == *@* ]]; then env "${entry#*@}" "${entry%%@*}" "$@"; else "$entry" "$@"; fi
+      }
       ep_bench() {  # label mok W shape
-        "$2" bench --backend cuda --ranks "$3" --shape "$4" --steps "${STEPS:-3}" --json "$OUT/ep-ab.json" \
+        run_mok "$2" bench --backend cuda --ranks "$3" --shape "$4" --steps "${STEPS:-3}" --json "$OUT/ep-ab.json" \
           > "$OUT/ep-ab-run.txt" 2>&1 || { echo "$1 $4 W = $3 failed: $(tail -1 "$OUT/ep-ab-run.txt")"; return; }
         python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('%-24s %-15s W=%s fwd %7.3f bwd %7.3f step %7.3f' % (sys.argv[2], sys.argv[3], sys.argv[4], d['forward_ms'], d['backward_ms'], d['step_ms']))" \
           "$OUT/ep-ab.json" "$1" "$4" "$3" | tee -a "$OUT/ep-ab.txt"
       }
       for m in ${REF:-} build/mok; do  # each build's D3 first: W = 1 and RANKS against the CPU, bitwise
-        "$m" check --backend cuda --ranks "1,${RANKS:-2}" --shape tiny > "$OUT/ep-ab-check.txt" 2>&1
+        run_mok "$m" check --backend cuda --ranks "1,${RANKS:-2}" --shape tiny > "$OUT/ep-ab-check.txt" 2>&1
         echo "$m check (exit $?): $(tail -1 "$OUT/ep-ab-check.txt")" | tee -a "$OUT/ep-ab.txt"
       done
       for s in $(echo "${EP_SHAPES:-qwen3-30b-a3b,deepseek-v3}" | tr , " "); do
