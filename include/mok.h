@@ -213,7 +213,9 @@ MOK_API mok_status_t mok_cpu_comm_destroy(mok_cpu_comm_t* comm);
 
 /* Validates cfg and allocates the context. With W > 1 the W ranks' creates are
  * collective: call them concurrently, one thread per rank. On failure *ctx is NULL and
- * mok_last_create_error() holds the message. */
+ * mok_last_create_error() holds the message. CUDA: the context belongs to the calling
+ * thread's current device; later calls may come from any thread (each makes that device
+ * current for its length and restores the caller's). */
 MOK_API mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** ctx);
 /* With W > 1 destroy is collective too (peers may still read this rank's buffers);
  * its wait is bounded by the timeout, so a context whose peers died still goes. */
