@@ -151,6 +151,10 @@ typedef struct {
   double fwd_s, bwd_s;
 } rank_job_t;
 
+/* Rank r's share of the global batch (CPU and CUDA runs alike): the first T % W ranks
+ * one token more; rank r's tokens follow those of ranks < r. */
+static int64_t rank_tokens(int64_t T_global, int W, int r) { return T_global / W + (r < T_global % W ? 1 : 0); }
+
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -312,7 +316,7 @@ mok_status_t mok_problem_run(mok_problem_t* p, const mok_run_opts_t* o, char* er
   pthread_t th[64];
   int64_t start = 0;
   for (int r = 0; r < W; r++) {
-    int64_t T = p->T_global / W + (r < p->T_global % W ? 1 : 0);
+    const int64_t T = rank_tokens(p->T_global, W, r);
     jobs[r] = (rank_job_t){.p = p, .o = o, .comm = comm, .rank = r, .t0 = start, .T = T};
     start += T;
   }
@@ -672,8 +676,8 @@ mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, cha
   cuda_job_t jobs[8];
   pthread_t th[8];
   int64_t start = 0;
-  for (int r = 0; r < W; r++) { /* the CPU runs' split: the first T % W ranks one token more */
-    const int64_t T = p->T_global / W + (r < p->T_global % W ? 1 : 0);
+  for (int r = 0; r < W; r++) {
+    const int64_t T = rank_tokens(p->T_global, W, r);
     jobs[r] = (cuda_job_t){.p = p, .o = o, .rank = r, .t0 = start, .T = T, .unique_id = id};
     start += T;
   }

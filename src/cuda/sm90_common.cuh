@@ -835,7 +835,9 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
 // 4 slots' loads go out before any is added (gpu_params.h's kSubTokens: latency).
 // With kept (W > 1, the forward's COMBINE): a row read from another rank is also stored
 // at its slot, kept + (t K + j) H, for the backward's DG to read locally (a local store
-// instead of a second remote load, which waits on the NVLink round trip).
+// instead of a second remote load, which waits on the NVLink round trip). The owner is
+// read again from sv.idx there (L1): four of them held across the loads spilled the
+// forward kernel.
 template <bool kWeighted>
 __device__ __forceinline__ void add_slot_rows(float (&acc)[8], const PeerRows& peer, const SavedView& sv,
                                               const Shape& s, int t, int v, bf16* kept = nullptr) {

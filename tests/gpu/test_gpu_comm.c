@@ -113,6 +113,13 @@ static int ep_compare(const ep_shape_t* sh, uint64_t seed0, int backward) {
   }
 }
 
+/* ep_compare over a table of shapes, seeds from the case's. */
+static int ep_shapes(const ep_shape_t* shapes, size_t n, int backward) {
+  int bad = 0;
+  for (size_t i = 0; i < n; i++) bad += ep_compare(&shapes[i], test_case_seed() + i, backward);
+  return bad != 0;
+}
+
 /* The forward alone: token counts that split unevenly (77, 513), shared expert, replay;
  * the router losses where rank 0's T is a multiple of 64 (DESIGN's D3 condition). */
 static int ep_forward_w2(void) {
@@ -124,9 +131,7 @@ static int ep_forward_w2(void) {
       {"losses", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
       {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
   };
-  int bad = 0;
-  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) bad += ep_compare(&shapes[i], test_case_seed() + i, 0);
-  return bad != 0;
+  return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 0);
 }
 
 /* A training step (forward, backward): every gradient, the replicated ones through the
@@ -140,9 +145,7 @@ static int ep_step_w2(void) {
       {"accum", 1024, 256, 128, 16, 2, 128, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f},
       {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
   };
-  int bad = 0;
-  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) bad += ep_compare(&shapes[i], test_case_seed() + i, 1);
-  return bad != 0;
+  return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 1);
 }
 
 /* A step that would overflow a rank's capacity stops on both ranks with
