@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 1
+#define MOK_VERSION_MINOR 2
 #define MOK_VERSION_PATCH 0
 #define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
 
@@ -95,6 +95,15 @@ typedef enum {
   MOK_CTA_PAIRS_ON = 2    /* whenever the grid is even and every pair fits at once */
 } mok_cta_pairs_t;
 
+typedef enum {
+  MOK_GATE_UP_SAVE = 0,      /* forward keeps every expert row's gate|up and SwiGLU output
+                                (routed and shared experts) in saved for backward */
+  MOK_GATE_UP_RECOMPUTE = 1  /* backward recomputes them from the kept x rows with the
+                                forward's blocks and rounding: the same bits, saved smaller by
+                                6F bytes a routed row and 6Fs a token (bf16), the workspace
+                                larger by as much. CPU backend only for now */
+} mok_gate_up_t;
+
 typedef struct mok_cpu_comm mok_cpu_comm_t; /* in-process communicator for W CPU ranks */
 typedef struct mok_context mok_context_t;
 
@@ -135,6 +144,7 @@ typedef struct {
                                  mok_comm_unique_id on one rank, the same bytes on every rank
                                  (which also need the same T and capacity: the exchange
                                  windows are symmetric) */
+  mok_gate_up_t gate_up;     /* keep gate|up for backward, or recompute it there */
 } mok_config_t;
 
 #define MOK_CONFIG_INIT                                                              \
@@ -142,7 +152,7 @@ typedef struct {
     sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
         MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, MOK_WGRAD_BF16,                \
         MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0, MOK_CTA_PAIRS_AUTO,  \
-        NULL                                                                         \
+        NULL, MOK_GATE_UP_SAVE                                                       \
   }
 
 /* Tensors of one forward call. bf16 tensors are uint16_t bit patterns (double in

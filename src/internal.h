@@ -74,7 +74,8 @@ static inline uint16_t mok_f32_to_bf16(float f) {
  *   x_rows            [capacity, H] act   rows this rank's experts received
  *   a_rows            [capacity, 2F] act  their gate|up
  *   h_rows            [capacity, F] act   their SwiGLU output
- * every piece 256-byte aligned. */
+ * every piece 256-byte aligned. With cfg.gate_up = MOK_GATE_UP_RECOMPUTE, shared_a,
+ * shared_h, a_rows and h_rows are empty here and live in the workspace instead. */
 typedef struct {
   uint64_t magic;          /* MOK_SAVED_MAGIC */
   uint64_t context_id;     /* address of the writing context, as an integer */
@@ -98,9 +99,12 @@ typedef struct {
  *   tok               [T, H] real   router/shared contributions to dx, or stats scratch
  *   dlogits           [T, E] act
  *   dg                [T, K] real
- *   tree              [tree_vectors, tree_len] real  nodes of the fixed reduction tree */
+ *   tree              [tree_vectors, tree_len] real  nodes of the fixed reduction tree
+ *   shared_a, shared_h, a_rows, h_rows   as in saved, with MOK_GATE_UP_RECOMPUTE only:
+ *                     forward computes them here, backward computes them again */
 typedef struct {
-  size_t logits, idx, weight, slot_pos, counts, gemm_out, d_a, tok, dlogits, dg, tree, total;
+  size_t logits, idx, weight, slot_pos, counts, gemm_out, d_a, tok, dlogits, dg, tree, shared_a, shared_h,
+      a_rows, h_rows, total;
   int64_t tree_len;      /* longest vector reduced by the tree */
   int64_t tree_vectors;  /* node buffers the tree needs */
 } mok_workspace_plan_t;

@@ -23,11 +23,12 @@ void mok_plan_saved(const mok_context_t* ctx, int64_t T, mok_saved_plan_t* p) {
   p->topk_weight = take(&at, (size_t)(T * c->K) * r);
   p->logits = take(&at, c->routing == MOK_ROUTING_FUSED ? (size_t)(T * c->E) * r : 0);
   p->o_slots = take(&at, (size_t)(T * c->K * c->H) * a);
-  p->shared_a = take(&at, (size_t)(T * 2 * c->Fs) * a);
-  p->shared_h = take(&at, (size_t)(T * c->Fs) * a);
+  const int64_t keep = c->gate_up == MOK_GATE_UP_SAVE; /* else in the workspace */
+  p->shared_a = take(&at, (size_t)(keep * T * 2 * c->Fs) * a);
+  p->shared_h = take(&at, (size_t)(keep * T * c->Fs) * a);
   p->x_rows = take(&at, (size_t)(cap * c->H) * a);
-  p->a_rows = take(&at, (size_t)(cap * 2 * c->F) * a);
-  p->h_rows = take(&at, (size_t)(cap * c->F) * a);
+  p->a_rows = take(&at, (size_t)(keep * cap * 2 * c->F) * a);
+  p->h_rows = take(&at, (size_t)(keep * cap * c->F) * a);
   p->total = at;
 }
 
@@ -62,5 +63,10 @@ void mok_plan_workspace(const mok_context_t* ctx, int64_t T, mok_workspace_plan_
   p->dlogits = take(&at, (size_t)(T * E) * a);
   p->dg = take(&at, (size_t)(T * K) * r);
   p->tree = take(&at, (size_t)(p->tree_len * p->tree_vectors) * r);
+  const int64_t redo = c->gate_up == MOK_GATE_UP_RECOMPUTE; /* else in saved */
+  p->shared_a = take(&at, (size_t)(redo * T * 2 * Fs) * a);
+  p->shared_h = take(&at, (size_t)(redo * T * Fs) * a);
+  p->a_rows = take(&at, (size_t)(redo * cap * 2 * F) * a);
+  p->h_rows = take(&at, (size_t)(redo * cap * F) * a);
   p->total = at;
 }

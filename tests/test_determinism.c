@@ -6,7 +6,8 @@
  *      d_topk_weight and every weight gradient, replicated ones included;
  *  D4  a token's forward alone equals its forward inside a batch, in any order and on
  *      any W, with the global aux loss on;
- *  and mok_reduce_tree is the balanced tree that mok.h describes. */
+ *  and mok_reduce_tree is the balanced tree that mok.h describes. Also: recomputing
+ *  gate|up in backward (MOK_GATE_UP_RECOMPUTE) gives the bits of keeping it. */
 #include <string.h>
 
 #include "runner.h"
@@ -121,6 +122,57 @@ static int ep_fp32_accum(void) {
   return ep_invariance(&c, 2);
 }
 
+/* MOK_GATE_UP_RECOMPUTE against MOK_GATE_UP_SAVE on one problem: every output and
+ * gradient the same bits, at W = 1 and 2, bf16 and exact numerics; saved smaller and the
+ * workspace larger by the four gate|up pieces. */
+static size_t aligned(int64_t bytes) { return (size_t)(bytes + 255) / 256 * 256; } /* (plan.c's pieces) */
+
+static int gate_up_sizes(const mok_config_t* save, const mok_config_t* redo) {
+  mok_context_t *cs = test_context(save, NULL), *cr = test_context(redo, NULL);
+  TEST_ASSERT(cs && cr, "contexts");
+  size_t saved[2], ws[2];
+  TEST_ASSERT(!mok_saved_size(cs, &saved[0]) && !mok_saved_size(cr, &saved[1]), "mok_saved_size");
+  TEST_ASSERT(!mok_workspace_size(cs, &ws[0]) && !mok_workspace_size(cr, &ws[1]), "mok_workspace_size");
+  const int64_t act = save->numerics == MOK_NUMERICS_EXACT ? 8 : 2;
+  const int64_t rows = save->capacity, T = save->T, F = save->F, Fs = save->Fs;
+  const size_t pieces = aligned(rows * 2 * F * act) + aligned(rows * F * act) +
+                        aligned(T * 2 * Fs * act) + aligned(T * Fs * act);
+  TEST_ASSERT(saved[0] - saved[1] == pieces, "saved: %zu keeping, %zu recomputing: %zu less, want %zu",
+              saved[0], saved[1], saved[0] - saved[1], pieces);
+  TEST_ASSERT(ws[1] - ws[0] == pieces, "workspace: %zu keeping, %zu recomputing: %zu more, want %zu",
+              ws[0], ws[1], ws[1] - ws[0], pieces);
+  return 0;
+}
+
+static int gate_up_recompute(void) {
+  int bad = 0;
+  for (int i = 0; i < 3; i++) {
+    mok_config_t c = layer();
+    if (i == 1) c.routing = MOK_ROUTING_REPLAY, c.wgrad = MOK_WGRAD_FP32_ACCUM;
+    if (i == 2) c.numerics = MOK_NUMERICS_EXACT;
+    mok_config_t r = c;
+    r.gate_up = MOK_GATE_UP_RECOMPUTE;
+    mok_problem_t* ps = test_problem(&c, 256, test_case_seed());
+    mok_problem_t* pr = test_problem(&r, 256, test_case_seed());
+    TEST_ASSERT(ps && pr, "problems");
+    for (int W = 1; W <= 2; W++) {
+      test_outputs_t keep, redo;
+      mok_run_opts_t o = opts(W, 2, 1);
+      TEST_ASSERT(!test_run(ps, &o), "config %d, W = %d, keeping gate|up", i, W);
+      test_snapshot(ps, 1, &keep);
+      TEST_ASSERT(!test_run(pr, &o), "config %d, W = %d, recomputing gate|up", i, W);
+      test_snapshot(pr, 1, &redo);
+      char what[64];
+      snprintf(what, sizeof what, "config %d, W = %d, recompute vs keep", i, W);
+      bad += test_same_bits(&redo, &keep, NULL, what);
+    }
+    c.T = 256, c.capacity = 256 * c.K;
+    r.T = c.T, r.capacity = c.capacity;
+    bad += gate_up_sizes(&c, &r);
+  }
+  return bad;
+}
+
 /* The weights (and bias) of src in dst, a problem of the same layer, bf16 numerics. */
 static void copy_weights(mok_problem_t* dst, const mok_problem_t* src) {
   const mok_config_t* c = &src->cfg;
@@ -224,6 +276,7 @@ const test_case_t suite_determinism[] = {
     {"ep_sigmoid_bias", ep_sigmoid_bias},
     {"ep_replay", ep_replay},
     {"ep_fp32_accum", ep_fp32_accum},
+    {"gate_up_recompute", gate_up_recompute},
     {"batch_invariance", batch_invariance},
     {"reduce_tree", reduce_tree},
     TEST_END,

@@ -294,6 +294,7 @@ static int create_argument(void) {
   RULE(c.numerics = (mok_numerics_t)2, "numerics");
   RULE(c.backend = (mok_backend_t)7, "backend");
   RULE(c.num_threads = -1, "num_threads");
+  RULE(c.gate_up = (mok_gate_up_t)2, "gate_up");
 #undef RULE
   mok_cpu_comm_t* none = NULL;
   TEST_ASSERT(mok_cpu_comm_create(0, &none) == A && none == NULL, "cpu_comm_create(0)");
@@ -343,6 +344,10 @@ static int create_backend(void) {
   c.numerics = MOK_NUMERICS_EXACT;
   bad += expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, MOK_STATUS_INVALID_ARGUMENT, "numerics",
                        "EXACT numerics on cuda");
+  c.numerics = MOK_NUMERICS_BF16;
+  c.gate_up = MOK_GATE_UP_RECOMPUTE;
+  bad += expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, MOK_STATUS_INVALID_ARGUMENT, "gate_up",
+                       "gate|up recompute on cuda");
   return bad;
 }
 

@@ -64,6 +64,8 @@ static void usage(FILE* out) {
           "      --ranks W1,W2,...     expert-parallel sizes to compare (default 1,2,4)\n"
           "      --seed N              random inputs (default: fresh, printed)\n"
           "      --threads N           threads per rank (default cores / W, at least 1)\n"
+          "      --gate-up keep|recompute  backward reads gate|up kept by forward (default),\n"
+          "                            or computes it again (cfg.gate_up)\n"
           "  bench [options]           time forward, backward and step; the CPU GEMM alone\n"
           "      --backend cpu|cuda    backend (default cpu)\n"
           "      --shape NAME          named shape (default tiny)\n"
@@ -71,6 +73,7 @@ static void usage(FILE* out) {
           "      --steps N             timed steps (cpu: 5, 1 for the model shapes; cuda: 20)\n"
           "      --threads N           threads per rank (default cores / W, at least 1)\n"
           "      --seed N              random inputs (default 1)\n"
+          "      --gate-up keep|recompute  as for check\n"
           "      --json FILE           also write the figures as JSON\n"
           "  help                      this text\n"
           "\n"
@@ -171,6 +174,7 @@ typedef struct {
   const char* shape;
   const char* ranks;
   const char* json;
+  mok_gate_up_t gate_up;
   int64_t seed, steps, threads;
   int has_seed, has_steps, has_threads;
 } options_t;
@@ -204,6 +208,13 @@ static int parse_options(int argc, char** argv, const char* allowed, options_t* 
       o->ranks = value;
     } else if (strcmp(name, "json") == 0) {
       o->json = value;
+    } else if (strcmp(name, "gate-up") == 0) {
+      if (strcmp(value, "keep") == 0)
+        o->gate_up = MOK_GATE_UP_SAVE;
+      else if (strcmp(value, "recompute") == 0)
+        o->gate_up = MOK_GATE_UP_RECOMPUTE;
+      else
+        return usage_error("--gate-up needs keep or recompute, not '%s'", value);
     } else if (strcmp(name, "seed") == 0) {
       if (!parse_i64(value, 0, INT64_MAX, &o->seed))
         return usage_error("--seed needs a non-negative integer, not '%s'", value);
@@ -562,7 +573,7 @@ static int outputs_sane(const snapshot_t* s, char* detail, size_t len) {
 
 static int cmd_check(int argc, char** argv) {
   options_t o = {0};
-  int rc = parse_options(argc, argv, " backend shape ranks seed threads ", &o);
+  int rc = parse_options(argc, argv, " backend shape ranks seed threads gate-up ", &o);
   if (rc) return rc;
   const shape_t* shape = find_shape(o.shape ? o.shape : "tiny");
   if (!shape) return unknown_shape(o.shape);
@@ -611,6 +622,8 @@ static int cmd_check(int argc, char** argv) {
             shape->name, 3.0 * forward_flops(shape, T_global) * 1e-9);
 
   mok_config_t cfg = layer_config(shape);
+  cfg.gate_up = o.gate_up;
+  if (cfg.gate_up == MOK_GATE_UP_RECOMPUTE) printf("gate|up: computed again in backward (--gate-up recompute)\n");
   mok_problem_t* p = NULL;
   mok_status_t s = mok_problem_create(&cfg, T_global, seed, &p);
   if (s) {
@@ -788,7 +801,7 @@ static int bench_gemm(gemm_result_t* g) {
 
 static int cmd_bench(int argc, char** argv) {
   options_t o = {0};
-  int rc = parse_options(argc, argv, " backend shape ranks steps threads seed json ", &o);
+  int rc = parse_options(argc, argv, " backend shape ranks steps threads seed json gate-up ", &o);
   if (rc) return rc;
   const shape_t* shape = find_shape(o.shape ? o.shape : "tiny");
   if (!shape) return unknown_shape(o.shape);
@@ -840,6 +853,8 @@ static int cmd_bench(int argc, char** argv) {
             o.has_steps ? "" : " (--steps N for more)");
 
   mok_config_t cfg = layer_config(shape);
+  cfg.gate_up = o.gate_up;
+  if (cfg.gate_up == MOK_GATE_UP_RECOMPUTE) printf("gate|up: computed again in backward (--gate-up recompute)\n");
   mok_problem_t* p = NULL;
   mok_status_t s = mok_problem_create(&cfg, T_global, seed, &p);
   if (s) {

@@ -184,7 +184,7 @@ static void* rank_main(void* arg) {
   const size_t a = p->act, r = p->real, w = p->wgrad_elem;
   mok_context_t* ctx = NULL;
   void *x = NULL, *w13 = NULL, *w2 = NULL, *dy = NULL, *y = NULL, *dx = NULL, *idx = NULL,
-       *tw = NULL, *dtw = NULL, *saved = NULL, *ws = NULL, *dw13 = NULL, *dw2 = NULL,
+       *tw = NULL, *dtw = NULL, *saved = NULL, *ws = NULL, *ws_bwd = NULL, *dw13 = NULL, *dw2 = NULL,
        *dwr = NULL, *dws13 = NULL, *dws2 = NULL, *tpe = NULL, *aux = NULL, *z = NULL;
   mok_config_t cfg = *c;
   cfg.T = T;
@@ -210,6 +210,7 @@ static void* rank_main(void* arg) {
   dtw = alloc0(T * K * r);
   saved = alloc0(sv_bytes);
   ws = alloc0(ws_bytes);
+  ws_bwd = alloc0(ws_bytes);
   dw13 = alloc0(El * 2 * F * H * w);
   dw2 = alloc0(El * H * F * w);
   dwr = alloc0(E * H * w);
@@ -218,7 +219,7 @@ static void* rank_main(void* arg) {
   tpe = alloc0(E * 4);
   aux = alloc0(r);
   z = alloc0(r);
-  if (!x || !w13 || !w2 || !dy || !idx || !tw || !y || !dx || !dtw || !saved || !ws || !dw13 ||
+  if (!x || !w13 || !w2 || !dy || !idx || !tw || !y || !dx || !dtw || !saved || !ws || !ws_bwd || !dw13 ||
       !dw2 || !dwr || !dws13 || !dws2 || !tpe || !aux || !z)
     RANK_FAIL(j, MOK_STATUS_OUT_OF_MEMORY, "rank %d: out of host memory", j->rank);
   const int replay = c->routing == MOK_ROUTING_REPLAY;
@@ -261,7 +262,7 @@ static void* rank_main(void* arg) {
   ba.d_w2 = dw2;
   ba.d_ws13 = Fs ? dws13 : NULL;
   ba.d_ws2 = Fs ? dws2 : NULL;
-  ba.workspace = ws;
+  ba.workspace = ws_bwd; /* (not forward's: filled with 0xff before each backward, below) */
   ba.workspace_bytes = ws_bytes;
   for (int step = 0; step < o->steps; step++) {
     double t_start = now_s();
@@ -269,6 +270,9 @@ static void* rank_main(void* arg) {
     if (s) RANK_FAIL(j, s, "rank %d: forward: %s", j->rank, mok_context_last_error(ctx));
     double t_mid = now_s();
     if (o->backward) {
+      /* Backward may not rely on what forward left in its workspace: a framework hands
+       * each call fresh scratch. All ones is NaN in bf16, fp32 and double. */
+      memset(ws_bwd, 0xff, ws_bytes);
       s = mok_backward(ctx, &ba);
       if (s) RANK_FAIL(j, s, "rank %d: backward: %s", j->rank, mok_context_last_error(ctx));
     }
@@ -297,7 +301,7 @@ static void* rank_main(void* arg) {
   }
 done:
   if (ctx) mok_context_destroy(ctx);
-  void* bufs[] = {x, w13, w2, dy, y, dx, idx, tw, dtw, saved, ws, dw13, dw2, dwr, dws13,
+  void* bufs[] = {x, w13, w2, dy, y, dx, idx, tw, dtw, saved, ws, ws_bwd, dw13, dw2, dwr, dws13,
                   dws2, tpe, aux, z};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
   return NULL;

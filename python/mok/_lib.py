@@ -16,7 +16,7 @@ from pathlib import Path
 # ---- mok.h constants -------------------------------------------------------------
 
 MOK_VERSION_MAJOR = 0
-MOK_VERSION_MINOR = 1
+MOK_VERSION_MINOR = 2
 MOK_VERSION_PATCH = 0
 MOK_VERSION_CODE = MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH
 MOK_REDUCE_CHUNK_TOKENS = 64
@@ -52,6 +52,7 @@ MOK_SCORE_SOFTMAX, MOK_SCORE_SIGMOID = 0, 1
 MOK_ROUTING_FUSED, MOK_ROUTING_REPLAY = 0, 1
 MOK_WGRAD_BF16, MOK_WGRAD_FP32_ACCUM = 0, 1
 MOK_NUMERICS_BF16, MOK_NUMERICS_EXACT = 0, 1
+MOK_GATE_UP_SAVE, MOK_GATE_UP_RECOMPUTE = 0, 1
 
 ALIGN_TENSOR = 16       # every tensor pointer
 ALIGN_WORKSPACE = 256   # workspace and saved buffers
@@ -93,6 +94,7 @@ class MokConfig(ctypes.Structure):
         ("num_ctas", ctypes.c_int),
         ("cta_pairs", _c_enum),
         ("comm_unique_id", ctypes.c_void_p),
+        ("gate_up", _c_enum),
     ]
 
     @classmethod
@@ -122,6 +124,7 @@ class MokConfig(ctypes.Structure):
         c.num_ctas = 0
         c.cta_pairs = 0  # MOK_CTA_PAIRS_AUTO
         c.comm_unique_id = None
+        c.gate_up = MOK_GATE_UP_SAVE
         return c
 
 

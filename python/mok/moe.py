@@ -41,6 +41,10 @@ class MoE(nn.Module):
             for torch.autograd.gradcheck.
         num_threads: CPU threads of the layer; 0 = all cores.
         capacity: rows the experts can receive per call; 0 = safe default.
+        recompute_gate_up: backward computes every expert row's gate|up (x w13^T) and
+            SwiGLU output again instead of the forward keeping them for it: the same
+            bits, and the saved tensor 6 F bytes smaller a routed row (6 Fs a token for
+            the shared expert). CPU backend only for now.
         process_group: expert parallelism over this torch.distributed group (NCCL, a
             GPU per rank, CUDA backend): each rank holds experts rank * E / W .. + E / W
             (w13, w2 hold those) and its own tokens; the ranks' NCCL unique id goes
@@ -78,6 +82,7 @@ class MoE(nn.Module):
         exact: bool = False,
         num_threads: int = 0,
         capacity: int = 0,
+        recompute_gate_up: bool = False,
         process_group=None,
         device=None,
     ):
@@ -109,6 +114,7 @@ class MoE(nn.Module):
             exact=exact,
             num_threads=num_threads,
             capacity=capacity,
+            recompute_gate_up=recompute_gate_up,
             world_size=world_size,
             rank=rank,
             comm_id=comm_id,

@@ -362,6 +362,41 @@ def test_two_runs_are_bitwise_equal():
         assert torch.equal(a[k], c[k]), k
 
 
+def test_recompute_gate_up_gives_the_same_bits():
+    """recompute_gate_up: every output and gradient equal to keeping gate|up, with a
+    saved tensor smaller by 6 F bytes a routed row and 6 Fs a token (each piece
+    256-byte aligned)."""
+    kw = dict(shared_ffn=FS, aux_loss_coef=1e-2, z_loss_coef=1e-3, max_tokens=T)
+    m = mok.MoE(H, F, E, K, **kw)
+    r = mok.MoE(H, F, E, K, recompute_gate_up=True, **kw)
+    r.load_state_dict(m.state_dict())
+    x, dy, _, _ = make_inputs(T, H, E, K)
+    a, b = run(m, x, dy), run(r, x, dy)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # another call between forward and backward, which reuses the context's workspace
+    # (where forward left gate|up): backward recomputes it, so the bits stay
+    r.zero_grad(set_to_none=True)
+    xr = x.detach().clone().requires_grad_(True)
+    y = r(xr)
+    losses = [r.aux_loss, r.z_loss]
+    with torch.no_grad():
+        r(x.flip(0))
+    one = torch.tensor(1.0)
+    torch.autograd.backward([y] + losses, [dy, one * D_AUX, one * D_Z])
+    assert torch.equal(y, a["y"]) and torch.equal(xr.grad, a["dx"])
+    for name in ("w_router", "w13", "w2", "ws13", "ws2"):
+        assert torch.equal(getattr(r, name).grad, a["d_" + name]), name
+    key = lambda mod: mod.config.key()
+    args = lambda mod: (x, mod.w_router, None, mod.w13, mod.w2, mod.ws13, mod.ws2, None, None, [])
+    kept = torch.ops.mok.moe_forward(*args(m), key(m))[-1].numel()
+    less = torch.ops.mok.moe_forward(*args(r), key(r))[-1].numel()
+    rows = T * K  # the default capacity
+    pieces = [rows * 2 * F * 2, rows * F * 2, T * 2 * FS * 2, T * FS * 2]  # a, h; shared a, h (bf16)
+    assert kept - less == sum(-(-n // 256) * 256 for n in pieces), (kept, less)
+
+
 def test_forward_is_batch_invariant():
     """D4: a token's output does not depend on the other tokens of its batch."""
     m = mok.MoE(H, F, E, K, shared_ffn=FS)

@@ -76,13 +76,16 @@ static void FN(setup)(FN(step_t)* st, mok_context_t* ctx, void* saved, void* ws,
   st->g = (REAL*)(s + sp.topk_weight);
   st->logits = (REAL*)(s + sp.logits);
   st->o_slots = (ACT*)(s + sp.o_slots);
-  st->sa = (ACT*)(s + sp.shared_a);
-  st->sh = (ACT*)(s + sp.shared_h);
   st->x_rows = (ACT*)(s + sp.x_rows);
-  st->a_rows = (ACT*)(s + sp.a_rows);
-  st->h_rows = (ACT*)(s + sp.h_rows);
   mok_plan_workspace(ctx, c->T, &st->wp);
   st->ws = ws;
+  /* gate|up and the SwiGLU output: kept in saved, or in this call's workspace */
+  char* gu = c->gate_up == MOK_GATE_UP_SAVE ? s : ws;
+  const int keep = c->gate_up == MOK_GATE_UP_SAVE;
+  st->sa = (ACT*)(gu + (keep ? sp.shared_a : st->wp.shared_a));
+  st->sh = (ACT*)(gu + (keep ? sp.shared_h : st->wp.shared_h));
+  st->a_rows = (ACT*)(gu + (keep ? sp.a_rows : st->wp.a_rows));
+  st->h_rows = (ACT*)(gu + (keep ? sp.h_rows : st->wp.h_rows));
 }
 
 static mok_status_t FN(sync)(FN(step_t)* st) { return mok_cpu_comm_barrier(st->comm, st->ctx); }
@@ -220,6 +223,48 @@ static void FN(stats_leaf)(const void* p, int64_t chunk, REAL* out) {
     for (int64_t e = 0; e < E; e++) out[e] = out[e] + s[e];
     out[E] = out[E] + s[E] * s[E];
   }
+}
+
+/* ---- gate|up and SwiGLU: forward, and backward again under MOK_GATE_UP_RECOMPUTE ---- */
+
+/* One block of n rows of x [n, H]: a = bf16(x w13^T) [n, 2F] (gate | up), then
+ * h = bf16(silu(gate) up) [n, F]. acc: [n, 2F] real scratch. */
+static void FN(gate_up_block)(FN(step_t)* st, int64_t n, int64_t F, const ACT* x, const ACT* w13,
+                              ACT* ar, ACT* hr, REAL* acc) {
+  FN(gemm)(st, n, 2 * F, st->H, x, st->H, 1, w13, 1, st->H, acc, 2 * F);
+#pragma omp parallel for schedule(static) num_threads(st->nt)
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t f = 0; f < F; f++) {
+      ar[i * 2 * F + f] = ST(acc[i * 2 * F + f]);
+      ar[i * 2 * F + F + f] = ST(acc[i * 2 * F + F + f]);
+      REAL gate = LD(ar[i * 2 * F + f]), up = LD(ar[i * 2 * F + F + f]);
+      hr[i * F + f] = ST(gate / ((REAL)1 + EXP(-gate)) * up);
+    }
+}
+
+/* Block size of the gate_up blocks: forward and a recomputing backward split alike. */
+static int64_t FN(block_rows)(int64_t n, int64_t b) { return n - b < MOK_ROW_BLOCK ? n - b : MOK_ROW_BLOCK; }
+
+/* Backward under MOK_GATE_UP_RECOMPUTE: every expert row's and every token's shared
+ * a and h again, into the workspace, from the kept x rows and the caller's x, in the
+ * forward's blocks: the same bits as forward kept under MOK_GATE_UP_SAVE. */
+static void FN(recompute_gate_up)(FN(step_t)* st, const mok_backward_args_t* a) {
+  const int64_t H = st->H, F = st->F, E = st->E, Fs = st->Fs, T = st->T;
+  REAL* acc = WS(st, gemm_out, REAL);
+  int64_t r0 = 0; /* this rank's experts' rows follow one another in expert order */
+  for (int64_t le = 0; le < st->El; le++) {
+    const int64_t e = st->me * st->El + le;
+    int64_t n = 0;
+    for (int64_t r = 0; r < st->W; r++) n += st->counts_all[r * E + e];
+    const ACT* w13 = (const ACT*)a->w13 + le * 2 * F * H;
+    for (int64_t b = 0; b < n; b += MOK_ROW_BLOCK)
+      FN(gate_up_block)(st, FN(block_rows)(n, b), F, st->x_rows + (r0 + b) * H, w13,
+                        st->a_rows + (r0 + b) * 2 * F, st->h_rows + (r0 + b) * F, acc);
+    r0 += n;
+  }
+  for (int64_t b = 0; Fs > 0 && b < T; b += MOK_ROW_BLOCK)
+    FN(gate_up_block)(st, FN(block_rows)(T, b), Fs, (const ACT*)a->x + b * H, a->ws13,
+                      st->sa + b * 2 * Fs, st->sh + b * Fs, acc);
 }
 
 /* ---- forward ---- */
@@ -360,18 +405,9 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
     const ACT* w13 = (const ACT*)a->w13 + le * 2 * F * H;
     const ACT* w2 = (const ACT*)a->w2 + le * H * F;
     for (int64_t b = 0; b < n; b += MOK_ROW_BLOCK) {
-      const int64_t rb = n - b < MOK_ROW_BLOCK ? n - b : MOK_ROW_BLOCK, row = r0 + b;
-      FN(gemm)(st, rb, 2 * F, H, st->x_rows + row * H, H, 1, w13, 1, H, acc, 2 * F);
-      ACT* ar = st->a_rows + row * 2 * F;
+      const int64_t rb = FN(block_rows)(n, b), row = r0 + b;
       ACT* hr = st->h_rows + row * F;
-#pragma omp parallel for schedule(static) num_threads(st->nt)
-      for (int64_t i = 0; i < rb; i++)
-        for (int64_t f = 0; f < F; f++) {
-          ar[i * 2 * F + f] = ST(acc[i * 2 * F + f]);
-          ar[i * 2 * F + F + f] = ST(acc[i * 2 * F + F + f]);
-          REAL gate = LD(ar[i * 2 * F + f]), up = LD(ar[i * 2 * F + F + f]);
-          hr[i * F + f] = ST(gate / ((REAL)1 + EXP(-gate)) * up);
-        }
+      FN(gate_up_block)(st, rb, F, st->x_rows + row * H, w13, st->a_rows + row * 2 * F, hr, acc);
       FN(gemm)(st, rb, H, F, hr, F, 1, w2, 1, F, acc, H);
 #pragma omp parallel for schedule(static) num_threads(st->nt)
       for (int64_t i = 0; i < rb * H; i++) ret[row * H + i] = ST(acc[i]);
@@ -380,18 +416,9 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
   /* shared expert on this rank's tokens: o_s = bf16(h_s ws2^T), kept in tok as REAL */
   REAL* shared_o = WS(st, tok, REAL); /* [T, H] (the scores are no longer needed) */
   for (int64_t b = 0; Fs > 0 && b < T; b += MOK_ROW_BLOCK) {
-    const int64_t rb = T - b < MOK_ROW_BLOCK ? T - b : MOK_ROW_BLOCK;
-    FN(gemm)(st, rb, 2 * Fs, H, x + b * H, H, 1, a->ws13, 1, H, acc, 2 * Fs);
-    ACT* ar = st->sa + b * 2 * Fs;
+    const int64_t rb = FN(block_rows)(T, b);
     ACT* hr = st->sh + b * Fs;
-#pragma omp parallel for schedule(static) num_threads(st->nt)
-    for (int64_t i = 0; i < rb; i++)
-      for (int64_t f = 0; f < Fs; f++) {
-        ar[i * 2 * Fs + f] = ST(acc[i * 2 * Fs + f]);
-        ar[i * 2 * Fs + Fs + f] = ST(acc[i * 2 * Fs + Fs + f]);
-        REAL gate = LD(ar[i * 2 * Fs + f]), up = LD(ar[i * 2 * Fs + Fs + f]);
-        hr[i * Fs + f] = ST(gate / ((REAL)1 + EXP(-gate)) * up);
-      }
+    FN(gate_up_block)(st, rb, Fs, x + b * H, a->ws13, st->sa + b * 2 * Fs, hr, acc);
     FN(gemm)(st, rb, H, Fs, hr, Fs, 1, a->ws2, 1, Fs, acc, H);
 #pragma omp parallel for schedule(static) num_threads(st->nt)
     for (int64_t i = 0; i < rb * H; i++) shared_o[b * H + i] = LD(ST(acc[i]));
@@ -520,6 +547,7 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
   }
   mok_status_t s = FN(sync)(st);
   if (s) return s;
+  if (c->gate_up == MOK_GATE_UP_RECOMPUTE) FN(recompute_gate_up)(st, a);
 
   /* 2. this rank's experts: dh = dy_j w2, d_a, dx_j = d_a w13 back; dw2, dw13 */
   REAL* acc = WS(st, gemm_out, REAL);
