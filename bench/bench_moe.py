@@ -18,6 +18,8 @@ counts 3 x the forward FLOPs (6 T K H F + 2 T H E), DESIGN.md section 7. Peak me
 torch.cuda.max_memory_allocated over a step, weights and inputs included.
 Determinism: two steps on the same inputs give equal y, dx and weight grads (compared
 by two integer sums over their bits, so that no gradient is held twice).
+--recompute-gate-up: mok's layer with recompute_gate_up=True (its backward computes
+gate|up again instead of the forward keeping it: less peak memory, one more GEMM).
 """
 import argparse
 import hashlib
@@ -37,6 +39,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import mok  # noqa: E402
 from ep_peer import route  # noqa: E402  (bench/ is this script's directory)
 from shapes import SHAPES, hot_experts, step_flops  # noqa: E402
+
+RECOMPUTE_GATE_UP = False  # --recompute-gate-up
 
 
 def time_ms(fn, steps, warmup=3, before_run=None):
@@ -201,7 +205,8 @@ class Problem:
         T, H, Fd, E, K = SHAPES[name]
         torch.manual_seed(0)
         self.K = K
-        self.layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda")
+        self.layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda",
+                             recompute_gate_up=RECOMPUTE_GATE_UP)
         with torch.no_grad():
             self.layer.bias_select.zero_()
             if skewed:
@@ -388,10 +393,14 @@ def main():
     ap.add_argument("--commit", default="", help="commit to print when the tree has no .git")
     ap.add_argument("--kernel-times", action="store_true",
                     help="mok and peer: per step, the GPU's kernel times against the step's wall time (torch.profiler)")
+    ap.add_argument("--recompute-gate-up", action="store_true",
+                    help="mok.MoE(recompute_gate_up=True): gate|up computed again in backward, not kept")
     ap.add_argument("--warm", type=float, default=0.0,
                     help="--profile, --kernel-times: seconds of back-to-back steps before the measured one(s), "
                     "so that they run at a sustained run's clock (default 0: from idle, near full clock)")
     args = ap.parse_args()
+    global RECOMPUTE_GATE_UP
+    RECOMPUTE_GATE_UP = args.recompute_gate_up
     if args.kernel_times:
         for name in args.shapes.split(","):
             kernel_times(name, warm=args.warm)
@@ -407,7 +416,8 @@ def main():
     ceiling = ceiling_tflops(out=ceiling_power)
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     # (the ceiling's power is in the JSON only: 10 GEMMs are too short for 50 ms samples)
-    print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s")
+    print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s"
+          + (", mok with recompute_gate_up" if RECOMPUTE_GATE_UP else ""))
     hdr = (f"{'shape':15} {'routing':8} | {'mok ms':>8} {'iso ms':>7} {'TFLOP/s':>8} {'fwd TF/s':>8} {'ceil%':>6} "
            f"{'GiB':>6} {'det':>4} | {'peer ms':>8} {'iso ms':>7} {'TFLOP/s':>8} {'GiB':>6} {'det':>4} | {'x peer':>6}")
     print(hdr)
@@ -440,7 +450,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "commit": commit, "ceiling_tflops": ceiling,
-                       "ceiling_power": ceiling_power, "rows": rows}, f, indent=1)
+                       "ceiling_power": ceiling_power, "recompute_gate_up": RECOMPUTE_GATE_UP, "rows": rows}, f,
+                      indent=1)
     SAMPLER.stop()
 
 

@@ -13,7 +13,8 @@
 #   trace         MOK_TRACE of one step per shape, bench/trace_report.py per shape
 #   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
-#                 (BENCH_ROUNDS=N: mok and the peer timed N times a row, in turn)
+#                 (BENCH_ROUNDS=N: mok and the peer timed N times a row, in turn;
+#                 BENCH_ARGS: more bench_moe.py options, e.g. --recompute-gate-up)
 #   comm          the 2-GPU cases alone (suite comm: the NCCL exchange, the forward and
 #                 a step at W = 2 against the CPU and bitwise against W = 1, capacity,
 #                 timeout)
@@ -123,7 +124,7 @@ for part in "$@"; do
       ;;
     bench)
       python3 bench/bench_moe.py --shapes "$SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" \
-        --rounds "${BENCH_ROUNDS:-1}" 2>&1 |
+        --rounds "${BENCH_ROUNDS:-1}" ${BENCH_ARGS:-} 2>&1 |
         tee "$OUT/bench.txt"
       ;;
     ab)

@@ -186,10 +186,6 @@ static mok_status_t validate_config(const mok_config_t* c) {
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.cta_pairs = %d is not a mok_cta_pairs_t", (int)c->cta_pairs);
   if ((unsigned)c->gate_up > MOK_GATE_UP_RECOMPUTE)
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.gate_up = %d is not a mok_gate_up_t", (int)c->gate_up);
-  if (c->gate_up == MOK_GATE_UP_RECOMPUTE && c->backend != MOK_BACKEND_CPU)
-    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
-                   "cfg.gate_up = MOK_GATE_UP_RECOMPUTE needs cfg.backend = MOK_BACKEND_CPU (the CUDA "
-                   "kernels do not recompute yet)");
   if (c->backend == MOK_BACKEND_CUDA) {
 #ifndef MOK_HAVE_CUDA
     return CFG_ERR(MOK_STATUS_BACKEND_UNAVAILABLE,

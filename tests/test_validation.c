@@ -344,10 +344,6 @@ static int create_backend(void) {
   c.numerics = MOK_NUMERICS_EXACT;
   bad += expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, MOK_STATUS_INVALID_ARGUMENT, "numerics",
                        "EXACT numerics on cuda");
-  c.numerics = MOK_NUMERICS_BF16;
-  c.gate_up = MOK_GATE_UP_RECOMPUTE;
-  bad += expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, MOK_STATUS_INVALID_ARGUMENT, "gate_up",
-                       "gate|up recompute on cuda");
   return bad;
 }
 

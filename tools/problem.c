@@ -270,8 +270,8 @@ static void* rank_main(void* arg) {
     if (s) RANK_FAIL(j, s, "rank %d: forward: %s", j->rank, mok_context_last_error(ctx));
     double t_mid = now_s();
     if (o->backward) {
-      /* Backward may not rely on what forward left in its workspace: a framework hands
-       * each call fresh scratch. All ones is NaN in bf16, fp32 and double. */
+      /* Backward may not rely on what forward left in its workspace: mok.h makes it
+       * one call's scratch. All ones is NaN in bf16, fp32 and double. */
       memset(ws_bwd, 0xff, ws_bytes);
       s = mok_backward(ctx, &ba);
       if (s) RANK_FAIL(j, s, "rank %d: backward: %s", j->rank, mok_context_last_error(ctx));
@@ -483,7 +483,7 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
   cudaGraph_t graph = NULL;
   cudaGraphExec_t exec = NULL;
   enum { X, WR, BIAS, W13, W2, WS13, WS2, DY, IDX, TW, DAUX, DZ, Y, DX, DTW, TPE, AUX, Z, DWR, DW13, DW2,
-         DWS13, DWS2, SAVED, WS, NBUF };
+         DWS13, DWS2, SAVED, WS, WS_BWD, NBUF };
 #define SLICE(ptr, offset) ((ptr) ? (void*)((char*)(ptr) + (offset)) : NULL)
   void* idx_host = replay ? (void*)p->topk_idx : (void*)p->out_topk_idx;
   void* tw_host = replay ? p->topk_weight : p->out_topk_weight;
@@ -503,7 +503,7 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
       [DW13] = {SLICE(p->d_w13, e0 * 2 * F * H * w), 0, El * 2 * F * H * w, 1},
       [DW2] = {SLICE(p->d_w2, e0 * H * F * w), 0, El * H * F * w, 1},
       [DWS13] = {p->d_ws13, 0, 2 * Fs * H * w, rep ? 1 : 2}, [DWS2] = {p->d_ws2, 0, H * Fs * w, rep ? 1 : 2},
-      [SAVED] = {NULL, 0, 0, 0}, [WS] = {NULL, 0, 0, 0}};
+      [SAVED] = {NULL, 0, 0, 0}, [WS] = {NULL, 0, 0, 0}, [WS_BWD] = {NULL, 0, 0, 0}};
 #undef SLICE
   if (W > 1 && cudaSetDevice(rank) != cudaSuccess) {
     if (err) snprintf(err, err_len, "rank %d: cudaSetDevice(%d): %s", rank, rank, cudaGetErrorString(cudaGetLastError()));
@@ -532,6 +532,7 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
     return MOK_STATUS_SUCCESS;
   }
   mok_workspace_size(ctx, &b[WS].bytes);
+  b[WS_BWD].bytes = b[WS].bytes;
   mok_saved_size(ctx, &b[SAVED].bytes);
   if (cudaStreamCreate(&stream) != cudaSuccess) CU_FAIL("cudaStreamCreate");
   for (int i = 0; i < 3; i++)
@@ -586,8 +587,8 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
   ba.d_w2 = b[DW2].dev;
   ba.d_ws13 = Fs ? b[DWS13].dev : NULL;
   ba.d_ws2 = Fs ? b[DWS2].dev : NULL;
-  ba.workspace = fa.workspace;
-  ba.workspace_bytes = fa.workspace_bytes;
+  ba.workspace = b[WS_BWD].dev; /* (not forward's: filled with 0xff before each step, below) */
+  ba.workspace_bytes = b[WS_BWD].bytes;
   ba.stream = stream;
   if (o->graph) {
     if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess) CU_FAIL("capture");
@@ -602,6 +603,8 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
     if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) CU_FAIL("cudaGraphInstantiate");
   }
   for (int step = 0; step < o->steps; step++) {
+    /* Backward may not rely on what forward left in its workspace (as on the CPU) */
+    if (cudaMemsetAsync(b[WS_BWD].dev, 0xff, b[WS_BWD].bytes, stream) != cudaSuccess) CU_FAIL("cudaMemsetAsync");
     cudaEventRecord(ev[0], stream);
     if (o->graph) {
       if (cudaGraphLaunch(exec, stream) != cudaSuccess) CU_FAIL("cudaGraphLaunch");

@@ -44,7 +44,7 @@ class MoE(nn.Module):
         recompute_gate_up: backward computes every expert row's gate|up (x w13^T) and
             SwiGLU output again instead of the forward keeping them for it: the same
             bits, and the saved tensor 6 F bytes smaller a routed row (6 Fs a token for
-            the shared expert). CPU backend only for now.
+            the shared expert).
         process_group: expert parallelism over this torch.distributed group (NCCL, a
             GPU per rank, CUDA backend): each rank holds experts rank * E / W .. + E / W
             (w13, w2 hold those) and its own tokens; the ranks' NCCL unique id goes

@@ -69,6 +69,30 @@ def test_cuda_matches_cpu(kw):
     assert all(e <= TOL for e in errs.values()), errs
 
 
+def test_cuda_recompute_gate_up_gives_the_same_bits():
+    """recompute_gate_up on the GPU: every output and gradient equal to keeping gate|up,
+    also with another call between forward and backward (it reuses the workspace)."""
+    kw = dict(aux_loss_coef=1e-2, z_loss_coef=1e-3, shared_ffn=FS, max_tokens=T)
+    keep = mok.MoE(H, F, E, K, **kw).cuda()
+    redo = mok.MoE(H, F, E, K, recompute_gate_up=True, **kw).cuda()
+    redo.load_state_dict(keep.state_dict())
+    x, dy, _, _ = inputs("cuda")
+    a, b = step(keep, x, dy), step(redo, x, dy)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    redo.zero_grad(set_to_none=True)
+    xr = x.detach().clone().requires_grad_(True)
+    y = redo(xr)
+    losses = [redo.aux_loss, redo.z_loss]
+    with torch.no_grad():
+        redo(x.flip(0))
+    one = torch.ones((), device="cuda")
+    torch.autograd.backward([y] + losses, [dy, 1.3 * one, 0.7 * one])
+    assert torch.equal(y, a["y"]) and torch.equal(xr.grad, a["dx"])
+    for name in ("w_router", "w13", "w2", "ws13", "ws2"):
+        assert torch.equal(getattr(redo, name).grad, a["d_" + name]), name
+
+
 def test_cuda_replay_matches_cpu():
     cpu = mok.MoE(H, F, E, K, routing="replay", shared_ffn=FS)
     gpu = copy.deepcopy(cpu).cuda()

@@ -155,20 +155,46 @@ static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   s.sorted = p.take(c.W > 1 ? T * c.K * 4 : 0);
   s.loc_off = p.take(c.W > 1 ? (c.E + 1) * 4 : 0);
   s.loc_shift = p.take(c.W > 1 ? c.E * 4 : 0);
+  const int64_t keep = c.gate_up == MOK_GATE_UP_SAVE;  // (else in the workspace: GateUpPlan)
   s.x_rows = p.take(Rx * c.H * 2);
-  s.a_rows = p.take(R * 2 * c.F * 2);
-  s.h_rows = p.take(R * c.F * 2);
+  s.a_rows = p.take(keep * R * 2 * c.F * 2);
+  s.h_rows = p.take(keep * R * c.F * 2);
   s.o_rows = p.take(Rx * c.H * 2);
-  s.sa = p.take(T * 2 * c.Fs * 2);
-  s.sh = p.take(T * c.Fs * 2);
+  s.sa = p.take(keep * T * 2 * c.Fs * 2);
+  s.sh = p.take(keep * T * c.Fs * 2);
   s.total = p.at;
   return s;
+}
+
+// cfg.gate_up = MOK_GATE_UP_RECOMPUTE: gate|up and h of the expert rows and of the shared
+// expert live in the workspace, where forward writes them and backward writes them again
+// (each plan below ends with them; empty when they are kept in saved).
+struct GateUpPlan {
+  size_t a_rows, h_rows, sa, sh;
+};
+static GateUpPlan plan_gate_up(const mok_config_t& c, int64_t T, Plan& p) {
+  const int64_t R = recv_rows(c, T), redo = c.gate_up == MOK_GATE_UP_RECOMPUTE;
+  GateUpPlan g;
+  g.a_rows = p.take(redo * R * 2 * c.F * 2);
+  g.h_rows = p.take(redo * R * c.F * 2);
+  g.sa = p.take(redo * T * 2 * c.Fs * 2);
+  g.sh = p.take(redo * T * c.Fs * 2);
+  return g;
+}
+// sv's gate|up pointers into the workspace ws (plan g), under MOK_GATE_UP_RECOMPUTE.
+static void place_gate_up(const mok_config_t& c, const GateUpPlan& g, char* ws, SavedView* sv) {
+  if (c.gate_up != MOK_GATE_UP_RECOMPUTE) return;
+  sv->a_rows = reinterpret_cast<bf16*>(ws + g.a_rows);
+  sv->h_rows = reinterpret_cast<bf16*>(ws + g.h_rows);
+  sv->sa = reinterpret_cast<bf16*>(ws + g.sa);
+  sv->sh = reinterpret_cast<bf16*>(ws + g.sh);
 }
 
 // Forward and backward scratch share the workspace (a call uses one of them).
 struct FwdWsPlan {
   size_t scores, lse, rank, block_counts, block_off, tile_expert, tile_row0, tile_row_end, num_tiles, chunk_stats,
       shared_o, total;
+  GateUpPlan gate_up;
 };
 static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   const Shape s = make_shape(c, T, true);
@@ -185,12 +211,14 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   w.num_tiles = p.take(4);
   w.chunk_stats = p.take((int64_t)s.nb * 2 * (c.E + 1) * 4);
   w.shared_o = p.take(T * c.H * 2);
+  w.gate_up = plan_gate_up(c, T, p);
   w.total = p.at;
   return w;
 }
 struct BwdWsPlan {
   size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, partials, cta_maps, total;
   int64_t partial_len;
+  GateUpPlan gate_up;
 };
 static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t R = recv_rows(c, T), chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
@@ -208,6 +236,7 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   w.dx_shared = p.take(T * c.H * 4);
   w.partials = p.take(chunks * w.partial_len * 4);
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
+  w.gate_up = plan_gate_up(c, T, p);
   w.total = p.at;
   return w;
 }
@@ -364,7 +393,7 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
     return MOK_ERR(ctx, MOK_STATUS_BACKEND_UNAVAILABLE, "the driver has no cuTensorMapEncodeTiled");
   g.encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   const Shape s = make_shape(c, c.T, true);
-  g.sync_words = (uint32_t)(8 + s.max_mt + s.smt);
+  g.sync_words = (uint32_t)(10 + 2 * (s.max_mt + s.smt));  // (the backward's: bwd_num_counters)
   CUDA_TRY(ctx, cudaMalloc(&g.sync, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   CUDA_TRY(ctx, cudaMemset(g.sync, 0, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   const char* trace = getenv("MOK_TRACE");
@@ -446,7 +475,7 @@ void mok_cuda_destroy(mok_context_t* ctx) {
 static mok_status_t print_profile(mok_context_t* ctx) {
   static const char* names[kProfSlots] = {"route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2",
                                           "combine", "dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13",
-                                          "rw", "tree", "dxsum", "wait(fwd)", "wait(bwd)"};
+                                          "rw", "tree", "dxsum", "wait(fwd)", "wait(bwd)", "rg", "rgs"};
   GpuContext* g = gpu(ctx);
   unsigned long long h[2 * kProfSlots];
   CUDA_TRY(ctx, cudaMemcpy(h, g->prof, sizeof h, cudaMemcpyDeviceToHost));
@@ -657,6 +686,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   }
   const FwdWsPlan wp = plan_fwd_ws(c, c.T);
   char* ws = static_cast<char*>(a->workspace);
+  place_gate_up(c, wp.gate_up, ws, &p.sv);
   MAP_TRY(make_map(ctx, &p.m_x, a->x, T, H, "x"));
   MAP_TRY(make_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router"));
   MAP_TRY(make_map(ctx, &p.m_w13, a->w13, El * 2 * F, H, "w13"));
@@ -711,9 +741,11 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.st = make_step(ctx);
   p.context_id = (uint64_t)(uintptr_t)ctx;
   p.wgrad_fp32 = c.wgrad == MOK_WGRAD_FP32_ACCUM;
+  p.recompute = c.gate_up == MOK_GATE_UP_RECOMPUTE;
   p.sv = saved_view(c, const_cast<void*>(a->saved));
   const BwdWsPlan wp = plan_bwd_ws(c, c.T);
   char* ws = static_cast<char*>(a->workspace);
+  place_gate_up(c, wp.gate_up, ws, &p.sv);
   p.dg = reinterpret_cast<float*>(ws + wp.dg);
   p.dy_rows = reinterpret_cast<bf16*>(ws + wp.dy_rows);
   p.d_a = reinterpret_cast<bf16*>(ws + wp.d_a);
@@ -760,6 +792,11 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   MAP_TRY(make_store_map(ctx, &p.st_dxrows, p.dx_rows, R, H, "dx_rows"));
   MAP_TRY(make_store_map(ctx, &p.st_dw13, p.wgrad_fp32 ? nullptr : a->d_w13, El * 2 * F, H, "d_w13"));
   MAP_TRY(make_store_map(ctx, &p.st_dw2, p.wgrad_fp32 ? nullptr : a->d_w2, El * H, F, "d_w2"));
+  const bool redo = p.recompute;
+  MAP_TRY(make_gate_up_store_map(ctx, &p.st_arows, redo ? p.sv.a_rows : nullptr, R, F, "a_rows"));
+  MAP_TRY(make_store_map(ctx, &p.st_hrows, redo ? p.sv.h_rows : nullptr, R, F, "h_rows"));
+  MAP_TRY(make_gate_up_store_map(ctx, &p.st_sa, redo && Fs ? p.sv.sa : nullptr, T, Fs, "shared_a"));
+  MAP_TRY(make_store_map(ctx, &p.st_sh, redo && Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
   p.dy = static_cast<const bf16*>(a->dy);
   p.d_aux = a->d_aux_loss;
   p.d_z = a->d_z_loss;

@@ -88,9 +88,10 @@ struct TraceRecord {
   uint32_t stall[kStallKinds];
 };
 
-// Profile slots: forward task kinds 0..7, backward 8..18, waits 19 (forward) and 20.
+// Profile slots: forward task kinds 0..7, backward 8..18, waits 19 (forward) and 20,
+// then the backward's gate|up recompute 21 (routed) and 22 (shared).
 // Times are %globaltimer ns (wall clock), not SM cycles: the clock drops under load.
-constexpr int kProfSlots = 21;
+constexpr int kProfSlots = 23;
 
 // The saved buffer (forward -> backward), device pointers.
 struct SavedView {
@@ -263,10 +264,17 @@ struct BwdParams {
   StoreMap st_dxrows;  // store maps: dx_rows [R, H]
   StoreMap st_dw13;    // d_w13 [E*2F, H] (bf16 gradients only)
   StoreMap st_dw2;     // d_w2 [E*H, F] (bf16 gradients only)
+  // cfg.gate_up = MOK_GATE_UP_RECOMPUTE: the recompute's stores (sv's a_rows, h_rows, sa,
+  // sh then point into this call's workspace)
+  StoreMap st_arows;    // a_rows as [R][2][F]
+  StoreMap st_hrows;    // h_rows [R, F]
+  StoreMap st_sa;       // sa as [T][2][Fs]
+  StoreMap st_sh;       // sh [T, Fs]
   GpuStep st;
   Shape s;
   uint64_t context_id;
   int wgrad_fp32;       // add into fp32 buffers instead of writing bf16
+  int recompute;        // gate|up: computed again here (the RG and RGS tasks), not kept
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
   const bf16* o_kept;     // W > 1: [T K, H], the forward COMBINE's copy of other ranks' o rows
   PeerRows peer_dy_rows;  // dispatch target of dy_j

@@ -4,6 +4,9 @@
 // Tasks, in ticket order (each waits only on earlier ones):
 //   DG[b]         32-token block b: d_g[t, j] = dy[t] . o_j; dy_j = bf16(g dy[t]) to the
 //                 expert rows; router backward (dlogits, bf16) or d_topk_weight
+//   RG[m,n]       cfg.gate_up = MOK_GATE_UP_RECOMPUTE only: the forward's GEMM1 again,
+//                 a_rows = bf16(x_rows w13[e]^T), h_rows = bf16(silu(gate) up)
+//   RGS[m,n]      likewise the forward's SHARED1: sa, sh
 //   DHS[m,n]      shared expert: dh_s = dy ws2, d_a_s = bf16(SwiGLU')
 //   DH[m,n]       experts: dh = dy_j w2[e], d_a = bf16(SwiGLU')
 //   DXR[b,n]      dx router path = dlogits w_router (fp32)
@@ -18,7 +21,10 @@
 
 namespace mok {
 
-enum : int { B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_TREE, B_FIXED };  // then dh[max_mt], dhs[smt]
+enum : int { B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_TREE, B_RG_ALL, B_RGS_ALL, B_FIXED };
+// then dh[max_mt], dhs[smt], rg[max_mt], rgs[smt] (the context's sync_words)
+__device__ __forceinline__ int c_rg(const Shape& s, int mt) { return B_FIXED + s.max_mt + s.smt + mt; }
+__device__ __forceinline__ int c_rgs(const Shape& s, int mt) { return B_FIXED + 2 * s.max_mt + s.smt + mt; }
 
 constexpr int kTreeSlice = 8192;  // elements per TREE task
 
@@ -164,8 +170,53 @@ __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, 
   return found;
 }
 
+// ---- RG, RGS: gate|up and h again (cfg.gate_up = MOK_GATE_UP_RECOMPUTE) ----
+// The forward's GEMM1 and SHARED1 tasks with the same operands, K order and epilogue
+// (swiglu_store), so a_rows, h_rows, sa and sh get the forward's bits: a row's values
+// do not depend on the tile that holds it. Unpaired (pairing changes no bit either).
+__device__ __forceinline__ void rg_task(Smem& sm, const BwdParams& p, int mt, int g) {
+  const Shape& s = p.s;
+  int e = -1, row0 = 0, row_end = 0;
+  if (expert_tile(p, mt, &e, &row0, &row_end)) {
+    const int F = s.F;
+    gemm_group<0, 0>(
+        sm, g, cdivb(F, BF), s.H / BK,
+        [&](int nt, Operand& A, Operand& B) {
+          const int gate = e * 2 * F + nt * BF, up = gate + F;
+          A = rows128(&p.m_xrows, row0, 0);
+          B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
+        },
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          swiglu_store(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows,
+                       &p.st_hrows, row0, spare);
+        });
+  }
+  signal_counter(sm, &p.st.sync->counter[c_rg(s, mt)]);
+  if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_RG_ALL], 1);
+}
+
+__device__ __forceinline__ void rgs_task(Smem& sm, const BwdParams& p, int mt, int g) {
+  const Shape& s = p.s;
+  const int t0 = mt * BM, Fs = s.Fs;
+  gemm_group<0, 0>(
+      sm, g, cdivb(Fs, BF), s.H / BK,
+      [&](int nt, Operand& A, Operand& B) {
+        A = rows128(&p.m_x, t0, 0);
+        B = Operand{&p.m_ws13, {nt * BF, nt * BF + 64, Fs + nt * BF, Fs + nt * BF + 64}, 0};
+      },
+      [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+        swiglu_store(sm, acc, wg, w, l, t0, s.T, nt * BF, Fs, p.sv.sa, p.sv.sh, &p.st_sa, &p.st_sh, t0, spare);
+      });
+  signal_counter(sm, &p.st.sync->counter[c_rgs(s, mt)]);
+  if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_RGS_ALL], 1);
+}
+// Column groups of an RG / RGS row tile: what its counter reaches.
+__device__ __forceinline__ uint32_t rg_groups(const Shape& s) { return groups(cdivb(s.F, BF), s.H / BK); }
+__device__ __forceinline__ uint32_t rgs_groups(const Shape& s) { return groups(cdivb(s.Fs, BF), s.H / BK); }
+
 __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
+  if (p.recompute && !wait_counter(sm, &p.st.sync->counter[c_rgs(s, mt)], rgs_groups(s), p.st, 20)) return;
   const int t0 = mt * BM;
   gemm_group<0, 1>(
       sm, g, cdivb(s.Fs, BN), s.H / BK,
@@ -184,7 +235,8 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
 // the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
 __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  const bool ok = wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20, kFlagDg);  // (every rank's dy rows)
+  const bool ok = wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20, kFlagDg) &&  // (every rank's dy rows)
+                  (!p.recompute || wait_counter(sm, &p.st.sync->counter[c_rg(s, mt)], rg_groups(s), p.st, 20));
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
@@ -295,7 +347,9 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
   const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
   const bool ok = (p.st.knobs & kKnobOnlyWgrad) ||
-                  wait_counter(sm, dep, target, p.st, 20, which == 2 ? kFlagDg : -1);  // (wgrad2: every rank's dy rows)
+                  (wait_counter(sm, dep, target, p.st, 20, which == 2 ? kFlagDg : -1) &&  // (wgrad2: every rank's dy rows)
+                   (which != 2 || !p.recompute ||  // (and h_rows)
+                    wait_counter(sm, &p.st.sync->counter[B_RG_ALL], s.max_mt * rg_groups(s), p.st, 20)));
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
   const bool paired = pair_agree(sm, pairable, ok, pair_key(true, e, g));
   if (!ok) return;
@@ -344,6 +398,8 @@ __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
   const int t2 = s.Fs ? cdivb(s.H, BM) * nFs : 0;  // dws2 [H, Fs]: H / 128 row tiles
   if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
   if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(nFs, s.H / BK)), p.st, 20)) return;
+  if (s.Fs && p.recompute && !wait_counter(sm, &p.st.sync->counter[B_RGS_ALL], s.smt * rgs_groups(s), p.st, 20))
+    return;  // (sh)
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
   float* part = p.partials + (int64_t)c * p.partial_len;
   gemm_tiles<1, 1>(
@@ -568,6 +624,14 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
 // wgrad13.
 __device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 || k == 6 || k == 7; }
 
+// Phases (k): 0 dg, 1 dhs, 2 dh, 3 dxr, 4 dxs, 5 dx, 6 wgrad2, 7 wgrad13, 8 rw, 9 tree,
+// 10 dxsum, 11 rg, 12 rgs (profile kinds 8 + k, and 21, 22 for rg, rgs). In ticket order
+// rg and rgs come right after dg: dg is memory-bound and short, and at W > 1 the peers'
+// dh waits for this rank's dg. The i-th phase in ticket order, and phase k's place.
+constexpr int kBwdPhases = 13;
+__host__ __device__ constexpr int bwd_order(int i) { return i == 0 ? 0 : i <= 2 ? 10 + i : i - 2; }
+__host__ __device__ constexpr int bwd_place(int k) { return k == 0 ? 0 : k >= 11 ? k - 10 : k + 2; }
+
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
@@ -583,35 +647,40 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   // group (kBand and max_mt are even; an odd number of weight-gradient row tiles makes
   // that band's last pair straddle two groups): a pair when both are the same expert's
   // (pair_agree; walk_tiles puts two odd experts' last m-tiles side by side, unpaired).
-  __shared__ int phase_start[11], phase_end[11], phase_cols[11], wgrad_mt[2];
+  __shared__ int phase_start[kBwdPhases], phase_end[kBwdPhases], phase_cols[kBwdPhases], wgrad_mt[2];  // (by place)
   if (threadIdx.x == 0) {
     wgrad_mt[0] = cdivb(s.H, BM);  // dw2's row tiles
     wgrad_mt[1] = cdivb(2 * s.F, BM);
     const int nH = cdivb(s.H, BN), rwt = rw_tiles(s), wg_size = wgrad_group(s);
     // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
     const int slices = rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0;
-    const int rows[11] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt, s.e_loc,
-                          s.e_loc, rwt ? s.chunks : 0, s.W > 1 ? 2 * slices : slices, s.ns};
-    const int cols[11] = {1, groups(cdivb(s.Fs, BN), s.H / BK), groups(cdivb(s.F, BN), s.H / BK),
-                          groups(nH, cdivb(s.E, BK)), groups(nH, 2 * s.Fs / BK), groups(nH, 2 * s.F / BK),
-                          wgrad_mt[0] * cdivb(cdivb(s.F, BN), wg_size), wgrad_mt[1] * cdivb(nH, wg_size), 1, 1, 1};
+    const int rows[kBwdPhases] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt,
+                                  s.e_loc, s.e_loc, rwt ? s.chunks : 0, s.W > 1 ? 2 * slices : slices, s.ns,
+                                  p.recompute ? s.max_mt : 0, p.recompute && s.Fs ? s.smt : 0};
+    const int cols[kBwdPhases] = {1, groups(cdivb(s.Fs, BN), s.H / BK), groups(cdivb(s.F, BN), s.H / BK),
+                                  groups(nH, cdivb(s.E, BK)), groups(nH, 2 * s.Fs / BK), groups(nH, 2 * s.F / BK),
+                                  wgrad_mt[0] * cdivb(cdivb(s.F, BN), wg_size), wgrad_mt[1] * cdivb(nH, wg_size), 1, 1, 1,
+                                  (int)rg_groups(s), (int)rgs_groups(s)};
     int t = 0;
-    for (int k = 0; k < 11; k++) {
+#pragma unroll
+    for (int i = 0; i < kBwdPhases; i++) {  // (unrolled: rows and cols stay in registers)
+      const int k = bwd_order(i);
       t = pad_even(t, s.pairs && paired_phase(k));
-      phase_start[k] = t, phase_end[k] = t += rows[k] * cols[k], phase_cols[k] = cols[k] > 0 ? cols[k] : 1;
+      phase_start[i] = t, phase_end[i] = t += rows[k] * cols[k], phase_cols[i] = cols[k] > 0 ? cols[k] : 1;
     }
   }
   __syncthreads();
-  const int num_tasks = phase_end[10];
+  const int num_tasks = phase_end[kBwdPhases - 1];
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
     if (task >= num_tasks) continue;  // a cluster's second ticket past the last task
-    const int k = ticket_phase(phase_start, phase_end, 11, task);
-    if (k < 0) continue;
+    const int i = ticket_phase(phase_start, phase_end, kBwdPhases, task);
+    if (i < 0) continue;
+    const int k = bwd_order(i);
     profile_start(sm, p.st);
-    const int local = task - phase_start[k];
-    int row = local / phase_cols[k], col = local % phase_cols[k];
-    const bool pairable = paired_phase(k) && partner_in_phase(sm, phase_start, phase_end, 11, task, k);
+    const int local = task - phase_start[i];
+    int row = local / phase_cols[i], col = local % phase_cols[i];
+    const bool pairable = paired_phase(k) && partner_in_phase(sm, phase_start, phase_end, kBwdPhases, task, i);
     // MOK_KNOBS 64 / 128: only the weight-gradient / dx tasks run (without waiting for
     // their inputs), so that ncu sees that phase alone
     const uint32_t only = p.st.knobs & (kKnobOnlyWgrad | kKnobOnlyDx);
@@ -619,27 +688,29 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     switch (k) {
       case 0: dg_task(sm, p, local); break;
       case 1: dhs_task(sm, p, row, col); break;
-      case 2: band_order(local, s.max_mt, phase_cols[2], &row, &col), dh_task(sm, p, row, col, pairable); break;
+      case 2: band_order(local, s.max_mt, phase_cols[i], &row, &col), dh_task(sm, p, row, col, pairable); break;
       case 3: dxr_task(sm, p, row, col); break;
       case 4: dxs_task(sm, p, row, col); break;
-      case 5: band_order(local, s.max_mt, phase_cols[5], &row, &col), dx_task(sm, p, row, col, pairable); break;
+      case 5: band_order(local, s.max_mt, phase_cols[i], &row, &col), dx_task(sm, p, row, col, pairable); break;
       case 6:
       case 7: {  // row = expert; col: its (row tile, column group) in band order
         const int e = row, nmt = wgrad_mt[k - 6];
-        band_order(col, nmt, phase_cols[k] / nmt, &row, &col);
+        band_order(col, nmt, phase_cols[i] / nmt, &row, &col);
         wgrad_task(sm, p, k == 6 ? 2 : 13, e, row, col, pairable);
         break;
       }
       case 8: rw_task(sm, p, local); break;
       case 9: {
-        const uint32_t rw_total = (uint32_t)(phase_end[8] - phase_start[8]);
-        const int slices = (phase_end[9] - phase_start[9]) / (s.W > 1 ? 2 : 1);  // (W > 1: two rounds)
+        const uint32_t rw_total = (uint32_t)(phase_end[bwd_place(8)] - phase_start[bwd_place(8)]);
+        const int slices = (phase_end[i] - phase_start[i]) / (s.W > 1 ? 2 : 1);  // (W > 1: two rounds)
         tree_task(sm, p, local, rw_total, slices);
         break;
       }
+      case 11: rg_task(sm, p, row, col); break;
+      case 12: rgs_task(sm, p, row, col); break;
       default: dxsum_task(sm, p, local); break;
     }
-    profile_task(sm, p.st, 8 + k);
+    profile_task(sm, p.st, k < 11 ? 8 + k : 10 + k);
   }
   finish_step(sm, p.st);
 }

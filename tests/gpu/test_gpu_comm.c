@@ -148,6 +148,42 @@ static int ep_step_w2(void) {
   return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 1);
 }
 
+/* cfg.gate_up = MOK_GATE_UP_RECOMPUTE at W = 2 (the expert rows' x in the window) has
+ * the bits of keeping gate|up at W = 1 (D3 with the option on one side only). */
+static int ep_gate_up_w2(void) {
+  if (!two_gpus()) return 0;
+  static const ep_shape_t shapes[] = {
+      {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+  };
+  int bad = 0;
+  for (size_t i = 0; i < 2; i++) {
+    const ep_shape_t* sh = &shapes[i];
+    mok_config_t c = MOK_CONFIG_INIT;
+    c.H = sh->H, c.F = sh->F, c.E = sh->E, c.K = sh->K, c.Fs = sh->Fs;
+    c.routing = sh->routing, c.wgrad = sh->wgrad;
+    c.aux_loss_coef = sh->aux, c.z_loss_coef = sh->z;
+    mok_config_t r = c;
+    r.gate_up = MOK_GATE_UP_RECOMPUTE;
+    mok_problem_t* keep = test_problem(&c, sh->T, test_case_seed() + i);
+    mok_problem_t* redo = test_problem(&r, sh->T, test_case_seed() + i);
+    TEST_ASSERT(keep && redo, "problems");
+    mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+    o.capacity = sh->T * sh->K;
+    test_outputs_t a, b;
+    char err[1024] = "";
+    mok_status_t st = mok_problem_run_cuda(keep, &o, err, sizeof err);
+    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: W = 1, keeping: %s: %s", sh->name, mok_status_string(st), err);
+    o.W = 2;
+    st = mok_problem_run_cuda(redo, &o, err, sizeof err);
+    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: W = 2, recomputing: %s: %s", sh->name, mok_status_string(st), err);
+    test_snapshot(keep, 1, &a);
+    test_snapshot(redo, 1, &b);
+    bad += test_same_bits(&b, &a, NULL, sh->name) != 0;
+  }
+  return bad;
+}
+
 /* A step that would overflow a rank's capacity stops on both ranks with
  * MOK_STATUS_CAPACITY_EXCEEDED (each rank sees every count, so both decide alike). */
 static int ep_capacity_w2(void) {
@@ -189,4 +225,5 @@ static int ep_timeout_w2(void) {
 
 const test_case_t suite_gpu_comm[] = {
     {"peer_exchange_w2", peer_exchange_w2}, {"ep_forward_w2", ep_forward_w2}, {"ep_step_w2", ep_step_w2},
-    {"ep_capacity_w2", ep_capacity_w2},     {"ep_timeout_w2", ep_timeout_w2},   TEST_END};
+    {"ep_capacity_w2", ep_capacity_w2},     {"ep_timeout_w2", ep_timeout_w2},   {"ep_gate_up_w2", ep_gate_up_w2},
+    TEST_END};
