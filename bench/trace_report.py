@@ -24,7 +24,8 @@ from shapes import SHAPES  # bench/ is this script's directory
 
 FWD = ["route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2", "combine"]
 BWD = ["dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13", "rw", "tree", "dxsum"]
-NAMES = FWD + BWD
+RECOMPUTE = ["rg", "rgs"]  # the backward's gate|up recompute (cfg.gate_up), after the wait slots
+NAMES = FWD + BWD + ["wait(fwd)", "wait(bwd)"] + RECOMPUTE
 # gpu_params.h's kStall* in order; epi-* are parts of "epilogue"; mma: each block's wgmma_wait<1>
 # (the tensor core running the previous block)
 STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barriers", "epi-issue", "signal", "epi-loads",
@@ -37,7 +38,7 @@ def gemm_flops(shape):
     """FLOPs of each GEMM task kind over a whole step (no shared expert)."""
     T, H, F, E, K = shape
     R = T * K
-    return {"route": 2 * T * H * E, "gemm1": 2 * R * H * 2 * F, "gemm2": 2 * R * F * H,
+    return {"route": 2 * T * H * E, "gemm1": 2 * R * H * 2 * F, "rg": 2 * R * H * 2 * F, "gemm2": 2 * R * F * H,
             "dh": 2 * R * H * F, "dxr": 2 * T * E * H, "dx": 2 * R * 2 * F * H,
             "wgrad2": 2 * R * H * F, "wgrad13": 2 * R * 2 * F * H}
 
@@ -146,7 +147,7 @@ def main():
     flops = gemm_flops(SHAPES[args.shape]) if args.shape else {}
     print(f"trace {args.trace}, sync {sy}" + (f", shape {args.shape}" if args.shape else ""))
     report(by_sync[sy], FWD, "forward", flops, args.sms)
-    report(by_sync[sy], BWD, "backward", flops, args.sms)
+    report(by_sync[sy], BWD + RECOMPUTE, "backward", flops, args.sms)
 
 
 if __name__ == "__main__":
