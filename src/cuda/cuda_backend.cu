@@ -608,7 +608,10 @@ static mok_status_t make_gate_up_store_map(mok_context_t* ctx, StoreMap* m, cons
   return make_gate_up_map(ctx, &m->part, base, rows, F, name, kStoreRows);
 }
 
-static SavedView saved_view(const mok_config_t& c, void* base) {
+// The saved buffer's pieces; with W > 1 the expert rows x_rows and o_rows are this
+// rank's in the windows (peers write and read them), not in the buffer.
+static SavedView saved_view(const mok_context_t* ctx, void* base) {
+  const mok_config_t& c = ctx->cfg;
   const SavedPlan sp = plan_saved(c, c.T);
   char* b = static_cast<char*>(base);
   SavedView v;
@@ -628,6 +631,7 @@ static SavedView saved_view(const mok_config_t& c, void* base) {
   v.o_rows = reinterpret_cast<bf16*>(b + sp.o_rows);
   v.sa = reinterpret_cast<bf16*>(b + sp.sa);
   v.sh = reinterpret_cast<bf16*>(b + sp.sh);
+  if (c.W > 1) v.x_rows = gpu(ctx)->peer_x_rows.rows[c.rank], v.o_rows = gpu(ctx)->peer_o_rows.rows[c.rank];
   return v;
 }
 
@@ -673,13 +677,11 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.st = make_step(ctx);
   p.context_id = (uint64_t)(uintptr_t)ctx;
   p.serial = ++ctx->forward_serial;
-  p.sv = saved_view(c, a->saved);
+  p.sv = saved_view(ctx, a->saved);
   p.capacity = (int)R;
   if (c.W > 1) {  // expert rows in the windows, which peers write (x_rows) and read (o_rows)
     const GpuContext* g = gpu(ctx);
     p.peer_x_rows = g->peer_x_rows, p.peer_o_rows = g->peer_o_rows, p.px = g->px, p.o_kept = g->o_kept;
-    p.sv.x_rows = g->peer_x_rows.rows[c.rank];
-    p.sv.o_rows = g->peer_o_rows.rows[c.rank];
   } else {  // this rank owns every expert
     p.peer_x_rows.rows[0] = p.sv.x_rows;
     p.peer_o_rows.rows[0] = p.sv.o_rows;
@@ -742,7 +744,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.context_id = (uint64_t)(uintptr_t)ctx;
   p.wgrad_fp32 = c.wgrad == MOK_WGRAD_FP32_ACCUM;
   p.recompute = c.gate_up == MOK_GATE_UP_RECOMPUTE;
-  p.sv = saved_view(c, const_cast<void*>(a->saved));
+  p.sv = saved_view(ctx, const_cast<void*>(a->saved));
   const BwdWsPlan wp = plan_bwd_ws(c, c.T);
   char* ws = static_cast<char*>(a->workspace);
   place_gate_up(c, wp.gate_up, ws, &p.sv);
@@ -762,8 +764,6 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
     p.peer_o_rows = g->peer_o_rows, p.peer_dy_rows = g->peer_dy_rows, p.peer_dx_rows = g->peer_dx_rows;
     p.o_kept = g->o_kept;
     p.px = g->px;
-    p.sv.x_rows = g->peer_x_rows.rows[c.rank];
-    p.sv.o_rows = g->peer_o_rows.rows[c.rank];
     p.dy_rows = g->peer_dy_rows.rows[c.rank];
     p.dx_rows = g->peer_dx_rows.rows[c.rank];
   } else {  // this rank owns every expert

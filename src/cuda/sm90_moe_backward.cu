@@ -451,8 +451,21 @@ __device__ int rw_tiles(const Shape& s) {
 // is the lone-node rule. The same bits as the level-by-level evaluation, each partial
 // read once (no in-place levels: 3x less traffic).
 constexpr int kTreeLevels = 26;  // chunks = ceil(T / 64) < 2^26 for any int32 T
+// Where a counter's pending nodes live: registers (tree_column), or a thread's column of
+// shared memory strided by kThreads (tree_task's second round, beside no GEMM state).
+struct RegNodes {
+  float v[kTreeLevels];
+  __device__ __forceinline__ float& operator[](int L) { return v[L]; }
+  __device__ __forceinline__ float operator[](int L) const { return v[L]; }
+};
+struct SmemNodes {
+  float* p;
+  __device__ __forceinline__ float& operator[](int L) { return p[L * kThreads]; }
+  __device__ __forceinline__ float operator[](int L) const { return p[L * kThreads]; }
+};
+template <class Nodes>
 struct TreeCounter {
-  float node[kTreeLevels];
+  Nodes node;
   uint32_t seen = 0;
   // x: the subtree of leaves [seen, seen + 2^level)
   __device__ __forceinline__ void push(float x, int level) {
@@ -483,7 +496,7 @@ struct TreeCounter {
   }
 };
 __device__ __forceinline__ float tree_column(const float* col, int64_t stride, int n) {
-  TreeCounter tc;
+  TreeCounter<RegNodes> tc;
   int c = 0;
   float next[8];  // the next run's leaves, loaded while this run is added up
   if (n >= 8)
@@ -539,7 +552,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   for (int r = 0; r < s.rank; r++) chunk0 += rank_chunks(p, r);
   // the second round's counters, a thread's kTreeLevels pending nodes strided by kThreads,
   // in the pipeline stages (no GEMM here; the last epilogue's stores have read them)
-  float* pending = reinterpret_cast<float*>(sm.stage[0]) + threadIdx.x;
+  const SmemNodes pending{reinterpret_cast<float*>(sm.stage[0]) + threadIdx.x};
   if (combine) {
     if (threadIdx.x == 0) release_stages_from_stores(sm);
     __syncthreads();
@@ -559,33 +572,18 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
         a += n;
       }
     } else {  // every rank's subtrees, ranks in chunk order, through the binary counter
-      uint32_t seen = 0;  // (its pending nodes in shared memory: pending[L])
+      TreeCounter<SmemNodes> tc{pending};
       for (int r = 0, c0 = 0; r < s.W; r++) {
         const int n = rank_chunks(p, r);
         const volatile float* nodes = p.px.tree[r];
         for (int a = c0, j = 0; a < c0 + n; j++) {
           const int level = subtree_level(a, c0 + n);
-          float v = nodes[j * len + x];
-          for (int L = level;; L++) {  // TreeCounter::push
-            if (!((seen >> L) & 1u)) {
-              pending[L * kThreads] = v;
-              break;
-            }
-            v = __fadd_rn(pending[L * kThreads], v);
-          }
-          seen += 1u << level;
+          tc.push(nodes[j * len + x], level);
           a += 1 << level;
         }
         c0 += n;
       }
-      float v = 0.f;  // TreeCounter::fold
-      bool any = false;
-      for (int L = 0; L < kTreeLevels; L++)
-        if ((seen >> L) & 1u) {
-          v = any ? __fadd_rn(pending[L * kThreads], v) : pending[L * kThreads];
-          any = true;
-        }
-      tree_store(p, out, k, v);
+      tree_store(p, out, k, tc.fold());
     }
   }
   if (s.W > 1 && !combine) {

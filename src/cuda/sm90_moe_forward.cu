@@ -127,6 +127,11 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
 }
 
 // ---- PREFIX ----
+// W > 1, after COUNTS: rank r's count of expert e (e = E: its T), from this rank's
+// counts table (written by peers: read through volatile).
+__device__ __forceinline__ int peer_count(const FwdParams& p, int r, int e) {
+  return *(volatile const int32_t*)&p.px.counts[p.s.rank][r * (p.s.E + 1) + e];
+}
 __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   const Shape& s = p.s;
   const int E = s.E;
@@ -155,7 +160,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   for (int e = threadIdx.x; e < E; e += kThreads) {
     int before = 0, tot = s.W > 1 ? 0 : p.sv.counts[e];  // rows of ranks < s.rank; all ranks'
     for (int r = 0; r < s.W && s.W > 1; r++) {  // (ranks in order: integer sums)
-      const int n = *(volatile int32_t*)&p.px.counts[s.rank][r * (E + 1) + e];
+      const int n = peer_count(p, r, e);
       if (r == s.rank) p.sv.loc_off[e] = n, p.sv.loc_shift[e] = before;  // (made offsets below)
       if (r < s.rank) before += n;
       tot += n;
@@ -178,7 +183,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     int chunk0 = 0;
     T_all = chunks = 0;
     for (int r = 0; r < s.W; r++) {
-      const int Tr = *(volatile int32_t*)&p.px.counts[s.rank][r * (E + 1) + E];
+      const int Tr = peer_count(p, r, E);
       if (r < s.rank) chunk0 += cdiv(Tr, MOK_REDUCE_CHUNK_TOKENS);
       chunks += cdiv(Tr, MOK_REDUCE_CHUNK_TOKENS), T_all += Tr;
     }
@@ -258,7 +263,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     p.sv.header[3] = p.serial;
     p.sv.header[4] = (uint64_t)T_all;
     for (int r = 0; r < s.W; r++)  // every rank's T, for the backward's chunk ranges
-      p.sv.header[5 + r] = s.W > 1 ? (uint64_t)*(volatile int32_t*)&p.px.counts[s.rank][r * (E + 1) + E] : (uint64_t)s.T;
+      p.sv.header[5 + r] = (uint64_t)(s.W > 1 ? peer_count(p, r, E) : s.T);
   }
   __syncthreads();
   // outputs only when the step goes on (a capacity overflow stops it on every rank first)
