@@ -47,6 +47,9 @@ __device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
 // ---- DG: d_g, dy_j, router backward ----
 __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   const Shape& s = p.s;
+  // W > 1: every rank's previous launch has ended before this one writes its dy_rows (two
+  // backward calls on one forward: a peer's first may still read them)
+  if (s.W > 1 && !wait_peers(sm, p.st, kFlagBackward)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H, E = s.E;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
@@ -476,7 +479,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   const bool combine = s.W > 1 && task >= slices;  // (W > 1: the second round)
   const int slice = combine ? task - slices : task;
   if (!(combine ? wait_counter(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.st, 20, kFlagTree)
-                : wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20)))
+                : wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20, kFlagBackward)))
     return;
   const int64_t len = p.partial_len;
   int chunk0 = 0;  // this rank's first chunk
@@ -572,6 +575,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
   set_peers(sm, p.px, s, p.st);
+  if (s.W > 1 && blockIdx.x == 0 && threadIdx.x == 0) publish_peers(p.px, s, kFlagBackward, sm.peer_serial);
   if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
                            p.sv.header[2] != (uint64_t)s.T))
     raise_error(p.st, MOK_STATUS_INVALID_SAVED);
