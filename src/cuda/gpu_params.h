@@ -145,7 +145,7 @@ constexpr int kArriveGroups = 16;
 //              tree that lie inside its chunks (tree_nodes), read by every rank.
 // (kFlagBye: written by the host at destroy, which waits for every rank's before it
 // frees the windows that peers may still read; kFlagBackward: a rank's backward launch
-// has begun, so its previous launch, which may have read dy_rows and the tree window,
+// has begun (its first DG task publishes it), so its previous launch, which may have read dy_rows and the tree window,
 // has ended: the backward's DG and TREE wait for every rank's before writing into
 // peers. A forward needs no such flag: its writes into peers follow every rank's
 // counts of the same step)

@@ -48,7 +48,11 @@ __device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
 __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   const Shape& s = p.s;
   // W > 1: every rank's previous launch has ended before this one writes its dy_rows (two
-  // backward calls on one forward: a peer's first may still read them)
+  // backward calls on one forward: a peer's first may still read them). The first
+  // ticket's task (at W > 1 there is one even at T = 0: Shape::ns) tells every rank that
+  // this backward has started; at the kernel's start that publish spilled the kernel
+  // beside the gate|up recompute tasks (108 bytes).
+  if (s.W > 1 && sb == 0 && threadIdx.x == 0) publish_peers(p.px, s, kFlagBackward, sm.peer_serial);
   if (s.W > 1 && !wait_peers(sm, p.st, kFlagBackward)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H, E = s.E;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -575,7 +579,6 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
   set_peers(sm, p.px, s, p.st);
-  if (s.W > 1 && blockIdx.x == 0 && threadIdx.x == 0) publish_peers(p.px, s, kFlagBackward, sm.peer_serial);
   if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
                            p.sv.header[2] != (uint64_t)s.T))
     raise_error(p.st, MOK_STATUS_INVALID_SAVED);
