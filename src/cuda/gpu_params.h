@@ -145,9 +145,12 @@ constexpr int kArriveGroups = 16;
 //              replicated-gradient partials over the aligned subtrees of the chunk
 //              tree that lie inside its chunks (tree_nodes), read by every rank.
 // (kFlagBye: written by the host at destroy, which waits for every rank's before it
-// frees the windows that peers may still read; kFlagDispatch: no longer written, the
-// stream dispatch flags each expert group in the arrive table, below, instead)
-enum : int { kFlagCounts, kFlagDispatch, kFlagExperts, kFlagStats, kFlagDg, kFlagDx, kFlagTree, kFlagBye, kFlagKinds };
+// frees the windows that peers may still read; kFlagBackward: a rank's backward launch
+// has begun (its first DG task publishes it), so its previous launch, which may have read dy_rows and the tree window,
+// has ended: the backward's DG and TREE wait for every rank's before writing into
+// peers. A forward needs no such flag: its writes into peers follow every rank's
+// counts of the same step)
+enum : int { kFlagCounts, kFlagBackward, kFlagExperts, kFlagStats, kFlagDg, kFlagDx, kFlagTree, kFlagBye, kFlagKinds };
 struct PeerExchange {
   int32_t* counts[kMaxPeers];
   uint64_t* flags[kMaxPeers];

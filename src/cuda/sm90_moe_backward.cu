@@ -53,6 +53,13 @@ __device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
 // ---- DG: d_g, dy_j, router backward ----
 __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   const Shape& s = p.s;
+  // W > 1: every rank's previous launch has ended before this one writes its dy_rows (two
+  // backward calls on one forward: a peer's first may still read them). The first
+  // ticket's task (at W > 1 there is one even at T = 0: Shape::ns) tells every rank that
+  // this backward has started; at the kernel's start that publish spilled the kernel
+  // beside the gate|up recompute tasks (108 bytes).
+  if (s.W > 1 && sb == 0 && threadIdx.x == 0) publish_peers(p.px, s, kFlagBackward, sm.peer_serial);
+  if (s.W > 1 && !wait_peers(sm, p.st, kFlagBackward)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H, E = s.E;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
@@ -545,7 +552,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   const bool combine = s.W > 1 && task >= slices;  // (W > 1: the second round)
   const int slice = combine ? task - slices : task;
   if (!(combine ? wait_counter(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.st, 20, kFlagTree)
-                : wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20)))
+                : wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20, kFlagBackward)))
     return;
   const int64_t len = p.partial_len;
   int chunk0 = 0;  // this rank's first chunk
