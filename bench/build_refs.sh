@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # build_refs.sh — libraries of other commits, for gpu_session.sh ab's REF list (and the
-# mok command, for ep-ab's): each NAME=REV builds REV's build/libmok.so and build/mok in
-# a temporary git worktree (on this machine, where compiling costs no device time) and
-# copies them to build-NAME/, which the device tool then carries.
+# mok command, for ep-ab's; the GPU tests, for test-refs'): each NAME=REV builds REV's
+# build/libmok.so, build/mok and build/mok_gpu_tests in a temporary git worktree (on this
+# machine, where compiling costs no device time) and copies them to build-NAME/, which
+# the device tool then carries (about 10 MB a build).
 #
 #   bench/build_refs.sh main=main lo=leftovers-only   # -> build-main/, build-lo/
 #
@@ -14,10 +15,10 @@ for spec in "$@"; do
   [ -n "$name" ] && [ "$name" != "$spec" ] || { echo "build_refs.sh: want NAME=REV, got '$spec'" >&2; exit 2; }
   dir=$(mktemp -d /tmp/mok-ref-XXXXXX)
   git worktree add -q --detach "$dir" "$rev"
-  if make -C "$dir" -j"$(nproc)" build/libmok.so build/mok > "$dir.log" 2>&1; then
+  if make -C "$dir" -j"$(nproc)" build/libmok.so build/mok build/mok_gpu_tests > "$dir.log" 2>&1; then
     mkdir -p "build-$name"
-    cp "$dir/build/libmok.so" "$dir/build/mok" "build-$name/"
-    echo "build-$name/libmok.so, build-$name/mok: $(git rev-parse --short "$rev")"
+    cp "$dir/build/libmok.so" "$dir/build/mok" "$dir/build/mok_gpu_tests" "build-$name/"
+    echo "build-$name/{libmok.so,mok,mok_gpu_tests}: $(git rev-parse --short "$rev")"
     rm -f "$dir.log"
   else
     tail -20 "$dir.log" >&2

@@ -15,6 +15,10 @@
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
 #                 (BENCH_ROUNDS=N: mok and the peer timed N times a row, in turn;
 #                 BENCH_ARGS: more bench_moe.py options, e.g. --recompute-gate-up)
+#   test-refs     each of TEST_REFS's builds (build-NAME directories from build_refs.sh,
+#                 space-separated): its mok_gpu_tests (the C GPU suites, comm included),
+#                 the last line and what failed; for telling which of several branches
+#                 breaks a merge of them, in one call
 #   comm          the 2-GPU cases alone (suite comm: the NCCL exchange, the forward and
 #                 a step at W = 2 against the CPU and bitwise against W = 1, capacity,
 #                 timeout)
@@ -115,6 +119,14 @@ for part in "$@"; do
       echo "test-gpu (exit $rc): $(tail -1 "$OUT/test-gpu.log")"
       # (what failed, here too: the device tool brings back only a few files)
       [ $rc -eq 0 ] || grep -B8 "^FAIL" "$OUT/test-gpu.log" | tail -60
+      ;;
+    test-refs)
+      for dir in ${TEST_REFS:-}; do
+        "$dir/mok_gpu_tests" > "$OUT/test-refs-${dir//\//-}.log" 2>&1
+        rc=$?
+        echo "$dir/mok_gpu_tests (exit $rc): $(tail -1 "$OUT/test-refs-${dir//\//-}.log")"
+        [ $rc -eq 0 ] || grep -B8 "^FAIL" "$OUT/test-refs-${dir//\//-}.log" | tail -30
+      done
       ;;
     trace)
       trace_shapes trace
