@@ -3,7 +3,7 @@
 # mok command, for ep-ab's; the GPU tests, for test-refs'): each NAME=REV builds REV's
 # build/libmok.so, build/mok and build/mok_gpu_tests in a temporary git worktree (on this
 # machine, where compiling costs no device time) and copies them to build-NAME/, which
-# the device tool then carries (about 10 MB a build).
+# the device tool then carries (about 9 MB a build).
 #
 #   bench/build_refs.sh main=main lo=leftovers-only   # -> build-main/, build-lo/
 #
@@ -18,6 +18,7 @@ for spec in "$@"; do
   if make -C "$dir" -j"$(nproc)" build/libmok.so build/mok build/mok_gpu_tests > "$dir.log" 2>&1; then
     mkdir -p "build-$name"
     cp "$dir/build/libmok.so" "$dir/build/mok" "$dir/build/mok_gpu_tests" "build-$name/"
+    strip --strip-debug "build-$name/"*  # (the host code's DWARF: 10% of the carry)
     echo "build-$name/{libmok.so,mok,mok_gpu_tests}: $(git rev-parse --short "$rev")"
     rm -f "$dir.log"
   else

@@ -101,7 +101,9 @@ typedef enum {
   MOK_GATE_UP_RECOMPUTE = 1  /* backward recomputes them from the kept x rows with the
                                 forward's blocks and rounding: the same bits, saved smaller by
                                 6F bytes a routed row and 6Fs a token (bf16), the workspace
-                                larger by as much (CUDA: the backward's RG and RGS tasks) */
+                                larger by at most as much (CUDA: by the forward's 6F or the
+                                backward's 2F, whichever plan is larger, since the backward
+                                writes gate|up where d_a goes) */
 } mok_gate_up_t;
 
 typedef struct mok_cpu_comm mok_cpu_comm_t; /* in-process communicator for W CPU ranks */

@@ -123,7 +123,7 @@ static int ep_fp32_accum(void) {
 }
 
 /* MOK_GATE_UP_RECOMPUTE against MOK_GATE_UP_SAVE on one problem: every output and
- * gradient the same bits, at W = 1 and 2, bf16 and exact numerics; saved smaller and the
+ * gradient the same bits, at W = 1, 2 and 4, bf16 and exact numerics; saved smaller and the
  * workspace larger by the four gate|up pieces. */
 static size_t aligned(int64_t bytes) { return (size_t)(bytes + 255) / 256 * 256; } /* (plan.c's pieces) */
 
@@ -155,7 +155,7 @@ static int gate_up_recompute(void) {
     mok_problem_t* ps = test_problem(&c, 256, test_case_seed());
     mok_problem_t* pr = test_problem(&r, 256, test_case_seed());
     TEST_ASSERT(ps && pr, "problems");
-    for (int W = 1; W <= 2; W++) {
+    for (int W = 1; W <= 4; W *= 2) {
       test_outputs_t keep, redo;
       mok_run_opts_t o = opts(W, 2, 1);
       TEST_ASSERT(!test_run(ps, &o), "config %d, W = %d, keeping gate|up", i, W);

@@ -80,8 +80,8 @@ static void FN(setup)(FN(step_t)* st, mok_context_t* ctx, void* saved, void* ws,
   mok_plan_workspace(ctx, c->T, &st->wp);
   st->ws = ws;
   /* gate|up and the SwiGLU output: kept in saved, or in this call's workspace */
-  char* gu = c->gate_up == MOK_GATE_UP_SAVE ? s : ws;
   const int keep = c->gate_up == MOK_GATE_UP_SAVE;
+  char* gu = keep ? s : ws;
   st->sa = (ACT*)(gu + (keep ? sp.shared_a : st->wp.shared_a));
   st->sh = (ACT*)(gu + (keep ? sp.shared_h : st->wp.shared_h));
   st->a_rows = (ACT*)(gu + (keep ? sp.a_rows : st->wp.a_rows));

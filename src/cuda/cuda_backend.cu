@@ -168,16 +168,21 @@ static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
 
 // cfg.gate_up = MOK_GATE_UP_RECOMPUTE: gate|up and h of the expert rows and of the shared
 // expert live in the workspace, where forward writes them and backward writes them again
-// (each plan below ends with them; empty when they are kept in saved).
+// (each plan below ends with them; empty when they are kept in saved). The backward's
+// gate|up takes no room of its own (with_a false): it is written where d_a goes (d_a_s
+// for the shared expert's), the same [rows][2][F] layout, since a DH (DHS) epilogue reads
+// each 64-column quarter of its tile's gate|up before it stores that quarter's d_a, no
+// two tasks' quarters overlap, and nothing reads gate|up after DH (rows past a tile's
+// end that its 128-row boxes load are not used).
 struct GateUpPlan {
   size_t a_rows, h_rows, sa, sh;
 };
-static GateUpPlan plan_gate_up(const mok_config_t& c, int64_t T, Plan& p) {
-  const int64_t R = recv_rows(c, T), redo = c.gate_up == MOK_GATE_UP_RECOMPUTE;
+static GateUpPlan plan_gate_up(const mok_config_t& c, int64_t T, Plan& p, bool with_a) {
+  const int64_t R = recv_rows(c, T), redo = c.gate_up == MOK_GATE_UP_RECOMPUTE, a = redo && with_a;
   GateUpPlan g;
-  g.a_rows = p.take(redo * R * 2 * c.F * 2);
+  g.a_rows = p.take(a * R * 2 * c.F * 2);
   g.h_rows = p.take(redo * R * c.F * 2);
-  g.sa = p.take(redo * T * 2 * c.Fs * 2);
+  g.sa = p.take(a * T * 2 * c.Fs * 2);
   g.sh = p.take(redo * T * c.Fs * 2);
   return g;
 }
@@ -211,7 +216,7 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   w.num_tiles = p.take(4);
   w.chunk_stats = p.take((int64_t)s.nb * 2 * (c.E + 1) * 4);
   w.shared_o = p.take(T * c.H * 2);
-  w.gate_up = plan_gate_up(c, T, p);
+  w.gate_up = plan_gate_up(c, T, p, true);
   w.total = p.at;
   return w;
 }
@@ -236,7 +241,7 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   w.dx_shared = p.take(T * c.H * 4);
   w.partials = p.take(chunks * w.partial_len * 4);
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
-  w.gate_up = plan_gate_up(c, T, p);
+  w.gate_up = plan_gate_up(c, T, p, false);  // (a_rows, sa: in d_a, d_a_s)
   w.total = p.at;
   return w;
 }
@@ -756,6 +761,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.d_a_s = reinterpret_cast<bf16*>(ws + wp.d_a_s);
   p.dx_router = reinterpret_cast<float*>(ws + wp.dx_router);
   p.dx_shared = reinterpret_cast<float*>(ws + wp.dx_shared);
+  if (p.recompute) p.sv.a_rows = p.d_a, p.sv.sa = p.d_a_s;  // (plan_gate_up: DH reads a where it writes d_a)
   p.partials = reinterpret_cast<float*>(ws + wp.partials);
   p.partial_len = wp.partial_len;
   p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);

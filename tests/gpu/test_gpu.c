@@ -270,9 +270,29 @@ static int step_thread(void) {
  * shared experts (with tails), fp32 accumulation over two steps, replay, skewed routing
  * with empty experts, 17 CTAs, and a CUDA graph. The fixture hands backward a workspace
  * of NaNs, so a backward that read forward's gate|up there instead would fail. */
+static size_t aligned256(int64_t bytes) { return (size_t)(bytes + 255) / 256 * 256; }
+
 static int gate_up_recompute(void) {
   static const int which[] = {9, 10, 12, 15, 17, 21, 25};
   int bad = 0;
+  {  // sizes: saved smaller by the four pieces; the workspace larger, by less (d_a's place)
+    const gpu_shape_t* s = &shapes[21];
+    mok_config_t c = shape_config(s);
+    c.T = s->T, c.backend = MOK_BACKEND_CUDA;
+    mok_config_t r = c;
+    r.gate_up = MOK_GATE_UP_RECOMPUTE;
+    mok_context_t *ck = test_context(&c, NULL), *cr = test_context(&r, NULL);
+    TEST_ASSERT(ck && cr, "contexts");
+    size_t sk = 0, sr = 0, wk = 0, wr = 0;
+    TEST_ASSERT(!mok_saved_size(ck, &sk) && !mok_saved_size(cr, &sr), "mok_saved_size");
+    TEST_ASSERT(!mok_workspace_size(ck, &wk) && !mok_workspace_size(cr, &wr), "mok_workspace_size");
+    const int64_t R = c.T * c.K;  // (W = 1: every routed row)
+    const size_t pieces = aligned256(R * 2 * c.F * 2) + aligned256(R * c.F * 2) + aligned256(c.T * 2 * c.Fs * 2) +
+                          aligned256(c.T * c.Fs * 2);
+    printf("    %s: saved %zu -> %zu bytes, workspace %zu -> %zu\n", s->name, sk, sr, wk, wr);
+    TEST_ASSERT(sk - sr == pieces, "saved %zu less, want %zu", sk - sr, pieces);
+    TEST_ASSERT(wr >= wk && wr - wk < pieces, "workspace %zu more, want less than %zu", wr - wk, pieces);
+  }
   for (size_t i = 0; i < sizeof which / sizeof which[0]; i++) {
     const gpu_shape_t* s = &shapes[which[i]];
     mok_problem_t* keep = shape_problem_gate_up(s, test_case_seed() + i, MOK_GATE_UP_SAVE);
