@@ -235,10 +235,11 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   w.dy_rows = p.take(Rx * c.H * 2);
   w.d_a = p.take(R * 2 * c.F * 2);
   w.dx_rows = p.take(Rx * c.H * 2);
-  w.dlogits = p.take(T * c.E * 2);
+  const int64_t fused = c.routing == MOK_ROUTING_FUSED, shared = c.Fs > 0;  // (else unused)
+  w.dlogits = p.take(fused * T * c.E * 2);
   w.d_a_s = p.take(T * 2 * c.Fs * 2);
-  w.dx_router = p.take(T * c.H * 4);
-  w.dx_shared = p.take(T * c.H * 4);
+  w.dx_router = p.take(fused * T * c.H * 4);
+  w.dx_shared = p.take(shared * T * c.H * 4);
   w.partials = p.take(chunks * w.partial_len * 4);
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
   w.gate_up = plan_gate_up(c, T, p, false);  // (a_rows, sa: in d_a, d_a_s)
