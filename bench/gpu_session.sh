@@ -111,21 +111,22 @@ trace_shapes() {
     gzip -f "$OUT/$1-$s.txt"
   done
 }
+# test_verdict LABEL STATUS LOG: the run's last line, and what failed (here too: the
+# device tool brings back only a few files)
+test_verdict() {
+  echo "$1 (exit $2): $(tail -1 "$3")"
+  [ "$2" -eq 0 ] || grep -B8 "^FAIL" "$3" | tail -60
+}
 for part in "$@"; do
   case "$part" in
     test)
       $TEST_GPU > "$OUT/test-gpu.log" 2>&1
-      rc=$?
-      echo "test-gpu (exit $rc): $(tail -1 "$OUT/test-gpu.log")"
-      # (what failed, here too: the device tool brings back only a few files)
-      [ $rc -eq 0 ] || grep -B8 "^FAIL" "$OUT/test-gpu.log" | tail -60
+      test_verdict test-gpu $? "$OUT/test-gpu.log"
       ;;
     test-refs)
       for dir in ${TEST_REFS:-}; do
-        "$dir/mok_gpu_tests" > "$OUT/test-refs-${dir//\//-}.log" 2>&1
-        rc=$?
-        echo "$dir/mok_gpu_tests (exit $rc): $(tail -1 "$OUT/test-refs-${dir//\//-}.log")"
-        [ $rc -eq 0 ] || grep -B8 "^FAIL" "$OUT/test-refs-${dir//\//-}.log" | tail -30
+        "$dir/mok_gpu_tests" > "$OUT/test-refs-$dir.log" 2>&1
+        test_verdict "$dir/mok_gpu_tests" $? "$OUT/test-refs-$dir.log"
       done
       ;;
     trace)

@@ -314,8 +314,9 @@ static int resolve_backend(const options_t* o, const char* command, backend_t* b
 #endif
 }
 
-/* The layer every command runs: fused softmax routing, normalised, both router losses. */
-static mok_config_t layer_config(const shape_t* s) {
+/* The layer every command runs: fused softmax routing, normalised, both router losses;
+ * o's --gate-up (said when not the default). */
+static mok_config_t layer_config(const shape_t* s, const options_t* o) {
   mok_config_t cfg = MOK_CONFIG_INIT;
   cfg.H = s->H;
   cfg.F = s->F;
@@ -328,6 +329,8 @@ static mok_config_t layer_config(const shape_t* s) {
   cfg.aux_loss_coef = 1e-2f;
   cfg.z_loss_coef = 1e-3f;
   cfg.backend = MOK_BACKEND_CPU;
+  cfg.gate_up = o->gate_up;
+  if (cfg.gate_up == MOK_GATE_UP_RECOMPUTE) printf("gate|up: computed again in backward (--gate-up recompute)\n");
   return cfg;
 }
 
@@ -621,9 +624,7 @@ static int cmd_check(int argc, char** argv) {
     fprintf(stderr, "mok: warning: shape %s on the CPU backend is slow (%.0f GFLOP per step)\n",
             shape->name, 3.0 * forward_flops(shape, T_global) * 1e-9);
 
-  mok_config_t cfg = layer_config(shape);
-  cfg.gate_up = o.gate_up;
-  if (cfg.gate_up == MOK_GATE_UP_RECOMPUTE) printf("gate|up: computed again in backward (--gate-up recompute)\n");
+  mok_config_t cfg = layer_config(shape, &o);
   mok_problem_t* p = NULL;
   mok_status_t s = mok_problem_create(&cfg, T_global, seed, &p);
   if (s) {
@@ -852,9 +853,7 @@ static int cmd_bench(int argc, char** argv) {
             shape->name, step_flops * 1e-9, steps, steps > 1 ? "s" : "",
             o.has_steps ? "" : " (--steps N for more)");
 
-  mok_config_t cfg = layer_config(shape);
-  cfg.gate_up = o.gate_up;
-  if (cfg.gate_up == MOK_GATE_UP_RECOMPUTE) printf("gate|up: computed again in backward (--gate-up recompute)\n");
+  mok_config_t cfg = layer_config(shape, &o);
   mok_problem_t* p = NULL;
   mok_status_t s = mok_problem_create(&cfg, T_global, seed, &p);
   if (s) {

@@ -262,17 +262,18 @@ static void* rank_main(void* arg) {
   ba.d_w2 = dw2;
   ba.d_ws13 = Fs ? dws13 : NULL;
   ba.d_ws2 = Fs ? dws2 : NULL;
-  ba.workspace = ws_bwd; /* (not forward's: filled with 0xff before each backward, below) */
+  ba.workspace = ws_bwd; /* (not forward's: filled with 0xff before each step, below) */
   ba.workspace_bytes = ws_bytes;
   for (int step = 0; step < o->steps; step++) {
+    /* Backward may not rely on what forward left in its workspace: mok.h makes it one
+     * call's scratch. All ones is NaN in bf16, fp32 and double. (Here, not in the
+     * backward's time.) */
+    if (o->backward) memset(ws_bwd, 0xff, ws_bytes);
     double t_start = now_s();
     s = mok_forward(ctx, &fa);
     if (s) RANK_FAIL(j, s, "rank %d: forward: %s", j->rank, mok_context_last_error(ctx));
     double t_mid = now_s();
     if (o->backward) {
-      /* Backward may not rely on what forward left in its workspace: mok.h makes it
-       * one call's scratch. All ones is NaN in bf16, fp32 and double. */
-      memset(ws_bwd, 0xff, ws_bytes);
       s = mok_backward(ctx, &ba);
       if (s) RANK_FAIL(j, s, "rank %d: backward: %s", j->rank, mok_context_last_error(ctx));
     }

@@ -225,7 +225,8 @@ static void FN(stats_leaf)(const void* p, int64_t chunk, REAL* out) {
   }
 }
 
-/* ---- gate|up and SwiGLU: forward, and backward again under MOK_GATE_UP_RECOMPUTE ---- */
+/* ---- gate|up and SwiGLU: forward, and backward again under MOK_GATE_UP_RECOMPUTE (the
+ * same blocks, so the same bits as forward kept) ---- */
 
 /* One block of n rows of x [n, H]: a = bf16(x w13^T) [n, 2F] (gate | up), then
  * h = bf16(silu(gate) up) [n, F]. acc: [n, 2F] real scratch. */
@@ -242,30 +243,9 @@ static void FN(gate_up_block)(FN(step_t)* st, int64_t n, int64_t F, const ACT* x
     }
 }
 
-/* Block size of the gate_up blocks: forward and a recomputing backward split alike. */
+/* Rows of the block at row b of n (MOK_ROW_BLOCK at most): forward and a recomputing
+ * backward split alike. */
 static int64_t FN(block_rows)(int64_t n, int64_t b) { return n - b < MOK_ROW_BLOCK ? n - b : MOK_ROW_BLOCK; }
-
-/* Backward under MOK_GATE_UP_RECOMPUTE: every expert row's and every token's shared
- * a and h again, into the workspace, from the kept x rows and the caller's x, in the
- * forward's blocks: the same bits as forward kept under MOK_GATE_UP_SAVE. */
-static void FN(recompute_gate_up)(FN(step_t)* st, const mok_backward_args_t* a) {
-  const int64_t H = st->H, F = st->F, E = st->E, Fs = st->Fs, T = st->T;
-  REAL* acc = WS(st, gemm_out, REAL);
-  int64_t r0 = 0; /* this rank's experts' rows follow one another in expert order */
-  for (int64_t le = 0; le < st->El; le++) {
-    const int64_t e = st->me * st->El + le;
-    int64_t n = 0;
-    for (int64_t r = 0; r < st->W; r++) n += st->counts_all[r * E + e];
-    const ACT* w13 = (const ACT*)a->w13 + le * 2 * F * H;
-    for (int64_t b = 0; b < n; b += MOK_ROW_BLOCK)
-      FN(gate_up_block)(st, FN(block_rows)(n, b), F, st->x_rows + (r0 + b) * H, w13,
-                        st->a_rows + (r0 + b) * 2 * F, st->h_rows + (r0 + b) * F, acc);
-    r0 += n;
-  }
-  for (int64_t b = 0; Fs > 0 && b < T; b += MOK_ROW_BLOCK)
-    FN(gate_up_block)(st, FN(block_rows)(T, b), Fs, (const ACT*)a->x + b * H, a->ws13,
-                      st->sa + b * 2 * Fs, st->sh + b * Fs, acc);
-}
 
 /* ---- forward ---- */
 
@@ -547,7 +527,7 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
   }
   mok_status_t s = FN(sync)(st);
   if (s) return s;
-  if (c->gate_up == MOK_GATE_UP_RECOMPUTE) FN(recompute_gate_up)(st, a);
+  const int redo = c->gate_up == MOK_GATE_UP_RECOMPUTE; /* gate|up and h: again, block by block */
 
   /* 2. this rank's experts: dh = dy_j w2, d_a, dx_j = d_a w13 back; dw2, dw13 */
   REAL* acc = WS(st, gemm_out, REAL);
@@ -563,7 +543,9 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
     const ACT* w13 = (const ACT*)a->w13 + le * 2 * F * H;
     const ACT* w2 = (const ACT*)a->w2 + le * H * F;
     for (int64_t b = 0; b < n; b += MOK_ROW_BLOCK) {
-      const int64_t rb = n - b < MOK_ROW_BLOCK ? n - b : MOK_ROW_BLOCK, row = r0 + b;
+      const int64_t rb = FN(block_rows)(n, b), row = r0 + b;
+      if (redo)
+        FN(gate_up_block)(st, rb, F, st->x_rows + row * H, w13, st->a_rows + row * 2 * F, st->h_rows + row * F, acc);
       FN(gemm)(st, rb, F, H, dy_rows + row * H, H, 1, w2, F, 1, acc, F);
       FN(swiglu_backward)(st, rb, F, st->a_rows + row * 2 * F, acc, d_a + row * 2 * F);
       FN(gemm)(st, rb, H, 2 * F, d_a + row * 2 * F, 2 * F, 1, w13, H, 1, acc, H);
@@ -637,7 +619,9 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
   /* 4. shared expert: dh_s = dy ws2, d_a_s; dx_s = d_a_s ws13 enters dx below */
   ACT* d_a_s = d_a; /* [T, 2Fs]: the experts' d_a is no longer needed */
   for (int64_t b = 0; Fs > 0 && b < T; b += MOK_ROW_BLOCK) {
-    const int64_t rb = T - b < MOK_ROW_BLOCK ? T - b : MOK_ROW_BLOCK;
+    const int64_t rb = FN(block_rows)(T, b);
+    if (redo) /* (sh is read again by the replicated gradients, step 6) */
+      FN(gate_up_block)(st, rb, Fs, (const ACT*)a->x + b * H, a->ws13, st->sa + b * 2 * Fs, st->sh + b * Fs, acc);
     FN(gemm)(st, rb, Fs, H, dy + b * H, H, 1, a->ws2, Fs, 1, acc, Fs);
     FN(swiglu_backward)(st, rb, Fs, st->sa + b * 2 * Fs, acc, d_a_s + b * 2 * Fs);
   }
