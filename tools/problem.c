@@ -605,7 +605,8 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
   }
   for (int step = 0; step < o->steps; step++) {
     /* Backward may not rely on what forward left in its workspace (as on the CPU) */
-    if (cudaMemsetAsync(b[WS_BWD].dev, 0xff, b[WS_BWD].bytes, stream) != cudaSuccess) CU_FAIL("cudaMemsetAsync");
+    if (o->backward && cudaMemsetAsync(b[WS_BWD].dev, 0xff, b[WS_BWD].bytes, stream) != cudaSuccess)
+      CU_FAIL("cudaMemsetAsync");
     cudaEventRecord(ev[0], stream);
     if (o->graph) {
       if (cudaGraphLaunch(exec, stream) != cudaSuccess) CU_FAIL("cudaGraphLaunch");
