@@ -223,6 +223,7 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
 struct BwdWsPlan {
   size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, partials, cta_maps, total;
   int64_t partial_len;
+  bool partials_in_dy_rows;  // (then partials is unused: they go where dy_rows are)
   GateUpPlan gate_up;
 };
 static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
@@ -240,7 +241,13 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   w.d_a_s = p.take(T * 2 * c.Fs * 2);
   w.dx_router = p.take(fused * T * c.H * 4);
   w.dx_shared = p.take(shared * T * c.H * 4);
-  w.partials = p.take(chunks * w.partial_len * 4);
+  // The replicated gradients' chunk partials [chunks, partial_len] fp32 go where dy_rows
+  // are (this rank's window at W > 1) when they fit: RW writes them after every reader
+  // of dy_rows (dh, wgrad2) has finished. They fit when E <= 32 K without a shared
+  // expert (chunks E H 4 bytes against T K H 2): every benchmark shape.
+  const int64_t partial_bytes = chunks * w.partial_len * 4;
+  w.partials_in_dy_rows = partial_bytes <= R * c.H * 2;
+  w.partials = w.partials_in_dy_rows ? 0 : p.take(partial_bytes);
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
   w.gate_up = plan_gate_up(c, T, p, false);  // (a_rows, sa: in d_a, d_a_s)
   w.total = p.at;
@@ -399,7 +406,7 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
     return MOK_ERR(ctx, MOK_STATUS_BACKEND_UNAVAILABLE, "the driver has no cuTensorMapEncodeTiled");
   g.encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   const Shape s = make_shape(c, c.T, true);
-  g.sync_words = (uint32_t)(10 + 2 * (s.max_mt + s.smt));  // (the backward's: bwd_num_counters)
+  g.sync_words = (uint32_t)(11 + 2 * (s.max_mt + s.smt));  // (the backward's: B_FIXED + 2 (max_mt + smt))
   CUDA_TRY(ctx, cudaMalloc(&g.sync, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   CUDA_TRY(ctx, cudaMemset(g.sync, 0, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   const char* trace = getenv("MOK_TRACE");
@@ -763,7 +770,6 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.dx_router = reinterpret_cast<float*>(ws + wp.dx_router);
   p.dx_shared = reinterpret_cast<float*>(ws + wp.dx_shared);
   if (p.recompute) p.sv.a_rows = p.d_a, p.sv.sa = p.d_a_s;  // (plan_gate_up: DH reads a where it writes d_a)
-  p.partials = reinterpret_cast<float*>(ws + wp.partials);
   p.partial_len = wp.partial_len;
   p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
   if (c.W > 1) {  // expert rows in the windows: peers write dy_rows and read o_rows, dx_rows
@@ -778,6 +784,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
     p.peer_dy_rows.rows[0] = p.dy_rows;
     p.peer_dx_rows.rows[0] = p.dx_rows;
   }
+  p.partials = reinterpret_cast<float*>(wp.partials_in_dy_rows ? (char*)p.dy_rows : ws + wp.partials);
   MAP_TRY(make_map(ctx, &p.m_dy, a->dy, T, H, "dy"));
   MAP_TRY(make_map(ctx, &p.m_x, a->x, T, H, "x"));
   MAP_TRY(make_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router"));

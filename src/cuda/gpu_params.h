@@ -303,7 +303,7 @@ struct BwdParams {
   bf16* d_a_s;          // [T, 2Fs]
   float* dx_router;     // [T, H]
   float* dx_shared;     // [T, H]
-  float* partials;      // [chunks, E*H + 3*Fs*H]
+  float* partials;      // [chunks, E*H + 3*Fs*H]; where dy_rows are when they fit (plan_bwd_ws)
   int64_t partial_len;  // E*H + 3*Fs*H
   CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's maps of its weight-gradient task's expert
 };

@@ -14,15 +14,16 @@
 //   DX[m,n]       dx_j = bf16(d_a w13[e])
 //   WG2[e,m,n]    dw2[e] = dy_rows^T h_rows, over the expert's rows in order
 //   WG13[e,m,n]   dw13[e] = d_a^T x_rows
-//   RW[c,tile]    replicated gradients of 64-token chunk c: dW_router, dws13, dws2
+//   RW[c,tile]    replicated gradients of 64-token chunk c: dW_router, dws13, dws2 (the
+//                 partials where dy_rows were: after every dh and wgrad2)
 //   TREE[slice]   the fixed pairwise tree over the chunks, then written out
 //   DXSUM[b]      (32 tokens) dx[t] = bf16(sum_j dx_j + router path + shared path)
 #include "sm90_common.cuh"
 
 namespace mok {
 
-enum : int { B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_TREE, B_RG_ALL, B_RGS_ALL, B_FIXED };
-// then dh[max_mt], dhs[smt], rg[max_mt], rgs[smt] (the context's sync_words)
+enum : int { B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_TREE, B_RG_ALL, B_RGS_ALL, B_WG2_ALL, B_FIXED };
+// then dh[max_mt], dhs[smt], rg[max_mt], rgs[smt] (the context's sync_words: B_FIXED + 2 (max_mt + smt))
 __device__ __forceinline__ int c_rg(const Shape& s, int mt) { return B_FIXED + s.max_mt + s.smt + mt; }
 __device__ __forceinline__ int c_rgs(const Shape& s, int mt) { return B_FIXED + 2 * s.max_mt + s.smt + mt; }
 
@@ -398,8 +399,21 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
 
 // Replicated gradients of chunk c: every 128 x 256 tile of [dW_router | dws13 | dws2]
 // in one pipeline, each the sum over the chunk's 64 tokens (one K block).
-__device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
+// The partials may be where dy_rows are (plan_bwd_ws): RW writes them once dh and wgrad2,
+// dy_rows' readers, have all finished (wg2_total: wgrad2's tasks). In ticket order RW
+// comes after wgrad13, so by then they have.
+__device__ __noinline__ void wgrad2_done(Smem& sm, const BwdParams& p) {  // (noinline: no spill at the call)
+  signal_counter(sm, &p.st.sync->counter[B_WG2_ALL]);
+}
+__device__ __noinline__ bool dy_rows_free(Smem& sm, const BwdParams& p, uint32_t wg2_total) {
   const Shape& s = p.s;
+  const uint32_t dh_total = (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
+  return wait_counter(sm, &p.st.sync->counter[B_DH_ALL], dh_total, p.st, 20) &&
+         wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20);
+}
+__device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uint32_t wg2_total) {
+  const Shape& s = p.s;
+  if (!dy_rows_free(sm, p, wg2_total)) return;
   const int nH = cdivb(s.H, BN), nFs = cdivb(s.Fs, BN);
   const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
   const int t2 = s.Fs ? cdivb(s.H, BM) * nFs : 0;  // dws2 [H, Fs]: H / 128 row tiles
@@ -702,9 +716,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
         const int e = row, nmt = wgrad_mt[k - 6];
         band_order(col, nmt, phase_cols[i] / nmt, &row, &col);
         wgrad_task(sm, p, k == 6 ? 2 : 13, e, row, col, pairable);
+        if (k == 6) wgrad2_done(sm, p);
         break;
       }
-      case 8: rw_task(sm, p, local); break;
+      case 8: rw_task(sm, p, local, (uint32_t)(phase_end[bwd_place(6)] - phase_start[bwd_place(6)])); break;
       case 9: {
         const uint32_t rw_total = (uint32_t)(phase_end[bwd_place(8)] - phase_start[bwd_place(8)]);
         const int slices = (phase_end[i] - phase_start[i]) / (s.W > 1 ? 2 : 1);  // (W > 1: two rounds)
