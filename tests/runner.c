@@ -3,7 +3,8 @@
  *   mok_tests [-k NAME | NAME] [--seed N] [--list]
  *
  * Runs every case of every suite in order (those whose "suite.case" contains NAME),
- * one line per case, and "N passed, M failed" last; exits 1 when any failed. The seed
+ * one line per case, and "N passed, M failed" last (", K not run": cases this machine
+ * cannot run, e.g. with one GPU where two are needed); exits 1 when any failed. The seed
  * (default: from the clock) is printed first; every case draws its inputs from it
  * mixed with the case's name, so `--seed N -k NAME` replays one failure. */
 #define _POSIX_C_SOURCE 200809L
@@ -231,7 +232,7 @@ int main(int argc, char** argv) {
     test_seed = ((uint64_t)ts.tv_sec * 1000000007ull) ^ (uint64_t)ts.tv_nsec;
   }
   if (!list) printf("seed: %llu\n", (unsigned long long)test_seed);
-  int passed = 0, failed = 0;
+  int passed = 0, failed = 0, not_run = 0;
   char full[256];
   for (size_t s = 0; s < sizeof suites / sizeof suites[0]; s++)
     for (const test_case_t* c = suites[s].cases; c->name; c++) {
@@ -250,6 +251,9 @@ int main(int argc, char** argv) {
       if (rc == 0) {
         passed++;
         printf("ok   %s (%.2f s)\n", full, dt);
+      } else if (rc == TEST_NOT_RUN) {
+        not_run++;
+        printf("-    %s (not run)\n", full);
       } else {
         failed++;
         printf("FAIL %s\n", full);
@@ -258,6 +262,7 @@ int main(int argc, char** argv) {
     }
   free(owned);
   if (list) return 0;
-  printf("%d passed, %d failed\n", passed, failed);
+  if (not_run) printf("%d passed, %d failed, %d not run\n", passed, failed, not_run);
+  else printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }

@@ -1,5 +1,6 @@
 /* runner.h — mok's one test runner: a case is a function returning 0 on pass; the
- * runner prints a line per case and "N passed, N failed" last. Helpers below fill
+ * runner prints a line per case and "N passed, N failed" last (", N not run" when a
+ * case could not run here). Helpers below fill
  * random inputs from the printed seed and compare results by bytes or by norm. */
 #ifndef MOK_TESTS_RUNNER_H
 #define MOK_TESTS_RUNNER_H
@@ -9,8 +10,12 @@
 
 typedef struct {
   const char* name;
-  int (*fn)(void); /* 0 = pass; on failure print a reason with TEST_FAIL first */
+  int (*fn)(void); /* 0 = pass; on failure print a reason with TEST_FAIL first; TEST_NOT_RUN */
 } test_case_t;
+
+/* What a case returns when this machine cannot run it (say why first): counted apart,
+ * neither passed nor failed. */
+#define TEST_NOT_RUN 2
 
 /* A suite file defines `const test_case_t suite_<name>[]` ending in {NULL, NULL}. */
 #define TEST_END {NULL, NULL}

@@ -35,7 +35,7 @@ static mok_problem_t* small_problem(int64_t T) {
 }
 
 static int peer_exchange_w2(void) {
-  if (!two_gpus()) return 0;
+  if (!two_gpus()) return TEST_NOT_RUN;
   char why[1024];
   const int failures = mok_test_peer_exchange(2, 3, 300.0, why, sizeof why);
   if (why[0]) printf("    %s\n", why);
@@ -123,7 +123,7 @@ static int ep_shapes(const ep_shape_t* shapes, size_t n, int backward) {
 /* The forward alone: token counts that split unevenly (77, 513), shared expert, replay;
  * the router losses where rank 0's T is a multiple of 64 (DESIGN's D3 condition). */
 static int ep_forward_w2(void) {
-  if (!two_gpus()) return 0;
+  if (!two_gpus()) return TEST_NOT_RUN;
   static const ep_shape_t shapes[] = {
       {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f},
       {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f},
@@ -137,7 +137,7 @@ static int ep_forward_w2(void) {
 /* A training step (forward, backward): every gradient, the replicated ones through the
  * ranks' subtrees (every rank's T a multiple of 64: the chunks W = 1 has). */
 static int ep_step_w2(void) {
-  if (!two_gpus()) return 0;
+  if (!two_gpus()) return TEST_NOT_RUN;
   static const ep_shape_t shapes[] = {
       {"e16_k4", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
       {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
@@ -151,7 +151,7 @@ static int ep_step_w2(void) {
 /* cfg.gate_up = MOK_GATE_UP_RECOMPUTE at W = 2 (the expert rows' x in the window) has
  * the bits of keeping gate|up at W = 1 (D3 with the option on one side only). */
 static int ep_gate_up_w2(void) {
-  if (!two_gpus()) return 0;
+  if (!two_gpus()) return TEST_NOT_RUN;
   static const ep_shape_t shapes[] = {
       {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
       {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
@@ -187,7 +187,7 @@ static int ep_gate_up_w2(void) {
 /* A step that would overflow a rank's capacity stops on both ranks with
  * MOK_STATUS_CAPACITY_EXCEEDED (each rank sees every count, so both decide alike). */
 static int ep_capacity_w2(void) {
-  if (!two_gpus()) return 0;
+  if (!two_gpus()) return TEST_NOT_RUN;
   mok_problem_t* p = small_problem(512);
   TEST_ASSERT(p, "problem");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
@@ -204,7 +204,7 @@ static int ep_capacity_w2(void) {
  * MOK_STATUS_COMM_TIMEOUT within its bound (0.5 s here), no hang, and both contexts
  * are destroyed. */
 static int ep_timeout_w2(void) {
-  if (!two_gpus()) return 0;
+  if (!two_gpus()) return TEST_NOT_RUN;
   mok_problem_t* p = small_problem(256);
   TEST_ASSERT(p, "problem");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
