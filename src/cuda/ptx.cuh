@@ -12,6 +12,18 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// 16 bytes from global to shared memory without passing through a register (LDGSTS), and
+// the wait for this thread's such copies: many loads in flight for few registers.
+__device__ __forceinline__ void cp_async_16(uint32_t saddr, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+
 // Shared-memory stores through a 32-bit shared address (no generic 64-bit pointers:
 // the epilogues keep few address registers next to the 128 accumulators).
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {

@@ -52,6 +52,8 @@ __device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
 }
 
 // ---- DG: d_g, dy_j, router backward ----
+constexpr int kDgInFlight = 8;
+static_assert((kThreads / 32) * 2 * kDgInFlight * 32 * 16 <= kStages * kStageBytes, "DG's chunks fit in the stages");
 __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   const Shape& s = p.s;
   // W > 1: every rank's previous launch has ended before this one writes its dy_rows (two
@@ -63,6 +65,12 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   if (s.W > 1 && !wait_peers(sm, p.st, kFlagBackward)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H, E = s.E;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // A slot's dy and o rows come through shared memory, kDgInFlight 16-byte chunks of each
+  // a lane in flight (cp.async: none held in registers, which the kernel has none to
+  // spare for). With one chunk pair in flight a lane, DG ran at about a third of HBM's
+  // rate. DG tasks come first in ticket order, so before any GEMM task of this CTA: the
+  // pipeline stages are free. The lane's chunks: [warp][dy, o][kDgInFlight][32 lanes].
+  const uint32_t buf = smem_addr(sm.stage) + (warp * 2 * kDgInFlight * 32 + lane) * 16;
   for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
     const int t = i / K, pos = p.sv.pos[i];
     const float g = p.sv.g[i];
@@ -73,18 +81,27 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     const uint4* ov = reinterpret_cast<const uint4*>(o_row);
     uint4* dst = reinterpret_cast<uint4*>(p.peer_dy_rows.rows[owner] + (int64_t)pos * H);
     float part = 0.f;  // lane's h in increasing order, then the warp's fixed tree
-    for (int v = lane; v < H / 8; v += 32) {
-      const uint4 dr = dyv[v], orw = ov[v];
-      const bf16* d = reinterpret_cast<const bf16*>(&dr);
-      const bf16* o = reinterpret_cast<const bf16*>(&orw);
-      uint4 out;
-      bf16* dj = reinterpret_cast<bf16*>(&out);
+    for (int v0 = lane; v0 < H / 8; v0 += 32 * kDgInFlight) {
 #pragma unroll
-      for (int k = 0; k < 8; k++) {
-        part = __fadd_rn(part, __fmul_rn(bf(d[k]), bf(o[k])));
-        dj[k] = to_bf(__fmul_rn(g, bf(d[k])));
+      for (int u = 0; u < kDgInFlight; u++)
+        if (v0 + 32 * u < H / 8)
+          cp_async_16(buf + u * 512, dyv + v0 + 32 * u), cp_async_16(buf + (kDgInFlight + u) * 512, ov + v0 + 32 * u);
+      cp_async_wait_all();  // (a lane reads back only its own chunks)
+#pragma unroll
+      for (int u = 0; u < kDgInFlight; u++) {
+        if (v0 + 32 * u >= H / 8) continue;
+        const uint4 dr = ld_shared_v4(buf + u * 512), orw = ld_shared_v4(buf + (kDgInFlight + u) * 512);
+        const bf16* d = reinterpret_cast<const bf16*>(&dr);
+        const bf16* o = reinterpret_cast<const bf16*>(&orw);
+        uint4 out;
+        bf16* dj = reinterpret_cast<bf16*>(&out);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+          part = __fadd_rn(part, __fmul_rn(bf(d[k]), bf(o[k])));
+          dj[k] = to_bf(__fmul_rn(g, bf(d[k])));
+        }
+        dst[v0 + 32 * u] = out;
       }
-      dst[v] = out;
     }
     part = warp_sum(part);
     if (lane == 0) {
