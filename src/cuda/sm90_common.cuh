@@ -830,38 +830,55 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
   *reinterpret_cast<uint4*>(dst) = raw;
 }
 
-// acc[k] += (kWeighted: the slot's weight g x) chunk v (8 bf16) of token t's K slot rows
-// (peer.rows[idx / e_loc] + pos * H), slots in increasing j: combine's and dxsum's sum.
-// 4 slots' loads go out before any is added (gpu_params.h's kSubTokens: latency).
+// Token t's slot rows summed, each 16-byte chunk v (8 bf16) of the row: acc = sum over
+// slots j in increasing order of (kWeighted: the slot's weight g_j x) row_j[v], row_j =
+// peer.rows[idx / e_loc] + pos * H; COMBINE's and DXSUM's sum. Then finish(v, acc, x)
+// adds the caller's terms, whose kSlotExtra chunks of v it asked to have in shared memory
+// at x, x + 512, ... (extra(v, x, fetch): fetch(x, src) copies 16 bytes there).
+// A lane's chunks come through shared memory with cp.async, U a slot and U of the extra
+// terms in flight at once, up to kSlotChunks in all: registers held 4 slots' chunks at a
+// time, and the sums ran at about a third of HBM's rate. The caller has released the
+// stages (release_stages_from_stores); a warp's chunks: [warp][kSlotChunks][32 lanes].
 // With kept (W > 1, the forward's COMBINE): a row read from another rank is also stored
 // at its slot, kept + (t K + j) H, for the backward's DG to read locally (a local store
-// instead of a second remote load, which waits on the NVLink round trip). The owner is
-// read again from sv.idx there (L1): four of them held across the loads spilled the
-// forward kernel.
-template <bool kWeighted>
-__device__ __forceinline__ void add_slot_rows(float (&acc)[8], const PeerRows& peer, const SavedView& sv,
-                                              const Shape& s, int t, int v, bf16* kept = nullptr) {
-  const int K = s.K;
-  for (int j0 = 0; j0 < K; j0 += 4) {
-    uint4 raw[4];
-    float g[4];
-#pragma unroll
-    for (int jj = 0; jj < 4; jj++) {
-      const int64_t i = (int64_t)t * K + j0 + jj;
-      if (j0 + jj >= K) continue;
-      if (kWeighted) g[jj] = sv.g[i];
-      raw[jj] = reinterpret_cast<const uint4*>(peer.rows[sv.idx[i] / s.e_loc] + (int64_t)sv.pos[i] * s.H)[v];
+// instead of a second remote load, which waits on the NVLink round trip).
+constexpr int kSlotChunks = 40, kSlotExtra = 4;
+static_assert((kThreads / 32) * kSlotChunks * 32 * 16 <= kStages * kStageBytes, "the chunks fit in the stages");
+template <bool kWeighted, class Extra, class Finish>
+__device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, const SavedView& sv, const Shape& s,
+                                              int t, bf16* kept, Extra extra, Finish finish) {
+  const int K = s.K, nv = s.H / 8, lane = threadIdx.x % 32, U = max(1, kSlotChunks / (K + kSlotExtra));
+  const uint32_t buf = smem_addr(sm.stage) + ((threadIdx.x / 32) * kSlotChunks * 32 + lane) * 16;
+  auto fetch = [](uint32_t at, const void* src) { cp_async_16(at, src); };
+  for (int v0 = lane; v0 < nv; v0 += 32 * U) {
+    for (int j = 0; j < K; j++) {
+      const int64_t i = (int64_t)t * K + j;
+      const uint4* row = reinterpret_cast<const uint4*>(peer.rows[sv.idx[i] / s.e_loc] + (int64_t)sv.pos[i] * s.H);
+      for (int u = 0; u < U && v0 + 32 * u < nv; u++) cp_async_16(buf + (j * U + u) * 512, row + v0 + 32 * u);
     }
+    for (int u = 0; u < U && v0 + 32 * u < nv; u++) extra(v0 + 32 * u, buf + (K * U + u * kSlotExtra) * 512, fetch);
+    cp_async_wait_all();  // (a lane reads back only its own chunks)
+    for (int u = 0; u < U && v0 + 32 * u < nv; u++) {
+      const int v = v0 + 32 * u;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int j = 0; j < K; j++) {
+        const int64_t i = (int64_t)t * K + j;
+        const uint4 raw = ld_shared_v4(buf + (j * U + u) * 512);
+        if (kept && sv.idx[i] / s.e_loc != s.rank) reinterpret_cast<uint4*>(kept + i * s.H)[v] = raw;
+        const float g = kWeighted ? sv.g[i] : 1.f;
+        const bf16* x = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
-    for (int jj = 0; jj < 4; jj++) {
-      const int64_t i = (int64_t)t * K + j0 + jj;
-      if (j0 + jj >= K) continue;
-      if (kept && sv.idx[i] / s.e_loc != s.rank) reinterpret_cast<uint4*>(kept + i * s.H)[v] = raw[jj];
-      const bf16* x = reinterpret_cast<const bf16*>(&raw[jj]);
-#pragma unroll
-      for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], kWeighted ? __fmul_rn(g[jj], bf(x[k])) : bf(x[k]));
+        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], kWeighted ? __fmul_rn(g, bf(x[k])) : bf(x[k]));
+      }
+      finish(v, acc, buf + (K * U + u * kSlotExtra) * 512);
     }
   }
+}
+
+// fp32 x 4 (16 bytes) of shared memory at addr, into v[0..3].
+__device__ __forceinline__ void ld_shared_f32x4(uint32_t addr, float* v) {
+  const uint4 r = ld_shared_v4(addr);
+  v[0] = __uint_as_float(r.x), v[1] = __uint_as_float(r.y), v[2] = __uint_as_float(r.z), v[3] = __uint_as_float(r.w);
 }
 
 // sigmoid and silu through the SFU (ex2 and rcp, approximate; no division's slow-path

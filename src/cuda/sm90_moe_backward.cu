@@ -641,18 +641,27 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DXS], (uint32_t)(s.smt * groups(nH, 2 * s.Fs / BK)), p.st, 20))
     return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), H = s.H;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int t = t0 + warp; t < t1; t += kThreads / 32)
-    for (int v = lane; v < H / 8; v += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      add_slot_rows<false>(acc, p.peer_dx_rows, p.sv, s, t, v);  // slots in order
+  if (threadIdx.x == 0) release_stages_from_stores(sm);  // (sum_slot_rows' chunks go there)
+  __syncthreads();
+  for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32)
+    sum_slot_rows<false>(  // dx = sum_j dx_j, slots in order, then + router path, + shared path
+        sm, p.peer_dx_rows, p.sv, s, t, nullptr,
+        [&](int v, uint32_t x, auto fetch) {  // (fp32: two chunks each)
+          const int64_t at = (int64_t)t * H + v * 8;
+          if (s.fused) fetch(x, p.dx_router + at), fetch(x + 512, p.dx_router + at + 4);
+          if (s.Fs) fetch(x + 1024, p.dx_shared + at), fetch(x + 1536, p.dx_shared + at + 4);
+        },
+        [&](int v, float(&acc)[8], uint32_t x) {
+          float r[8], sh[8];
+          if (s.fused) ld_shared_f32x4(x, r), ld_shared_f32x4(x + 512, r + 4);
+          if (s.Fs) ld_shared_f32x4(x + 1024, sh), ld_shared_f32x4(x + 1536, sh + 4);
 #pragma unroll
-      for (int k = 0; k < 8; k++) {  // then router, then shared
-        if (s.fused) acc[k] = __fadd_rn(acc[k], p.dx_router[(int64_t)t * H + v * 8 + k]);
-        if (s.Fs) acc[k] = __fadd_rn(acc[k], p.dx_shared[(int64_t)t * H + v * 8 + k]);
-      }
-      store_bf16x8(p.dx + (int64_t)t * H + v * 8, acc);
-    }
+          for (int k = 0; k < 8; k++) {  // then router, then shared
+            if (s.fused) acc[k] = __fadd_rn(acc[k], r[k]);
+            if (s.Fs) acc[k] = __fadd_rn(acc[k], sh[k]);
+          }
+          store_bf16x8(p.dx + (int64_t)t * H + v * 8, acc);
+        });
   __syncthreads();
 }
 

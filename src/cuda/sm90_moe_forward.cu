@@ -462,19 +462,23 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
     return;  // (every owner's o rows)
   if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nHs), p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), H = s.H;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int t = t0 + warp; t < t1; t += kThreads / 32)
-    for (int v = lane; v < H / 8; v += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      add_slot_rows<true>(acc, p.peer_o_rows, p.sv, s, t, v, p.o_kept);  // slots in order
-      if (s.Fs > 0) {
-        float o[8];
-        load_bf16x8(p.shared_o + (int64_t)t * H + v * 8, o);
+  if (threadIdx.x == 0) release_stages_from_stores(sm);  // (sum_slot_rows' chunks go there)
+  __syncthreads();
+  for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32)
+    sum_slot_rows<true>(  // y = sum_j g_j o_j, slots in order, then + the shared expert's o
+        sm, p.peer_o_rows, p.sv, s, t, p.o_kept,
+        [&](int v, uint32_t x, auto fetch) {
+          if (s.Fs > 0) fetch(x, p.shared_o + (int64_t)t * H + v * 8);
+        },
+        [&](int v, float(&acc)[8], uint32_t x) {
+          if (s.Fs > 0) {
+            const uint4 raw = ld_shared_v4(x);
+            const bf16* o = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
-        for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], o[k]);
-      }
-      store_bf16x8(p.y + (int64_t)t * H + v * 8, acc);
-    }
+            for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], bf(o[k]));
+          }
+          store_bf16x8(p.y + (int64_t)t * H + v * 8, acc);
+        });
   __syncthreads();
 }
 
