@@ -15,7 +15,8 @@ one step at a time from an idle GPU (its host launch latency exposed), median of
 rounds); ms is the median of the rounds, and the rounds' peer/mok ratios (their
 spread: a difference smaller than it is noise) are printed and kept in the JSON. TFLOP/s
 counts 3 x the forward FLOPs (6 T K H F + 2 T H E), DESIGN.md section 7. Peak memory:
-torch.cuda.max_memory_allocated over a step, weights and inputs included.
+torch.cuda.max_memory_allocated over a step, weights and inputs included; the peer's with
+none of mok's memory left (its cached contexts freed first).
 Determinism: two steps on the same inputs give equal y, dx and weight grads (compared
 by two integer sums over their bits, so that no gradient is held twice).
 --recompute-gate-up: mok's layer with recompute_gate_up=True (its backward computes
@@ -345,13 +346,18 @@ def bench_shape(name, skewed, steps, ceiling, mok_only=False, rounds=1):
         pb.release()
         return result
     try:
+        # the peer's peak without mok's memory: mok's contexts (their workspaces, cached by
+        # the binding) are freed and the reference waits in host memory (until 2026-12-01
+        # the peer's peak counted both: docs/PERF.md, fifteenth session)
+        ref = [r.cpu() for r in ref]
+        mok.clear_cache()
         torch.cuda.reset_peak_memory_stats()
         power_p = {}
         ms_p = timed(peer_step, steps, power_p)
         mem_p = torch.cuda.max_memory_allocated()
         ms_p_iso = time_isolated_ms(peer_step, steps)
         y1 = peer_step().detach()
-        err = [float((a.float() - b).norm() / b.norm()) for a, b in zip([y1, x.grad], ref)]
+        err = [float((a.float().cpu() - b).norm() / b.norm()) for a, b in zip([y1, x.grad], ref)]
         f1 = step_fingerprint(y1, x, params)
         f2 = step_fingerprint(peer_step(), x, params)
         result["peer"] = {"ms": ms_p, "isolated_ms": ms_p_iso, "tflops": fl / ms_p / 1e9, "peak_gib": mem_p / 2**30,
