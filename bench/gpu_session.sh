@@ -24,6 +24,9 @@
 #                 timeout)
 #   ep            bench/bench_ep.py: mok and the torch all-to-all peer at W = 1 and
 #                 W = RANKS (default 2), same tokens per GPU; JSON in $OUT/bench-ep.json
+#   p2p           bench/p2p_copy.py: the copy engine's peer-to-peer GB/s, GPU 0 to each
+#                 other GPU, then every GPU to the next at once (the NVLink figure the
+#                 EP bandwidths are set against); JSON in $OUT/p2p.json
 #   ep-trace      MOK_TRACE of one step per EP shape (EP_SHAPES) at W = 1 and at W = RANKS,
 #                 a trace file per rank ($OUT/ep-trace-<shape>-w<W>.txt.rank<r>), and
 #                 bench/trace_report.py's span, per-kind times and waits of each
@@ -210,6 +213,9 @@ for part in "$@"; do
       ;;
     comm)
       ./build/mok_gpu_tests -k comm 2>&1 | tail -40
+      ;;
+    p2p)
+      python3 bench/p2p_copy.py --json "$OUT/p2p.json" 2>&1 | tee "$OUT/p2p.txt"
       ;;
     ep)
       [ -x build/mok ] || make -j"$(nproc)" build/mok > "$OUT/build-mok.log" 2>&1

@@ -20,12 +20,13 @@ static int gpus(void) {
   return n;
 }
 
-/* Whether the machine has the 2 GPUs a case needs; says so when not. */
-static int two_gpus(void) {
-  if (gpus() >= 2) return 1;
-  printf("    not run: %d GPU(s), the case needs 2\n", gpus());
+/* Whether the machine has the W GPUs a case needs; says so when not. */
+static int have_gpus(int W) {
+  if (gpus() >= W) return 1;
+  printf("    not run: %d GPU(s), the case needs %d\n", gpus(), W);
   return 0;
 }
+static int two_gpus(void) { return have_gpus(2); }
 
 /* The fault cases' small problem: E = 8, K = 2 on T tokens. */
 static mok_problem_t* small_problem(int64_t T) {
@@ -43,9 +44,9 @@ static int peer_exchange_w2(void) {
   return 0;
 }
 
-/* Expert parallelism on two GPUs (a thread each): a shape run on the CPU backend at
- * W = 2, then on the CUDA backend at W = 1 and W = 2. The CUDA W = 2 outputs must have
- * the bits of W = 1 (D3) and be close to the CPU's. */
+/* Expert parallelism on W GPUs (a thread each): a shape run on the CPU backend at W,
+ * then on the CUDA backend at W = 1 and at W. The CUDA outputs at W must have the bits
+ * of W = 1 (D3) and be close to the CPU's. */
 typedef struct {
   const char* name;
   int64_t T, H, F, E, K, Fs;
@@ -70,11 +71,11 @@ static int ties_only(mok_config_t c, int64_t T, uint64_t seed, const test_output
   return test_same_routing_up_to_ties(&pb, pe);
 }
 
-/* One global batch at W = 2 against the CPU at W = 2 and bitwise against CUDA W = 1
- * (D3). A near-tie flipped in top-K changes that token's outputs on either backend
- * rightly: such an input is checked for D3 and its routing up to ties, and the values
- * against the CPU on the next seed's input, up to 4 tries (as gpu.vs_cpu does). */
-static int ep_compare(const ep_shape_t* sh, uint64_t seed0, int backward) {
+/* One global batch at W against the CPU at W and bitwise against CUDA W = 1 (D3). A
+ * near-tie flipped in top-K changes that token's outputs on either backend rightly:
+ * such an input is checked for D3 and its routing up to ties, and the values against
+ * the CPU on the next seed's input, up to 4 tries (as gpu.vs_cpu does). */
+static int ep_compare(const ep_shape_t* sh, uint64_t seed0, int backward, int W) {
   for (int attempt = 0;; attempt++) {
     const uint64_t seed = seed0 + 0x9e3779b97f4a7c15ull * (uint64_t)attempt;
     mok_config_t c = MOK_CONFIG_INIT;
@@ -87,18 +88,21 @@ static int ep_compare(const ep_shape_t* sh, uint64_t seed0, int backward) {
     o.backward = backward;
     o.capacity = sh->T * sh->K;  // (both ranks' windows alike when their T differ by one)
     test_outputs_t cpu, gpu[2];
-    o.W = 2;
+    o.W = W;
     if (test_run(p, &o)) return 1;
     test_snapshot(p, backward, &cpu);
-    for (int w = 1; w <= 2; w++) {
+    for (int k = 0; k < 2; k++) {  // W = 1, then W
       char err[1024] = "";
-      o.W = w;
+      o.W = k ? W : 1;
       const mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
-      TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: CUDA W = %d: %s: %s", sh->name, w, mok_status_string(st), err);
-      test_snapshot(p, backward, &gpu[w - 1]);
+      TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: CUDA W = %d: %s: %s", sh->name, o.W, mok_status_string(st), err);
+      test_snapshot(p, backward, &gpu[k]);
     }
-    int b = test_same_bits(&gpu[1], &gpu[0], NULL, "D3 (CUDA W = 2 against W = 1)");
-    if (test_same_bits(&gpu[1], &cpu, "topk_idx tokens_per_expert", "W = 2 against the CPU")) {
+    char what[64];
+    snprintf(what, sizeof what, "D3 (CUDA W = %d against W = 1)", W);
+    int b = test_same_bits(&gpu[1], &gpu[0], NULL, what);
+    snprintf(what, sizeof what, "W = %d against the CPU", W);
+    if (test_same_bits(&gpu[1], &cpu, "topk_idx tokens_per_expert", what)) {
       if (b == 0 && attempt < 3 && ties_only(c, sh->T, seed, &cpu, &gpu[1])) {
         printf("    %-12s top-K differs from the CPU only at near-ties: values compared on the next seed's input\n",
                sh->name);
@@ -107,16 +111,16 @@ static int ep_compare(const ep_shape_t* sh, uint64_t seed0, int backward) {
       b++;
     }
     b += test_close(&gpu[1], &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_w13 d_w2 d_ws13 d_ws2",
-                    1e-2, "W = 2 against the CPU");
-    if (!b) printf("    %-12s W = 2: the bits of W = 1, close to the CPU\n", sh->name);
+                    1e-2, what);
+    if (!b) printf("    %-12s W = %d: the bits of W = 1, close to the CPU\n", sh->name, W);
     return b;
   }
 }
 
-/* ep_compare over a table of shapes, seeds from the case's. */
-static int ep_shapes(const ep_shape_t* shapes, size_t n, int backward) {
+/* ep_compare over a table of shapes at W, seeds from the case's. */
+static int ep_shapes(const ep_shape_t* shapes, size_t n, int backward, int W) {
   int bad = 0;
-  for (size_t i = 0; i < n; i++) bad += ep_compare(&shapes[i], test_case_seed() + i, backward);
+  for (size_t i = 0; i < n; i++) bad += ep_compare(&shapes[i], test_case_seed() + i, backward, W);
   return bad != 0;
 }
 
@@ -131,7 +135,7 @@ static int ep_forward_w2(void) {
       {"losses", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
       {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
   };
-  return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 0);
+  return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 0, 2);
 }
 
 /* A training step (forward, backward): every gradient, the replicated ones through the
@@ -145,7 +149,7 @@ static int ep_step_w2(void) {
       {"accum", 1024, 256, 128, 16, 2, 128, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f},
       {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
   };
-  return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 1);
+  return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 1, 2);
 }
 
 /* cfg.gate_up = MOK_GATE_UP_RECOMPUTE at W = 2 (the expert rows' x in the window) has
@@ -184,15 +188,15 @@ static int ep_gate_up_w2(void) {
   return bad;
 }
 
-/* A step that would overflow a rank's capacity stops on both ranks with
- * MOK_STATUS_CAPACITY_EXCEEDED (each rank sees every count, so both decide alike). */
-static int ep_capacity_w2(void) {
-  if (!two_gpus()) return TEST_NOT_RUN;
+/* A step that would overflow a rank's capacity stops on every rank with
+ * MOK_STATUS_CAPACITY_EXCEEDED (each rank sees every count, so all decide alike). */
+static int ep_capacity(int W) {
+  if (!have_gpus(W)) return TEST_NOT_RUN;
   mok_problem_t* p = small_problem(512);
   TEST_ASSERT(p, "problem");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
-  o.W = 2;
-  o.capacity = 512 * 2 / 4;  // each rank's experts get about half of the 1024 rows
+  o.W = W;
+  o.capacity = 512 * 2 / W / 2;  // each rank's experts get about 1024 / W of the rows: half fit
   char err[1024] = "";
   const mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
   printf("    %s: %s\n", mok_status_string(st), err);
@@ -200,15 +204,15 @@ static int ep_capacity_w2(void) {
   return 0;
 }
 
-/* A rank that creates its context and then never steps: the other's step returns
- * MOK_STATUS_COMM_TIMEOUT within its bound (0.5 s here), no hang, and both contexts
- * are destroyed. */
-static int ep_timeout_w2(void) {
-  if (!two_gpus()) return TEST_NOT_RUN;
+/* A rank that creates its context and then never steps: the others' steps return
+ * MOK_STATUS_COMM_TIMEOUT within their bound (0.5 s here), no hang, and every context
+ * is destroyed. */
+static int ep_timeout(int W) {
+  if (!have_gpus(W)) return TEST_NOT_RUN;
   mok_problem_t* p = small_problem(256);
   TEST_ASSERT(p, "problem");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
-  o.W = 2;
+  o.W = W;
   o.silent_rank = 1;
   o.comm_timeout_s = 0.5;
   char err[1024] = "";
@@ -223,7 +227,45 @@ static int ep_timeout_w2(void) {
   return 0;
 }
 
+static int ep_capacity_w2(void) { return ep_capacity(2); }
+static int ep_timeout_w2(void) { return ep_timeout(2); }
+
+/* W = 4 and 8 (issue 6; not run where the machine has fewer GPUs): the forward and a
+ * step against the CPU at W and bitwise against W = 1, hence D3 over W = 1, 2, 4, 8 on
+ * each batch; capacity and timeout at 4. Every rank's T a multiple of 64 where the step
+ * has replicated sums (T_global a multiple of 64 W), E a multiple of 8. */
+static int ep_forward_w(int W) {
+  if (!have_gpus(W)) return TEST_NOT_RUN;
+  static const ep_shape_t shapes[] = {
+      {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f},
+      {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f},
+      {"replay", 513, 128, 64, 8, 2, 0, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f},
+      {"losses", 1024, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+  };
+  return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 0, W);
+}
+static int ep_step_w(int W) {
+  if (!have_gpus(W)) return TEST_NOT_RUN;
+  static const ep_shape_t shapes[] = {
+      {"e16_k4", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+      {"shared", 1024, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+      {"replay", 512, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f},
+      {"accum", 1024, 256, 128, 16, 2, 128, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+  };
+  return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 1, W);
+}
+static int ep_forward_w4(void) { return ep_forward_w(4); }
+static int ep_step_w4(void) { return ep_step_w(4); }
+static int ep_capacity_w4(void) { return ep_capacity(4); }
+static int ep_timeout_w4(void) { return ep_timeout(4); }
+static int ep_forward_w8(void) { return ep_forward_w(8); }
+static int ep_step_w8(void) { return ep_step_w(8); }
+
 const test_case_t suite_gpu_comm[] = {
     {"peer_exchange_w2", peer_exchange_w2}, {"ep_forward_w2", ep_forward_w2}, {"ep_step_w2", ep_step_w2},
     {"ep_capacity_w2", ep_capacity_w2},     {"ep_timeout_w2", ep_timeout_w2},   {"ep_gate_up_w2", ep_gate_up_w2},
+    {"ep_forward_w4", ep_forward_w4},       {"ep_step_w4", ep_step_w4},         {"ep_capacity_w4", ep_capacity_w4},
+    {"ep_timeout_w4", ep_timeout_w4},       {"ep_forward_w8", ep_forward_w8},   {"ep_step_w8", ep_step_w8},
     TEST_END};
