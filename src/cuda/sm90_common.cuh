@@ -875,6 +875,28 @@ __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, co
   }
 }
 
+// A warp copies n <= kCopyRows rows of H bf16, src[k] to dst[k], their 16-byte chunks
+// through shared memory with cp.async: kCopyChunks / kCopyRows chunks of each row a lane
+// in flight, in the lane's part of the warp's buffer at buf ([row][chunk][32 lanes], 16
+// bytes each; a lane reads back only its own chunks). copy_row's registers held 2 to 4
+// chunks a lane. The caller has released the stages (release_stages_from_stores).
+constexpr int kCopyRows = 3, kCopyChunks = 24;  // (8 warps: 96 KB of the stages)
+__device__ __forceinline__ void copy_rows_smem(uint32_t buf, const bf16* const (&src)[kCopyRows],
+                                               bf16* const (&dst)[kCopyRows], int n, int H, int lane) {
+  const int nv = H / 8, U = kCopyChunks / kCopyRows;
+  for (int v0 = lane; v0 < nv; v0 += 32 * U) {
+#pragma unroll
+    for (int k = 0; k < kCopyRows; k++)
+      for (int u = 0; u < U && v0 + 32 * u < nv && k < n; u++)
+        cp_async_16(buf + (k * U + u) * 512, reinterpret_cast<const uint4*>(src[k]) + v0 + 32 * u);
+    cp_async_wait_all();
+#pragma unroll
+    for (int k = 0; k < kCopyRows; k++)
+      for (int u = 0; u < U && v0 + 32 * u < nv && k < n; u++)
+        reinterpret_cast<uint4*>(dst[k])[v0 + 32 * u] = ld_shared_v4(buf + (k * U + u) * 512);
+  }
+}
+
 // fp32 x 4 (16 bytes) of shared memory at addr, into v[0..3].
 __device__ __forceinline__ void ld_shared_f32x4(uint32_t addr, float* v) {
   const uint4 r = ld_shared_v4(addr);

@@ -278,24 +278,6 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   signal_counter(sm, &p.st.sync->counter[C_PREFIX]);
 }
 
-// One warp copies an x row (H bf16) from src to dst: kInFlight 16-byte loads a lane
-// before their stores (latency hiding; the stream task keeps 2, which its registers
-// allow beside the kernel's).
-template <int kInFlight>
-__device__ __forceinline__ void copy_row(const bf16* src_row, bf16* dst_row, int H, int lane) {
-  const uint4* src = reinterpret_cast<const uint4*>(src_row);
-  uint4* dst = reinterpret_cast<uint4*>(dst_row);
-  for (int v0 = lane; v0 < H / 8; v0 += 32 * kInFlight) {
-    uint4 r[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; u++)
-      if (v0 + 32 * u < H / 8) r[u] = src[v0 + 32 * u];
-#pragma unroll
-    for (int u = 0; u < kInFlight; u++)
-      if (v0 + 32 * u < H / 8) dst[v0 + 32 * u] = r[u];
-  }
-}
-
 // ---- DISPATCH, W > 1: stream task d of s.nd ----
 // First every stream task puts its share of the slots into the stream order (sv.pos,
 // sv.sorted), and they all meet (C_DISPATCH). Then task d sends rows j = loc_off[e] + d +
@@ -317,13 +299,24 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
   if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], (uint32_t)s.nd, p.st, 19)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
   const int gs = cdiv(s.e_loc, kArriveGroups), groups = cdiv(s.e_loc, gs);
+  if (threadIdx.x == 0) release_stages_from_stores(sm);  // (copy_rows_smem's chunks go there)
+  __syncthreads();
+  const uint32_t buf = smem_addr(sm.stage) + (warp * kCopyChunks * 32 + lane) * 16;
   for (int g = 0; g < groups; g++) {
     for (int r = 0; r < s.W; r++)
       for (int l = g * gs; l < min(s.e_loc, (g + 1) * gs); l++) {
-        const int e = r * s.e_loc + l, j1 = p.sv.loc_off[e + 1], shift = p.sv.loc_shift[e];
+        const int e = r * s.e_loc + l, j1 = p.sv.loc_off[e + 1], shift = p.sv.loc_shift[e], step = s.nd * warps;
         bf16* rows = p.peer_x_rows.rows[r];
-        for (int j = p.sv.loc_off[e] + d + s.nd * warp; j < j1; j += s.nd * warps)
-          copy_row<2>(p.x + (int64_t)(p.sv.sorted[j] / K) * H, rows + (int64_t)(j - shift) * H, H, lane);
+        for (int j0 = p.sv.loc_off[e] + d + s.nd * warp; j0 < j1; j0 += kCopyRows * step) {  // rows j0, j0 + step, ...
+          const bf16* src[kCopyRows];
+          bf16* dst[kCopyRows];
+#pragma unroll
+          for (int k = 0; k < kCopyRows; k++) {
+            const int j = min(j0 + k * step, j1 - 1);
+            src[k] = p.x + (int64_t)(p.sv.sorted[j] / K) * H, dst[k] = rows + (int64_t)(j - shift) * H;
+          }
+          copy_rows_smem(buf, src, dst, min(kCopyRows, (j1 - 1 - j0) / step + 1), H, lane);
+        }
       }
     __threadfence_system();  // (each thread's stores into the owners' rows)
     __syncthreads();
@@ -340,12 +333,25 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   if (s.W > 1) return dispatch_stream_task(sm, p, sb);
   if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), b = t0 / 128, K = s.K, H = s.H;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
-    const int t = i / K, e = p.sv.idx[i];
-    const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
-    if (lane == 0) p.sv.pos[i] = pos;
-    copy_row<4>(p.x + (int64_t)t * H, p.sv.x_rows + (int64_t)pos * H, H, lane);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
+  if (threadIdx.x == 0) release_stages_from_stores(sm);  // (copy_rows_smem's chunks go there)
+  __syncthreads();
+  const uint32_t buf = smem_addr(sm.stage) + (warp * kCopyChunks * 32 + lane) * 16;
+  for (int i0 = t0 * K + warp; i0 < t1 * K; i0 += kCopyRows * warps) {  // slots i0, i0 + warps, ...
+    const bf16* src[kCopyRows];
+    bf16* dst[kCopyRows];
+    int n = 0;
+#pragma unroll
+    for (int k = 0; k < kCopyRows; k++) {
+      const int i = min(i0 + k * warps, t1 * K - 1), t = i / K, e = p.sv.idx[i];
+      const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
+      if (i0 + k * warps < t1 * K) {
+        if (lane == 0) p.sv.pos[i] = pos;
+        n = k + 1;
+      }
+      src[k] = p.x + (int64_t)t * H, dst[k] = p.sv.x_rows + (int64_t)pos * H;
+    }
+    copy_rows_smem(buf, src, dst, n, H, lane);
   }
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
 }
