@@ -839,21 +839,23 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
 // terms in flight at once, up to kSlotChunks in all: registers held 4 slots' chunks at a
 // time, and the sums ran at about a third of HBM's rate. The caller has released the
 // stages (release_stages_from_stores); a warp's chunks: [warp][kSlotChunks][32 lanes].
-// With kept (W > 1, the forward's COMBINE): a row read from another rank is also stored
-// at its slot, kept + (t K + j) H, for the backward's DG to read locally (a local store
-// instead of a second remote load, which waits on the NVLink round trip).
+// With kept (W > 1, the forward's COMBINE): a slot whose expert another rank owns is
+// read at the slot, kept + (t K + j) H, where that rank's RETURN put it, not from the
+// owner's rows.
 constexpr int kSlotChunks = 40, kSlotExtra = 4;
 static_assert((kThreads / 32) * kSlotChunks * 32 * 16 <= kStages * kStageBytes, "the chunks fit in the stages");
 template <bool kWeighted, class Extra, class Finish>
 __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, const SavedView& sv, const Shape& s,
-                                              int t, bf16* kept, Extra extra, Finish finish) {
+                                              int t, const bf16* kept, Extra extra, Finish finish) {
   const int K = s.K, nv = s.H / 8, lane = threadIdx.x % 32, U = max(1, kSlotChunks / (K + kSlotExtra));
   const uint32_t buf = smem_addr(sm.stage) + ((threadIdx.x / 32) * kSlotChunks * 32 + lane) * 16;
   auto fetch = [](uint32_t at, const void* src) { cp_async_16(at, src); };
   for (int v0 = lane; v0 < nv; v0 += 32 * U) {
     for (int j = 0; j < K; j++) {
       const int64_t i = (int64_t)t * K + j;
-      const uint4* row = reinterpret_cast<const uint4*>(peer.rows[sv.idx[i] / s.e_loc] + (int64_t)sv.pos[i] * s.H);
+      const int owner = sv.idx[i] / s.e_loc;
+      const uint4* row = reinterpret_cast<const uint4*>(kept && owner != s.rank ? kept + i * s.H
+                                                                                : peer.rows[owner] + (int64_t)sv.pos[i] * s.H);
       for (int u = 0; u < U && v0 + 32 * u < nv; u++) cp_async_16(buf + (j * U + u) * 512, row + v0 + 32 * u);
     }
     for (int u = 0; u < U && v0 + 32 * u < nv; u++) extra(v0 + 32 * u, buf + (K * U + u * kSlotExtra) * 512, fetch);
@@ -864,7 +866,6 @@ __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, co
       for (int j = 0; j < K; j++) {
         const int64_t i = (int64_t)t * K + j;
         const uint4 raw = ld_shared_v4(buf + (j * U + u) * 512);
-        if (kept && sv.idx[i] / s.e_loc != s.rank) reinterpret_cast<uint4*>(kept + i * s.H)[v] = raw;
         const float g = kWeighted ? sv.g[i] : 1.f;
         const bf16* x = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll

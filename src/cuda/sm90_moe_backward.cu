@@ -77,7 +77,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     const uint4* dyv = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
     const int owner = p.sv.idx[i] / s.e_loc;
     const bf16* o_row = owner == s.rank ? p.peer_o_rows.rows[owner] + (int64_t)pos * H
-                                        : p.o_kept + (int64_t)i * H;  // (the forward COMBINE's copy)
+                                        : p.o_kept + (int64_t)i * H;  // (where the owner's RETURN put it)
     const uint4* ov = reinterpret_cast<const uint4*>(o_row);
     uint4* dst = reinterpret_cast<uint4*>(p.peer_dy_rows.rows[owner] + (int64_t)pos * H);
     float part = 0.f;  // lane's h in increasing order, then the warp's fixed tree

@@ -15,13 +15,18 @@
 //                 order, each group flagged to its owner (dispatch_stream_task)
 //   GEMM1[m,n]    expert m-tile: a = x_rows w13[e]^T, epilogue h = silu(gate) * up
 //   SHARED2[m,n]  shared expert down projection
+//   RETURN[d]     W > 1: return stream d of nr: as GEMM2 finishes each of its m-tiles
+//                 (mt = d, d + nr, ...), the tile's rows of other ranks' slots to those
+//                 ranks' o_kept at the slot (return_task); tickets before GEMM2's
 //   GEMM2[m,n]    o = h w2[e]^T
 //   COMBINE[b]    (32 tokens) y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order
+//                 (W > 1: other ranks' o rows from o_kept, local)
 #include "sm90_common.cuh"
 
 namespace mok {
 
-enum : int { C_ROUTE, C_PREFIX, C_DISPATCH, C_G2, C_S2, C_FIXED };  // then mt1[max_mt], smt1[smt]
+// then mt1[max_mt] (W > 1: GEMM2's groups count there too, after GEMM1's), smt1[smt]
+enum : int { C_ROUTE, C_PREFIX, C_DISPATCH, C_G2, C_S2, C_RET, C_FIXED };
 
 __host__ __device__ inline uint32_t fwd_num_counters(const Shape& s) { return C_FIXED + s.max_mt + s.smt; }
 
@@ -312,8 +317,9 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
           bf16* dst[kCopyRows];
 #pragma unroll
           for (int k = 0; k < kCopyRows; k++) {
-            const int j = min(j0 + k * step, j1 - 1);
-            src[k] = p.x + (int64_t)(p.sv.sorted[j] / K) * H, dst[k] = rows + (int64_t)(j - shift) * H;
+            const int j = min(j0 + k * step, j1 - 1), i = p.sv.sorted[j];
+            if (lane == 0) p.ret.row_src[r][j - shift] = (int64_t)s.rank << 32 | (uint32_t)i;  // (RETURN's way back)
+            src[k] = p.x + (int64_t)(i / K) * H, dst[k] = rows + (int64_t)(j - shift) * H;
           }
           copy_rows_smem(buf, src, dst, min(kCopyRows, (j1 - 1 - j0) / step + 1), H, lane);
         }
@@ -440,8 +446,52 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
         });
   });
   if (!ok) return;
-  signal_counter_publish(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * groups(cdiv(s.H, BN), s.F / BK)), p.px, s,
-                         kFlagExperts, sm.peer_serial);
+  // W = 1: all of GEMM2 (COMBINE's wait); W > 1: the tile's count, after GEMM1's groups
+  // (RETURN's wait), and RETURN publishes the rows' arrival
+  signal_counter(sm, &p.st.sync->counter[s.W > 1 ? C_FIXED + mt : C_G2]);
+}
+
+// ---- RETURN, W > 1: return stream d of s.nr ----
+// As GEMM2 completes each m-tile mt = d, d + nr, ... of this rank's experts (the tile's
+// counter: GEMM1's groups, then GEMM2's), the tile's rows of other ranks' slots go to
+// those ranks' o_kept at the slot (row_src, written by the source's DISPATCH), while
+// GEMM2 goes on with later tiles. COMBINE then reads only local rows instead of pulling
+// T K (W - 1) / W rows over NVLink after every owner's last GEMM2 (268 MB each way at
+// qwen3-30b-a3b, W = 2: about 0.77 ms of NVLink with nothing beside it). A warp copies
+// kCopyRows rows at a time (copy_rows_smem). The last return task to finish publishes
+// kFlagExperts.
+__device__ __noinline__ void return_task(Smem& sm, const FwdParams& p, int d) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;  // (the tile table)
+  const uint32_t done = (uint32_t)(groups(cdiv(s.F, BF), s.H / BK) + groups(cdiv(s.H, BN), s.F / BK));
+  const int tiles = *(volatile const int*)p.num_tiles, H = s.H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
+  if (threadIdx.x == 0) release_stages_from_stores(sm);
+  __syncthreads();
+  const uint32_t buf = smem_addr(sm.stage) + (warp * kCopyChunks * 32 + lane) * 16;
+  for (int mt = d; mt < tiles; mt += s.nr) {
+    if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], done, p.st, 19)) return;
+    const int row0 = p.tile_row0[mt], row1 = min(row0 + BM, p.tile_row_end[mt]);
+    for (int pos = row0 + warp; pos < row1;) {  // the warp's rows of other ranks' slots, kCopyRows at a time
+      const bf16* src[kCopyRows];
+      bf16* dst[kCopyRows];
+      int n = 0;
+#pragma unroll
+      for (int k = 0; k < kCopyRows; k++) {
+        src[k] = p.sv.o_rows, dst[k] = nullptr;
+        for (; pos < row1 && dst[k] == nullptr; pos += warps) {
+          const int64_t from = p.ret.row_src[s.rank][pos];
+          const int r = (int)(from >> 32);
+          if (r == s.rank) continue;  // (COMBINE reads this rank's own rows in place)
+          src[k] = p.sv.o_rows + (int64_t)pos * H, dst[k] = p.ret.o_kept[r] + (int64_t)(uint32_t)from * H;
+          n = k + 1;
+        }
+      }
+      copy_rows_smem(buf, src, dst, n, H, lane);
+    }
+  }
+  __threadfence_system();  // (each thread's stores into the sources' o_kept)
+  signal_counter_publish(sm, &p.st.sync->counter[C_RET], (uint32_t)s.nr, p.px, s, kFlagExperts, sm.peer_serial);
 }
 
 __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int g) {
@@ -464,7 +514,9 @@ __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int m
 __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) {
   const Shape& s = p.s;
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
-  if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH2), p.st, 19, kFlagExperts))
+  const bool ret = s.W > 1;  // every rank's RETURN has sent this rank its o rows
+  if (!wait_counter(sm, &p.st.sync->counter[ret ? C_RET : C_G2], ret ? (uint32_t)s.nr : (uint32_t)(s.max_mt * nH2),
+                    p.st, 19, kFlagExperts))
     return;  // (every owner's o rows)
   if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nHs), p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), H = s.H;
@@ -472,7 +524,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
   __syncthreads();
   for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32)
     sum_slot_rows<true>(  // y = sum_j g_j o_j, slots in order, then + the shared expert's o
-        sm, p.peer_o_rows, p.sv, s, t, p.o_kept,
+        sm, p.peer_o_rows, p.sv, s, t, ret ? p.ret.o_kept[s.rank] : nullptr,
         [&](int v, uint32_t x, auto fetch) {
           if (s.Fs > 0) fetch(x, p.shared_o + (int64_t)t * H + v * 8);
         },
@@ -491,6 +543,12 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
 // The phases whose GEMM tasks two CTAs of a cluster may run as a pair: gemm1, gemm2.
 __device__ __forceinline__ bool paired_phase(int k) { return k == 4 || k == 6; }
 
+// Phases (kinds): 0 route, 1 shared1, 2 prefix, 3 dispatch, 4 gemm1, 5 shared2, 6 gemm2,
+// 7 combine, 8 return (profile slot 23). The i-th phase in ticket order: return's
+// tickets come before gemm2's, so that its tasks hold their CTAs while GEMM2 runs.
+constexpr int kFwdPhases = 9;
+__host__ __device__ constexpr int fwd_order(int i) { return i <= 5 ? i : i == 6 ? 8 : i - 1; }
+
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
@@ -500,31 +558,33 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
   const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
   const int n_sh2 = s.Fs ? s.smt * nHs : 0, n_g2 = s.max_mt * nH2;
-  // The phases in ticket order: route, shared1, prefix, dispatch, gemm1, shared2, gemm2,
-  // combine; with pairs the paired phases (gemm1, gemm2) start at an even ticket (one
-  // skipped before), so that a cluster's two tickets are two m-tiles of one column group
-  // (kBand and max_mt are even): a pair when both are the same expert's (pair_agree;
-  // walk_tiles). In shared memory: indexed by a run-time phase, an array in registers
-  // would be local memory.
-  __shared__ int phase_start[8], phase_end[8];
+  // The phases in ticket order: route, shared1, prefix, dispatch, gemm1, shared2, return,
+  // gemm2, combine (kinds 0-5, 8, 6, 7: fwd_order); with pairs the paired phases (gemm1,
+  // gemm2) start at an even ticket (one skipped before), so that a cluster's two tickets
+  // are two m-tiles of one column group (kBand and max_mt are even): a pair when both
+  // are the same expert's (pair_agree; walk_tiles). In shared memory: indexed by a
+  // run-time phase, an array in registers would be local memory.
+  __shared__ int phase_start[kFwdPhases], phase_end[kFwdPhases];
   if (threadIdx.x == 0) {
-    const int count[8] = {n_route, n_sh1, 1, s.nd, n_g1, n_sh2, n_g2, s.ns};
+    const int count[kFwdPhases] = {n_route, n_sh1, 1, s.nd, n_g1, n_sh2, n_g2, s.ns, s.nr};
     int t = 0;
-    for (int k = 0; k < 8; k++) {
-      t = pad_even(t, s.pairs && paired_phase(k));
-      phase_start[k] = t, phase_end[k] = t += count[k];
+    for (int i = 0; i < kFwdPhases; i++) {
+      const int k = fwd_order(i);
+      t = pad_even(t, s.pairs && (paired_phase(k) || k == 8));  // (return: return_tasks)
+      phase_start[i] = t, phase_end[i] = t += count[k];
     }
   }
   __syncthreads();
-  const int num_tasks = phase_end[7];
+  const int num_tasks = phase_end[kFwdPhases - 1];
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
     if (task >= num_tasks) continue;  // a cluster's second ticket past the last task
-    const int kind = ticket_phase(phase_start, phase_end, 8, task);
-    if (kind < 0) continue;
+    const int i = ticket_phase(phase_start, phase_end, kFwdPhases, task);
+    if (i < 0) continue;
+    const int kind = fwd_order(i);
     profile_start(sm, p.st);
-    const int local = task - phase_start[kind];
-    const bool pairable = paired_phase(kind) && partner_in_phase(sm, phase_start, phase_end, 8, task, kind);
+    const int local = task - phase_start[i];
+    const bool pairable = paired_phase(kind) && partner_in_phase(sm, phase_start, phase_end, kFwdPhases, task, i);
     int mt, g;
     switch (kind) {
       case 0: route_task(sm, p, local); break;
@@ -534,9 +594,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
       case 4: band_order(local, s.max_mt, nF1, &mt, &g), gemm1_task(sm, p, mt, g, pairable); break;
       case 5: shared2_task(sm, p, local / nHs, local % nHs); break;
       case 6: band_order(local, s.max_mt, nH2, &mt, &g), gemm2_task(sm, p, mt, g, pairable); break;
-      default: combine_task(sm, p, local); break;
+      case 7: combine_task(sm, p, local); break;
+      default: return_task(sm, p, local); break;
     }
-    profile_task(sm, p.st, kind);
+    profile_task(sm, p.st, kind == 8 ? 23 : kind);
   }
   finish_step(sm, p.st);
 }
