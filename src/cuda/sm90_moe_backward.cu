@@ -109,6 +109,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
       if (!s.fused) p.d_topk_weight[i] = part;
     }
   }
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   if (s.fused) {
     epi_acquire(sm);  // warp_scratch shares sm.epi with a previous task's TMA stores
     const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
@@ -662,6 +663,7 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
           }
           store_bf16x8(p.dx + (int64_t)t * H + v * 8, acc);
         });
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   __syncthreads();
 }
 

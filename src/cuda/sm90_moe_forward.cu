@@ -537,6 +537,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
           }
           store_bf16x8(p.y + (int64_t)t * H + v * 8, acc);
         });
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   __syncthreads();
 }
 
