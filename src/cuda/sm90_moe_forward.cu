@@ -340,6 +340,7 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
       flag_release_sys(flag, sm.peer_serial);
     }
   }
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
 }
 
 // ---- DISPATCH: W = 1 block sb of kSubTokens tokens; W > 1 stream task sb ----
@@ -368,6 +369,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     }
     copy_rows_smem(buf, src, dst, n, H, lane);
   }
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
 }
 
@@ -499,6 +501,7 @@ __device__ __noinline__ void return_task(Smem& sm, const FwdParams& p, int d) {
       copy_rows_smem(buf, src, dst, n, H, lane);
     }
   }
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   __threadfence_system();  // (each thread's stores into the sources' o_kept)
   signal_counter_publish(sm, &p.st.sync->counter[C_RET], (uint32_t)s.nr, p.px, s, kFlagExperts, sm.peer_serial);
 }
