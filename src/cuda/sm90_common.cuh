@@ -898,6 +898,58 @@ __device__ __forceinline__ void copy_rows_smem(uint32_t buf, const bf16* const (
   }
 }
 
+// The fixed pairwise tree over n leaves in order (DESIGN.md section 2): node i of a
+// level = node 2i + node 2i+1 of the level below, a lone last node moving up. Evaluated
+// as a binary counter over the leaves in order: node[L] holds the pending left node of
+// level L (bit L of the leaves seen); a new node of level L is added to it from the
+// right and carries to level L + 1; at the end the pending nodes fold from the lowest
+// level up, which is the lone-node rule. The same bits as the level-by-level evaluation.
+constexpr int kTreeLevels = 26;  // chunks = ceil(T / 64) < 2^26 for any int32 T
+// Where a counter's pending nodes live: registers (tree_column), or a thread's column of
+// shared memory strided by kThreads (tree_task's second round, beside no GEMM state).
+struct RegNodes {
+  float v[kTreeLevels];
+  __device__ __forceinline__ float& operator[](int L) { return v[L]; }
+  __device__ __forceinline__ float operator[](int L) const { return v[L]; }
+};
+struct SmemNodes {
+  float* p;
+  __device__ __forceinline__ float& operator[](int L) { return p[L * kThreads]; }
+  __device__ __forceinline__ float operator[](int L) const { return p[L * kThreads]; }
+};
+template <class Nodes>
+struct TreeCounter {
+  Nodes node;
+  uint32_t seen = 0;
+  // x: the subtree of leaves [seen, seen + 2^level)
+  __device__ __forceinline__ void push(float x, int level) {
+    bool carry = true;  // (no break: node stays in registers)
+#pragma unroll
+    for (int L = 0; L < kTreeLevels; L++) {
+      if (L < level || !carry) continue;
+      if ((seen >> L) & 1u) {
+        x = __fadd_rn(node[L], x);
+      } else {
+        node[L] = x;
+        carry = false;
+      }
+    }
+    seen += 1u << level;
+  }
+  // the pending nodes, from the lowest level up (the lone-node rule)
+  __device__ __forceinline__ float fold() const {
+    float r = 0.f;
+    bool any = false;
+#pragma unroll
+    for (int L = 0; L < kTreeLevels; L++)
+      if ((seen >> L) & 1u) {
+        r = any ? __fadd_rn(node[L], r) : node[L];
+        any = true;
+      }
+    return r;
+  }
+};
+
 // fp32 x 4 (16 bytes) of shared memory at addr, into v[0..3].
 __device__ __forceinline__ void ld_shared_f32x4(uint32_t addr, float* v) {
   const uint4 r = ld_shared_v4(addr);

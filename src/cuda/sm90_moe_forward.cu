@@ -150,6 +150,15 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   const Shape& s = p.s;
   const int E = s.E;
   if (!wait_counter(sm, &p.st.sync->counter[C_ROUTE], s.nb, p.st, 19)) return;
+  // PREFIX runs on one CTA while every other waits for it (0.5 ms at qwen3-30b-a3b in
+  // the thirteenth session's trace): its loops load before they store (a store may alias
+  // a later load as far as the compiler knows, and each load after one waits for it),
+  // and thread 0's serial walks read the counts and offsets from shared memory (the
+  // stages: sh_counts [E], sh_off [E + 1], sh_loc_off [E + 1], sh_loc_shift [E]).
+  if (threadIdx.x == 0) release_stages_from_stores(sm);
+  __syncthreads();
+  int* const sh_counts = reinterpret_cast<int*>(sm.stage);
+  int* const sh_off = sh_counts + E, *const sh_loc_off = sh_off + E + 1, *const sh_loc_shift = sh_loc_off + E + 1;
   // With W > 1 the counts and T go to every rank (row s.rank of each rank's counts
   // table) and this rank's rows of expert e follow those of ranks < s.rank: block
   // offsets start there. Every rank then holds the same [W][E + 1] table and computes
@@ -175,15 +184,19 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     int before = 0, tot = s.W > 1 ? 0 : p.sv.counts[e];  // rows of ranks < s.rank; all ranks'
     for (int r = 0; r < s.W && s.W > 1; r++) {  // (ranks in order: integer sums)
       const int n = peer_count(p, r, e);
-      if (r == s.rank) p.sv.loc_off[e] = n, p.sv.loc_shift[e] = before;  // (made offsets below)
+      if (r == s.rank) sh_loc_off[e] = n, sh_loc_shift[e] = before;  // (made offsets below)
       if (r < s.rank) before += n;
       tot += n;
     }
-    for (int b = 0; b < s.nb; b++) {
-      p.block_off[(int64_t)b * E + e] = before;
-      before += p.block_counts[(int64_t)b * E + e];
+    for (int b0 = 0; b0 < s.nb; b0 += 8) {  // 8 blocks' counts loaded, then their offsets stored
+      int n[8];
+#pragma unroll
+      for (int k = 0; k < 8; k++) n[k] = b0 + k < s.nb ? p.block_counts[(int64_t)(b0 + k) * E + e] : 0;
+#pragma unroll
+      for (int k = 0; k < 8; k++)
+        if (b0 + k < s.nb) p.block_off[(int64_t)(b0 + k) * E + e] = before, before += n[k];
     }
-    p.sv.counts[e] = tot;
+    p.sv.counts[e] = sh_counts[e] = tot;
   }
   // loss statistics: the fixed pairwise tree over the chunks, in place, per column.
   // With W > 1 over every rank's chunks in global order: each rank's rows go into every
@@ -212,14 +225,20 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       stats = p.px.stats[s.rank];
     }
   }
-  if (losses)
+  if (losses)  // each column's tree (TreeCounter, 8 leaves loaded at a time) into its row 0
     for (int e = threadIdx.x; e <= E; e += kThreads) {
-      volatile float* col = stats + e;  // (W > 1: rows written by peers)
-      for (int n = chunks; n > 1; n = (n + 1) / 2)
-        for (int i = 0; i < n / 2 + (n & 1); i++) {
-          const float left = col[(int64_t)(2 * i) * (E + 1)];
-          col[(int64_t)i * (E + 1)] = 2 * i + 1 < n ? __fadd_rn(left, col[(int64_t)(2 * i + 1) * (E + 1)]) : left;
-        }
+      const float* col = stats + e;
+      TreeCounter<SmemNodes> tc{{reinterpret_cast<float*>(sm.stage[1]) + threadIdx.x}};  // (registers: a spill)
+      for (int c0 = 0; c0 < chunks; c0 += 8) {
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++)  // (L2: at W > 1 rows written by peers)
+          v[k] = c0 + k < chunks ? __ldcg(col + (int64_t)(c0 + k) * (E + 1)) : 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+          if (c0 + k < chunks) tc.push(v[k], 0);
+      }
+      stats[e] = tc.fold();
     }
   __shared__ int over;  // some rank's experts would receive more rows than the capacity
   __syncthreads();
@@ -231,11 +250,11 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     over = 0;
     for (int e = 0; e < E; e++) {
       if (e % s.e_loc == 0) off = 0;
-      p.sv.expert_off[e] = off, off += p.sv.counts[e];
+      p.sv.expert_off[e] = sh_off[e] = off, off += sh_counts[e];
       over |= off > p.capacity;
       if (e / s.e_loc == s.rank) mine = off;
     }
-    p.sv.expert_off[E] = mine;
+    p.sv.expert_off[E] = sh_off[E] = mine;
     // every rank sees every count and stops alike, before any row moves or output is
     // written: PREFIX never completes, so the tasks waiting for it give up
     if (over) raise_error(p.st, MOK_STATUS_CAPACITY_EXCEEDED);
@@ -245,7 +264,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   if (threadIdx.x == 0) {
     int mt = 0;
     const int e0 = s.rank * s.e_loc;
-    walk_tiles(p.sv.counts + e0, p.sv.expert_off + e0, s.e_loc, s.pairs, [&](int e, int row0, int n, int row_end) {
+    walk_tiles(sh_counts + e0, sh_off + e0, s.e_loc, s.pairs, [&](int e, int row0, int n, int row_end) {
       for (int i = 0; i < n; i++, mt++)
         p.tile_expert[mt] = e, p.tile_row0[mt] = row0 + i * BM, p.tile_row_end[mt] = row_end;
       return false;
@@ -254,7 +273,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     if (s.W > 1) {  // this rank's rows in stream order (by expert, then owner row: j = pos + loc_shift[e])
       int j = 0;
       for (int e = 0; e < E; e++) {
-        const int mine = p.sv.loc_off[e], owner_row = p.sv.expert_off[e] + p.sv.loc_shift[e];
+        const int mine = sh_loc_off[e], owner_row = sh_off[e] + sh_loc_shift[e];
         p.sv.loc_off[e] = j, p.sv.loc_shift[e] = j - owner_row;
         j += mine;
       }
@@ -264,7 +283,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       float aux = 0.f;
       const float TK = (float)T_all * (float)s.K;
       for (int e = 0; e < E; e++)
-        aux = __fadd_rn(aux, __fmul_rn(__fdiv_rn((float)p.sv.counts[e], TK), __fdiv_rn(stats[e], (float)T_all)));
+        aux = __fadd_rn(aux, __fmul_rn(__fdiv_rn((float)sh_counts[e], TK), __fdiv_rn(stats[e], (float)T_all)));
       if (p.aux_loss) *p.aux_loss = __fmul_rn(__fmul_rn(s.aux_coef, (float)E), aux);
       if (p.z_loss) *p.z_loss = __fmul_rn(s.z_coef, __fdiv_rn(stats[E], (float)T_all));
     } else {
@@ -283,12 +302,26 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   // outputs only when the step goes on (a capacity overflow stops it on every rank first)
   if (*(volatile uint32_t*)&p.st.sync->error == 0) {
     for (int e = threadIdx.x; e < E && p.tokens_per_expert; e += kThreads) p.tokens_per_expert[e] = p.sv.counts[e];
-    if (s.fused && (p.out_idx || p.out_w))
-      for (int64_t i = threadIdx.x; i < (int64_t)s.T * s.K; i += kThreads) {
-        if (p.out_idx) p.out_idx[i] = p.sv.idx[i];
-        if (p.out_w) p.out_w[i] = p.sv.g[i];
+    if (s.fused && (p.out_idx || p.out_w)) {
+      const int64_t n = (int64_t)s.T * s.K;
+      for (int64_t i0 = threadIdx.x; i0 < n; i0 += 8 * kThreads) {  // 8 slots loaded, then stored
+        int32_t idx[8];
+        float g[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+          const int64_t i = i0 + (int64_t)k * kThreads;
+          idx[k] = i < n ? p.sv.idx[i] : 0, g[k] = i < n ? p.sv.g[i] : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+          const int64_t i = i0 + (int64_t)k * kThreads;
+          if (i < n && p.out_idx) p.out_idx[i] = idx[k];
+          if (i < n && p.out_w) p.out_w[i] = g[k];
+        }
       }
+    }
   }
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[C_PREFIX]);
 }
 
