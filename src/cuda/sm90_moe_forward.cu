@@ -198,7 +198,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     }
     p.sv.counts[e] = sh_counts[e] = tot;
   }
-  // loss statistics: the fixed pairwise tree over the chunks, in place, per column.
+  // loss statistics: the fixed pairwise tree over the chunks, per column, into row 0.
   // With W > 1 over every rank's chunks in global order: each rank's rows go into every
   // rank's stats table at its first global chunk, and every rank sums the whole table
   // (the same tree over the same chunks as W = 1, when every rank but the last has a
@@ -216,8 +216,15 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     }
     if (losses) {
       const int64_t n = (int64_t)s.chunks * (E + 1);
-      for (int r = 0; r < s.W; r++)
-        for (int64_t i = threadIdx.x; i < n; i += kThreads) p.px.stats[r][chunk0 * (int64_t)(E + 1) + i] = p.chunk_stats[i];
+      for (int64_t i0 = threadIdx.x; i0 < n; i0 += 8 * kThreads) {  // 8 loaded, then stored to every rank
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = i0 + k * kThreads < n ? p.chunk_stats[i0 + k * kThreads] : 0.f;
+        for (int r = 0; r < s.W; r++)
+#pragma unroll
+          for (int k = 0; k < 8; k++)
+            if (i0 + k * kThreads < n) p.px.stats[r][chunk0 * (int64_t)(E + 1) + i0 + k * kThreads] = v[k];
+      }
       __threadfence_system();
       __syncthreads();
       if (threadIdx.x == 0) publish_peers(p.px, s, kFlagStats, sm.peer_serial);
