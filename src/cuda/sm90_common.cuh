@@ -815,9 +815,9 @@ __device__ __forceinline__ float token_scores(const float* logits, int E, int sc
   return __fadd_rn(m, __logf(sum));
 }
 
-// 8 bf16 (16 bytes) to fp32 and back.
-__device__ __forceinline__ void load_bf16x8(const bf16* src, float (&v)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+// 8 bf16 (16 bytes, at a shared-memory address) to fp32, and fp32 to 8 bf16 in memory.
+__device__ __forceinline__ void ld_shared_bf16x8(uint32_t addr, float (&v)[8]) {
+  const uint4 raw = ld_shared_v4(addr);
   const bf16* b = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
   for (int k = 0; k < 8; k++) v[k] = bf(b[k]);
@@ -833,8 +833,8 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
 // Token t's slot rows summed, each 16-byte chunk v (8 bf16) of the row: acc = sum over
 // slots j in increasing order of (kWeighted: the slot's weight g_j x) row_j[v], row_j =
 // peer.rows[idx / e_loc] + pos * H; COMBINE's and DXSUM's sum. Then finish(v, acc, x)
-// adds the caller's terms, whose kSlotExtra chunks of v it asked to have in shared memory
-// at x, x + 512, ... (extra(v, x, fetch): fetch(x, src) copies 16 bytes there).
+// adds the caller's terms, whose kSlotExtra chunks of v extra(v, x) brought into shared
+// memory at x, x + 512, ... (cp_async_16).
 // A lane's chunks come through shared memory with cp.async, U a slot and U of the extra
 // terms in flight at once, up to kSlotChunks in all: registers held 4 slots' chunks at a
 // time, and the sums ran at about a third of HBM's rate. The caller has released the
@@ -849,7 +849,6 @@ __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, co
                                               int t, const bf16* kept, Extra extra, Finish finish) {
   const int K = s.K, nv = s.H / 8, lane = threadIdx.x % 32, U = max(1, kSlotChunks / (K + kSlotExtra));
   const uint32_t buf = smem_addr(sm.stage) + ((threadIdx.x / 32) * kSlotChunks * 32 + lane) * 16;
-  auto fetch = [](uint32_t at, const void* src) { cp_async_16(at, src); };
   for (int v0 = lane; v0 < nv; v0 += 32 * U) {
     for (int j = 0; j < K; j++) {
       const int64_t i = (int64_t)t * K + j;
@@ -858,7 +857,7 @@ __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, co
                                                                                 : peer.rows[owner] + (int64_t)sv.pos[i] * s.H);
       for (int u = 0; u < U && v0 + 32 * u < nv; u++) cp_async_16(buf + (j * U + u) * 512, row + v0 + 32 * u);
     }
-    for (int u = 0; u < U && v0 + 32 * u < nv; u++) extra(v0 + 32 * u, buf + (K * U + u * kSlotExtra) * 512, fetch);
+    for (int u = 0; u < U && v0 + 32 * u < nv; u++) extra(v0 + 32 * u, buf + (K * U + u * kSlotExtra) * 512);
     cp_async_wait_all();  // (a lane reads back only its own chunks)
     for (int u = 0; u < U && v0 + 32 * u < nv; u++) {
       const int v = v0 + 32 * u;

@@ -420,8 +420,11 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
 // The partials may be where dy_rows are (plan_bwd_ws): RW writes them once dh and wgrad2,
 // dy_rows' readers, have all finished (wg2_total: wgrad2's tasks). In ticket order RW
 // comes after wgrad13, so by then they have.
+// wgrad2's tile has read its dy_rows (every K block's TMA load consumed), which is all
+// RW needs: no wait for the tile's TMA stores (signal_counter's), which nothing reads.
 __device__ __noinline__ void wgrad2_done(Smem& sm, const BwdParams& p) {  // (noinline: no spill at the call)
-  signal_counter(sm, &p.st.sync->counter[B_WG2_ALL]);
+  __syncthreads();
+  if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_WG2_ALL], 1);
 }
 __device__ __noinline__ bool dy_rows_free(Smem& sm, const BwdParams& p, uint32_t wg2_total) {
   const Shape& s = p.s;
@@ -597,10 +600,10 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32)
     sum_slot_rows<false>(  // dx = sum_j dx_j, slots in order, then + router path, + shared path
         sm, p.peer_dx_rows, p.sv, s, t, nullptr,
-        [&](int v, uint32_t x, auto fetch) {  // (fp32: two chunks each)
+        [&](int v, uint32_t x) {  // (fp32: two chunks each)
           const int64_t at = (int64_t)t * H + v * 8;
-          if (s.fused) fetch(x, p.dx_router + at), fetch(x + 512, p.dx_router + at + 4);
-          if (s.Fs) fetch(x + 1024, p.dx_shared + at), fetch(x + 1536, p.dx_shared + at + 4);
+          if (s.fused) cp_async_16(x, p.dx_router + at), cp_async_16(x + 512, p.dx_router + at + 4);
+          if (s.Fs) cp_async_16(x + 1024, p.dx_shared + at), cp_async_16(x + 1536, p.dx_shared + at + 4);
         },
         [&](int v, float(&acc)[8], uint32_t x) {
           float r[8], sh[8];

@@ -577,15 +577,15 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
   for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32)
     sum_slot_rows<true>(  // y = sum_j g_j o_j, slots in order, then + the shared expert's o
         sm, p.peer_o_rows, p.sv, s, t, ret ? p.ret.o_kept[s.rank] : nullptr,
-        [&](int v, uint32_t x, auto fetch) {
-          if (s.Fs > 0) fetch(x, p.shared_o + (int64_t)t * H + v * 8);
+        [&](int v, uint32_t x) {
+          if (s.Fs > 0) cp_async_16(x, p.shared_o + (int64_t)t * H + v * 8);
         },
         [&](int v, float(&acc)[8], uint32_t x) {
           if (s.Fs > 0) {
-            const uint4 raw = ld_shared_v4(x);
-            const bf16* o = reinterpret_cast<const bf16*>(&raw);
+            float o[8];
+            ld_shared_bf16x8(x, o);
 #pragma unroll
-            for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], bf(o[k]));
+            for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], o[k]);
           }
           store_bf16x8(p.y + (int64_t)t * H + v * 8, acc);
         });
