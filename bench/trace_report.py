@@ -25,7 +25,8 @@ from shapes import SHAPES  # bench/ is this script's directory
 FWD = ["route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2", "combine"]
 BWD = ["dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13", "rw", "tree", "dxsum"]
 RECOMPUTE = ["rg", "rgs"]  # the backward's gate|up recompute (cfg.gate_up), after the wait slots
-NAMES = FWD + BWD + ["wait(fwd)", "wait(bwd)"] + RECOMPUTE
+RETURN = ["return"]  # the forward's o rows back to their ranks (W > 1), after those
+NAMES = FWD + BWD + ["wait(fwd)", "wait(bwd)"] + RECOMPUTE + RETURN
 # gpu_params.h's kStall* in order; epi-* are parts of "epilogue"; mma: each block's wgmma_wait<1>
 # (the tensor core running the previous block)
 STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barriers", "epi-issue", "signal", "epi-loads",
@@ -146,7 +147,7 @@ def main():
     sy = args.sync if args.sync is not None else max(by_sync)
     flops = gemm_flops(SHAPES[args.shape]) if args.shape else {}
     print(f"trace {args.trace}, sync {sy}" + (f", shape {args.shape}" if args.shape else ""))
-    report(by_sync[sy], FWD, "forward", flops, args.sms)
+    report(by_sync[sy], FWD + RETURN, "forward", flops, args.sms)
     report(by_sync[sy], BWD + RECOMPUTE, "backward", flops, args.sms)
 
 

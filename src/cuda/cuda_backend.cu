@@ -49,7 +49,7 @@ struct GpuContext {
   void* comm;
   void *rows_local, *rows_win, *xchg_local, *xchg_win, *tree_local, *tree_win;
   PeerRows peer_x_rows, peer_o_rows, peer_dy_rows, peer_dx_rows;
-  bf16* o_kept;  // [cfg.T K, H]: the o rows of this rank's slots that other ranks computed
+  PeerReturn ret;  // every rank's o_kept ([cfg.T K, H]) and row_src ([capacity]), in the rows window
   PeerExchange px;
   bool broken;               // a step timed out waiting for a peer: no more steps, destroy aborts
 };
@@ -125,6 +125,18 @@ static int dispatch_tasks(const Shape& s, const mok_config_t& c, int grid) {
   const char* v = getenv("MOK_DISPATCH_STREAMS");
   const int n = v ? atoi(v) : 32;  // (qwen3-30b-a3b and deepseek-v3 at W = 2: 16 slower than 32)
   return std::max(1, std::min(std::min(n, kMaxStreams), grid));
+}
+
+// The forward's RETURN tasks at W > 1: they poll GEMM2's tiles while the rest of the
+// grid runs them, so a quarter of the grid at most; MOK_RETURN_STREAMS (a measurement
+// knob) sets how many. With clusters an even number, from an even ticket: a cluster
+// fetches its two tickets together, so a return task beside another phase's task would
+// hold its partner at the next fetch for all of GEMM2.
+static int return_tasks(const mok_config_t& c, int grid, bool clusters) {
+  if (c.W == 1) return 0;
+  const char* v = getenv("MOK_RETURN_STREAMS");
+  const int n = std::max(1, std::min(std::min(v ? atoi(v) : 16, kMaxReturnStreams), grid / 4));
+  return clusters ? pad_even(n, true) : n;
 }
 
 // ---- byte plans (every piece 256-byte aligned); for the context's max T ----
@@ -295,22 +307,23 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
   while ((1ll << bits) <= cdiv(c.T, MOK_REDUCE_CHUNK_TOKENS)) bits++;
   g.px.tree_nodes = 2 * bits;
   const size_t tree_bytes = (size_t)g.px.tree_nodes * (c.E * c.H + 3 * c.Fs * c.H) * 4;
-  // o_kept after the four: local use only, in the same allocation for one free path
-  const size_t kept_bytes = (size_t)c.T * c.K * c.H * 2;
-  st = mok_nccl_window_alloc(comm, 4 * rows_bytes + kept_bytes, &g.rows_local, &g.rows_win, err, sizeof err);
+  // o_kept and row_src after the four (PeerReturn)
+  const size_t kept_bytes = up256((size_t)c.T * c.K * c.H * 2), src_bytes = up256((size_t)c.capacity * 8);
+  st = mok_nccl_window_alloc(comm, 4 * rows_bytes + kept_bytes + src_bytes, &g.rows_local, &g.rows_win, err,
+                             sizeof err);
   if (!st) st = mok_nccl_window_alloc(comm, tree_bytes, &g.tree_local, &g.tree_win, err, sizeof err);
   if (!st)
     st = mok_nccl_window_alloc(comm, counts_bytes + flags_bytes + stats_bytes + arrive_bytes, &g.xchg_local,
                                &g.xchg_win, err, sizeof err);
   if (st) return MOK_ERR(ctx, st, "the exchange windows (capacity = %lld rows of H = %lld): %s",
                          (long long)c.capacity, (long long)c.H, err);
-  const size_t rows_at[4] = {0, rows_bytes, 2 * rows_bytes, 3 * rows_bytes};
+  const size_t rows_at[6] = {0, rows_bytes, 2 * rows_bytes, 3 * rows_bytes, 4 * rows_bytes, 4 * rows_bytes + kept_bytes};
   const size_t xchg_at[4] = {0, counts_bytes, counts_bytes + flags_bytes, counts_bytes + flags_bytes + stats_bytes};
   const size_t tree_at[1] = {0};
-  void* rows[4 * kMaxPeers];
+  void* rows[6 * kMaxPeers];
   void* xchg[4 * kMaxPeers];
   void* tree[kMaxPeers];
-  st = mok_nccl_peer_pointers(g.rows_win, c.W, rows_at, 4, rows, err, sizeof err);
+  st = mok_nccl_peer_pointers(g.rows_win, c.W, rows_at, 6, rows, err, sizeof err);
   if (!st) st = mok_nccl_peer_pointers(g.xchg_win, c.W, xchg_at, 4, xchg, err, sizeof err);
   if (!st) st = mok_nccl_peer_pointers(g.tree_win, c.W, tree_at, 1, tree, err, sizeof err);
   if (st) return MOK_ERR(ctx, st, "%s", err);
@@ -323,9 +336,10 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
     g.px.arrive[r] = static_cast<uint64_t*>(xchg[3 * c.W + r]);
     g.peer_dy_rows.rows[r] = static_cast<bf16*>(rows[2 * c.W + r]);
     g.peer_dx_rows.rows[r] = static_cast<bf16*>(rows[3 * c.W + r]);
+    g.ret.o_kept[r] = static_cast<bf16*>(rows[4 * c.W + r]);
+    g.ret.row_src[r] = static_cast<int64_t*>(rows[5 * c.W + r]);
     g.px.tree[r] = static_cast<float*>(tree[r]);
   }
-  g.o_kept = reinterpret_cast<bf16*>(static_cast<char*>(g.rows_local) + 4 * rows_bytes);
   return MOK_STATUS_SUCCESS;
 #else
   (void)g;
@@ -488,7 +502,7 @@ void mok_cuda_destroy(mok_context_t* ctx) {
 static mok_status_t print_profile(mok_context_t* ctx) {
   static const char* names[kProfSlots] = {"route", "shared1", "prefix", "dispatch", "gemm1", "shared2", "gemm2",
                                           "combine", "dg", "dhs", "dh", "dxr", "dxs", "dx", "wgrad2", "wgrad13",
-                                          "rw", "tree", "dxsum", "wait(fwd)", "wait(bwd)", "rg", "rgs"};
+                                          "rw", "tree", "dxsum", "wait(fwd)", "wait(bwd)", "rg", "rgs", "return"};
   GpuContext* g = gpu(ctx);
   unsigned long long h[2 * kProfSlots];
   CUDA_TRY(ctx, cudaMemcpy(h, g->prof, sizeof h, cudaMemcpyDeviceToHost));
@@ -687,6 +701,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   memset(&p, 0, sizeof p);
   p.s = make_shape(c, T, gpu(ctx)->clusters);
   p.s.nd = dispatch_tasks(p.s, c, gpu(ctx)->grid);
+  p.s.nr = return_tasks(c, gpu(ctx)->grid, gpu(ctx)->clusters);
   p.st = make_step(ctx);
   p.context_id = (uint64_t)(uintptr_t)ctx;
   p.serial = ++ctx->forward_serial;
@@ -694,7 +709,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.capacity = (int)R;
   if (c.W > 1) {  // expert rows in the windows, which peers write (x_rows) and read (o_rows)
     const GpuContext* g = gpu(ctx);
-    p.peer_x_rows = g->peer_x_rows, p.peer_o_rows = g->peer_o_rows, p.px = g->px, p.o_kept = g->o_kept;
+    p.peer_x_rows = g->peer_x_rows, p.peer_o_rows = g->peer_o_rows, p.px = g->px, p.ret = g->ret;
   } else {  // this rank owns every expert
     p.peer_x_rows.rows[0] = p.sv.x_rows;
     p.peer_o_rows.rows[0] = p.sv.o_rows;
@@ -775,7 +790,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   if (c.W > 1) {  // expert rows in the windows: peers write dy_rows and read o_rows, dx_rows
     GpuContext* g = gpu(ctx);
     p.peer_o_rows = g->peer_o_rows, p.peer_dy_rows = g->peer_dy_rows, p.peer_dx_rows = g->peer_dx_rows;
-    p.o_kept = g->o_kept;
+    p.o_kept = g->ret.o_kept[c.rank];
     p.px = g->px;
     p.dy_rows = g->peer_dy_rows.rows[c.rank];
     p.dx_rows = g->peer_dx_rows.rows[c.rank];

@@ -89,9 +89,10 @@ struct TraceRecord {
 };
 
 // Profile slots: forward task kinds 0..7, backward 8..18, waits 19 (forward) and 20,
-// then the backward's gate|up recompute 21 (routed) and 22 (shared).
+// then the backward's gate|up recompute 21 (routed) and 22 (shared), the forward's
+// RETURN 23.
 // Times are %globaltimer ns (wall clock), not SM cycles: the clock drops under load.
-constexpr int kProfSlots = 23;
+constexpr int kProfSlots = 24;
 
 // The saved buffer (forward -> backward), device pointers.
 struct SavedView {
@@ -124,6 +125,17 @@ constexpr int kMaxPeers = 8;
 struct PeerRows {
   bf16* rows[kMaxPeers];
 };
+
+// W > 1: expert outputs go back to their tokens' ranks while GEMM2 runs (the forward's
+// RETURN stream tasks). In rank r's rows window: o_kept[r] [T K, H], the o rows of r's
+// slots that other ranks' experts computed, at the slot (t K + j), which r's COMBINE and
+// backward DG read locally; row_src[r] [capacity] int64, for each of r's expert rows the
+// source rank (high 32 bits) and its slot there, written by the source's DISPATCH.
+struct PeerReturn {
+  bf16* o_kept[kMaxPeers];
+  int64_t* row_src[kMaxPeers];
+};
+constexpr int kMaxReturnStreams = 64;
 
 // W > 1: the forward's DISPATCH runs as Shape::nd stream tasks (at most kMaxStreams,
 // at most the grid), each sending its share of every expert's rows, expert groups in
@@ -173,6 +185,7 @@ struct Shape {
   int nb;       // token blocks of 128 (routing, shared-expert m-tiles)
   int ns;       // token blocks of kSubTokens (memory-bound token tasks: more of them)
   int nd;       // the forward's DISPATCH tasks: W = 1 ns, W > 1 the stream tasks (kMaxStreams)
+  int nr;       // the forward's RETURN tasks: W = 1 none, W > 1 the return streams
   int max_mt;   // expert m-tiles at most: ceil(T*K / 128) + E (pairs: rounded up to even)
   int smt;      // shared-expert m-tiles: nb
   int chunks;   // replicated-sum chunks of MOK_REDUCE_CHUNK_TOKENS tokens
@@ -216,7 +229,7 @@ struct FwdParams {
   uint64_t context_id, serial;
   PeerRows peer_x_rows;       // dispatch target: [R, H] rows of each rank's experts
   PeerRows peer_o_rows;       // combine source: [R, H] expert outputs of each rank
-  bf16* o_kept;               // W > 1: [T K, H], COMBINE's copy of other ranks' o rows, at the slot
+  PeerReturn ret;             // W > 1: o rows back to their tokens' ranks (RETURN), read by COMBINE
   PeerExchange px;            // W > 1: counts and flags
   int capacity;               // rows this rank's buffers hold (R)
   const bf16* x;
@@ -279,7 +292,7 @@ struct BwdParams {
   int wgrad_fp32;       // add into fp32 buffers instead of writing bf16
   int recompute;        // gate|up: computed again here (the RG and RGS tasks), not kept
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
-  const bf16* o_kept;     // W > 1: [T K, H], the forward COMBINE's copy of other ranks' o rows
+  const bf16* o_kept;     // W > 1: [T K, H], other ranks' o rows of this rank's slots (the forward's RETURN)
   PeerRows peer_dy_rows;  // dispatch target of dy_j
   PeerRows peer_dx_rows;  // combine source of dx_j
   PeerExchange px;        // W > 1: flags and the replicated sums' subtrees

@@ -839,20 +839,22 @@ __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
 // terms in flight at once, up to kSlotChunks in all: registers held 4 slots' chunks at a
 // time, and the sums ran at about a third of HBM's rate. The caller has released the
 // stages (release_stages_from_stores); a warp's chunks: [warp][kSlotChunks][32 lanes].
-// With kept (W > 1, the forward's COMBINE): a row read from another rank is also stored
-// at its slot, kept + (t K + j) H, for the backward's DG to read locally (a local store
-// instead of a second remote load, which waits on the NVLink round trip).
+// With kept (W > 1, the forward's COMBINE): a slot whose expert another rank owns is
+// read at the slot, kept + (t K + j) H, where that rank's RETURN put it, not from the
+// owner's rows.
 constexpr int kSlotChunks = 40, kSlotExtra = 4;
 static_assert((kThreads / 32) * kSlotChunks * 32 * 16 <= kStages * kStageBytes, "the chunks fit in the stages");
 template <bool kWeighted, class Extra, class Finish>
 __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, const SavedView& sv, const Shape& s,
-                                              int t, bf16* kept, Extra extra, Finish finish) {
+                                              int t, const bf16* kept, Extra extra, Finish finish) {
   const int K = s.K, nv = s.H / 8, lane = threadIdx.x % 32, U = max(1, kSlotChunks / (K + kSlotExtra));
   const uint32_t buf = smem_addr(sm.stage) + ((threadIdx.x / 32) * kSlotChunks * 32 + lane) * 16;
   for (int v0 = lane; v0 < nv; v0 += 32 * U) {
     for (int j = 0; j < K; j++) {
       const int64_t i = (int64_t)t * K + j;
-      const uint4* row = reinterpret_cast<const uint4*>(peer.rows[sv.idx[i] / s.e_loc] + (int64_t)sv.pos[i] * s.H);
+      const int owner = sv.idx[i] / s.e_loc;
+      const uint4* row = reinterpret_cast<const uint4*>(kept && owner != s.rank ? kept + i * s.H
+                                                                                : peer.rows[owner] + (int64_t)sv.pos[i] * s.H);
       for (int u = 0; u < U && v0 + 32 * u < nv; u++) cp_async_16(buf + (j * U + u) * 512, row + v0 + 32 * u);
     }
     for (int u = 0; u < U && v0 + 32 * u < nv; u++) extra(v0 + 32 * u, buf + (K * U + u * kSlotExtra) * 512);
@@ -863,7 +865,6 @@ __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, co
       for (int j = 0; j < K; j++) {
         const int64_t i = (int64_t)t * K + j;
         const uint4 raw = ld_shared_v4(buf + (j * U + u) * 512);
-        if (kept && sv.idx[i] / s.e_loc != s.rank) reinterpret_cast<uint4*>(kept + i * s.H)[v] = raw;
         const float g = kWeighted ? sv.g[i] : 1.f;
         const bf16* x = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
@@ -873,6 +874,80 @@ __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, co
     }
   }
 }
+
+// A warp copies n <= kCopyRows rows of H bf16, src[k] to dst[k], their 16-byte chunks
+// through shared memory with cp.async: kCopyChunks / kCopyRows chunks of each row a lane
+// in flight, in the lane's part of the warp's buffer at buf ([row][chunk][32 lanes], 16
+// bytes each; a lane reads back only its own chunks). copy_row's registers held 2 to 4
+// chunks a lane. The caller has released the stages (release_stages_from_stores).
+constexpr int kCopyRows = 3, kCopyChunks = 24;  // (8 warps: 96 KB of the stages)
+__device__ __forceinline__ void copy_rows_smem(uint32_t buf, const bf16* const (&src)[kCopyRows],
+                                               bf16* const (&dst)[kCopyRows], int n, int H, int lane) {
+  const int nv = H / 8, U = kCopyChunks / kCopyRows;
+  for (int v0 = lane; v0 < nv; v0 += 32 * U) {
+#pragma unroll
+    for (int k = 0; k < kCopyRows; k++)
+      for (int u = 0; u < U && v0 + 32 * u < nv && k < n; u++)
+        cp_async_16(buf + (k * U + u) * 512, reinterpret_cast<const uint4*>(src[k]) + v0 + 32 * u);
+    cp_async_wait_all();
+#pragma unroll
+    for (int k = 0; k < kCopyRows; k++)
+      for (int u = 0; u < U && v0 + 32 * u < nv && k < n; u++)
+        reinterpret_cast<uint4*>(dst[k])[v0 + 32 * u] = ld_shared_v4(buf + (k * U + u) * 512);
+  }
+}
+
+// The fixed pairwise tree over n leaves in order (DESIGN.md section 2): node i of a
+// level = node 2i + node 2i+1 of the level below, a lone last node moving up. Evaluated
+// as a binary counter over the leaves in order: node[L] holds the pending left node of
+// level L (bit L of the leaves seen); a new node of level L is added to it from the
+// right and carries to level L + 1; at the end the pending nodes fold from the lowest
+// level up, which is the lone-node rule. The same bits as the level-by-level evaluation.
+constexpr int kTreeLevels = 26;  // chunks = ceil(T / 64) < 2^26 for any int32 T
+// Where a counter's pending nodes live: registers (tree_column), or a thread's column of
+// shared memory strided by kThreads (tree_task's second round, beside no GEMM state).
+struct RegNodes {
+  float v[kTreeLevels];
+  __device__ __forceinline__ float& operator[](int L) { return v[L]; }
+  __device__ __forceinline__ float operator[](int L) const { return v[L]; }
+};
+struct SmemNodes {
+  float* p;
+  __device__ __forceinline__ float& operator[](int L) { return p[L * kThreads]; }
+  __device__ __forceinline__ float operator[](int L) const { return p[L * kThreads]; }
+};
+template <class Nodes>
+struct TreeCounter {
+  Nodes node;
+  uint32_t seen = 0;
+  // x: the subtree of leaves [seen, seen + 2^level)
+  __device__ __forceinline__ void push(float x, int level) {
+    bool carry = true;  // (no break: node stays in registers)
+#pragma unroll
+    for (int L = 0; L < kTreeLevels; L++) {
+      if (L < level || !carry) continue;
+      if ((seen >> L) & 1u) {
+        x = __fadd_rn(node[L], x);
+      } else {
+        node[L] = x;
+        carry = false;
+      }
+    }
+    seen += 1u << level;
+  }
+  // the pending nodes, from the lowest level up (the lone-node rule)
+  __device__ __forceinline__ float fold() const {
+    float r = 0.f;
+    bool any = false;
+#pragma unroll
+    for (int L = 0; L < kTreeLevels; L++)
+      if ((seen >> L) & 1u) {
+        r = any ? __fadd_rn(node[L], r) : node[L];
+        any = true;
+      }
+    return r;
+  }
+};
 
 // fp32 x 4 (16 bytes) of shared memory at addr, into v[0..3].
 __device__ __forceinline__ void ld_shared_f32x4(uint32_t addr, float* v) {

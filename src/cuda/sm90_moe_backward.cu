@@ -77,7 +77,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     const uint4* dyv = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
     const int owner = p.sv.idx[i] / s.e_loc;
     const bf16* o_row = owner == s.rank ? p.peer_o_rows.rows[owner] + (int64_t)pos * H
-                                        : p.o_kept + (int64_t)i * H;  // (the forward COMBINE's copy)
+                                        : p.o_kept + (int64_t)i * H;  // (where the owner's RETURN put it)
     const uint4* ov = reinterpret_cast<const uint4*>(o_row);
     uint4* dst = reinterpret_cast<uint4*>(p.peer_dy_rows.rows[owner] + (int64_t)pos * H);
     float part = 0.f;  // lane's h in increasing order, then the warp's fixed tree
@@ -483,60 +483,10 @@ __device__ int rw_tiles(const Shape& s) {
   return (s.fused ? cdivb(s.E, BM) * nH : 0) + (s.Fs ? cdivb(2 * s.Fs, BM) * nH + cdivb(s.H, BM) * cdivb(s.Fs, BN) : 0);
 }
 
-// The fixed tree over one column's n chunk partials (col[c * stride], c < n): node i of
-// a level = node 2i + node 2i+1 of the level below, a lone last node moving up
-// (DESIGN.md section 2). Evaluated as a binary counter over the leaves in order:
-// node[L] holds the pending left node of level L (bit L of the leaves seen); a new node
-// of level L is added to it from the right and carries to level L + 1. Whole aligned
-// runs of 8 leaves go in as their complete level-3 subtree (the next run's 8 loads in
-// flight meanwhile), the rest one by one; at the end the pending nodes fold from the lowest level up, which
-// is the lone-node rule. The same bits as the level-by-level evaluation, each partial
-// read once (no in-place levels: 3x less traffic).
-constexpr int kTreeLevels = 26;  // chunks = ceil(T / 64) < 2^26 for any int32 T
-// Where a counter's pending nodes live: registers (tree_column), or a thread's column of
-// shared memory strided by kThreads (tree_task's second round, beside no GEMM state).
-struct RegNodes {
-  float v[kTreeLevels];
-  __device__ __forceinline__ float& operator[](int L) { return v[L]; }
-  __device__ __forceinline__ float operator[](int L) const { return v[L]; }
-};
-struct SmemNodes {
-  float* p;
-  __device__ __forceinline__ float& operator[](int L) { return p[L * kThreads]; }
-  __device__ __forceinline__ float operator[](int L) const { return p[L * kThreads]; }
-};
-template <class Nodes>
-struct TreeCounter {
-  Nodes node;
-  uint32_t seen = 0;
-  // x: the subtree of leaves [seen, seen + 2^level)
-  __device__ __forceinline__ void push(float x, int level) {
-    bool carry = true;  // (no break: node stays in registers)
-#pragma unroll
-    for (int L = 0; L < kTreeLevels; L++) {
-      if (L < level || !carry) continue;
-      if ((seen >> L) & 1u) {
-        x = __fadd_rn(node[L], x);
-      } else {
-        node[L] = x;
-        carry = false;
-      }
-    }
-    seen += 1u << level;
-  }
-  // the pending nodes, from the lowest level up (the lone-node rule)
-  __device__ __forceinline__ float fold() const {
-    float r = 0.f;
-    bool any = false;
-#pragma unroll
-    for (int L = 0; L < kTreeLevels; L++)
-      if ((seen >> L) & 1u) {
-        r = any ? __fadd_rn(node[L], r) : node[L];
-        any = true;
-      }
-    return r;
-  }
-};
+// The fixed tree over one column's n chunk partials (col[c * stride], c < n) through
+// TreeCounter (sm90_common.cuh). Whole aligned runs of 8 leaves go in as their complete
+// level-3 subtree (the next run's 8 loads in flight meanwhile), the rest one by one.
+// Each partial read once (no in-place levels: 3x less traffic).
 __device__ __forceinline__ float tree_column(const float* col, int64_t stride, int n) {
   TreeCounter<RegNodes> tc;
   int c = 0;

@@ -15,13 +15,18 @@
 //                 order, each group flagged to its owner (dispatch_stream_task)
 //   GEMM1[m,n]    expert m-tile: a = x_rows w13[e]^T, epilogue h = silu(gate) * up
 //   SHARED2[m,n]  shared expert down projection
+//   RETURN[d]     W > 1: return stream d of nr: as GEMM2 finishes each of its m-tiles
+//                 (mt = d, d + nr, ...), the tile's rows of other ranks' slots to those
+//                 ranks' o_kept at the slot (return_task); tickets before GEMM2's
 //   GEMM2[m,n]    o = h w2[e]^T
 //   COMBINE[b]    (32 tokens) y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order
+//                 (W > 1: other ranks' o rows from o_kept, local)
 #include "sm90_common.cuh"
 
 namespace mok {
 
-enum : int { C_ROUTE, C_PREFIX, C_DISPATCH, C_G2, C_S2, C_FIXED };  // then mt1[max_mt], smt1[smt]
+// then mt1[max_mt] (W > 1: GEMM2's groups count there too, after GEMM1's), smt1[smt]
+enum : int { C_ROUTE, C_PREFIX, C_DISPATCH, C_G2, C_S2, C_RET, C_FIXED };
 
 __host__ __device__ inline uint32_t fwd_num_counters(const Shape& s) { return C_FIXED + s.max_mt + s.smt; }
 
@@ -102,15 +107,24 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
       }
     }
   }
+  if (threadIdx.x == 0) release_stages_from_stores(sm);
   __syncthreads();
-  // per expert: the block's count and each slot's rank, in token order
+  // per expert: the block's count and each slot's rank, in token order. Each expert's
+  // thread reads all the block's (t1 - t0) K indices: from shared memory, where they
+  // are broadcast, not from global memory, where each load waited for the last rank's
+  // store (they may alias, as far as the compiler knows): 1024 loads in a row at
+  // qwen3-30b-a3b's K = 8.
+  int* block_idx = reinterpret_cast<int*>(sm.stage);  // [(t1 - t0) K] (K <= 32: 16 KB)
+  const int n_slots = (t1 - t0) * K;
+  for (int i = threadIdx.x; i < n_slots; i += kThreads) block_idx[i] = p.sv.idx[(int64_t)t0 * K + i];
+  __syncthreads();
   for (int e = threadIdx.x; e < E; e += kThreads) {
     int n = 0;
-    for (int t = t0; t < t1; t++)
-      for (int j = 0; j < K; j++)
-        if (p.sv.idx[(int64_t)t * K + j] == e) p.rank[(int64_t)t * K + j] = n++;
+    for (int i = 0; i < n_slots; i++)  // (i = (t - t0) K + j: tokens, then slots, in order)
+      if (block_idx[i] == e) p.rank[(int64_t)t0 * K + i] = n++;
     p.block_counts[(int64_t)b * E + e] = n;
   }
+  fence_proxy_async_smem();  // (block_idx's generic writes before a next GEMM task's TMA loads)
   // loss statistics per 64-token chunk: sum_t s[t, e] and sum_t lse_t^2, increasing t
   if (s.fused && (s.aux_coef != 0.f || s.z_coef != 0.f))
     for (int c = 0; c < 2; c++) {
@@ -136,6 +150,15 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   const Shape& s = p.s;
   const int E = s.E;
   if (!wait_counter(sm, &p.st.sync->counter[C_ROUTE], s.nb, p.st, 19)) return;
+  // PREFIX runs on one CTA while every other waits for it (0.5 ms at qwen3-30b-a3b in
+  // the thirteenth session's trace): its loops load before they store (a store may alias
+  // a later load as far as the compiler knows, and each load after one waits for it),
+  // and thread 0's serial walks read the counts and offsets from shared memory (the
+  // stages: sh_counts [E], sh_off [E + 1], sh_loc_off [E + 1], sh_loc_shift [E]).
+  if (threadIdx.x == 0) release_stages_from_stores(sm);
+  __syncthreads();
+  int* const sh_counts = reinterpret_cast<int*>(sm.stage);
+  int* const sh_off = sh_counts + E, *const sh_loc_off = sh_off + E + 1, *const sh_loc_shift = sh_loc_off + E + 1;
   // With W > 1 the counts and T go to every rank (row s.rank of each rank's counts
   // table) and this rank's rows of expert e follow those of ranks < s.rank: block
   // offsets start there. Every rank then holds the same [W][E + 1] table and computes
@@ -161,17 +184,21 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     int before = 0, tot = s.W > 1 ? 0 : p.sv.counts[e];  // rows of ranks < s.rank; all ranks'
     for (int r = 0; r < s.W && s.W > 1; r++) {  // (ranks in order: integer sums)
       const int n = peer_count(p, r, e);
-      if (r == s.rank) p.sv.loc_off[e] = n, p.sv.loc_shift[e] = before;  // (made offsets below)
+      if (r == s.rank) sh_loc_off[e] = n, sh_loc_shift[e] = before;  // (made offsets below)
       if (r < s.rank) before += n;
       tot += n;
     }
-    for (int b = 0; b < s.nb; b++) {
-      p.block_off[(int64_t)b * E + e] = before;
-      before += p.block_counts[(int64_t)b * E + e];
+    for (int b0 = 0; b0 < s.nb; b0 += 8) {  // 8 blocks' counts loaded, then their offsets stored
+      int n[8];
+#pragma unroll
+      for (int k = 0; k < 8; k++) n[k] = b0 + k < s.nb ? p.block_counts[(int64_t)(b0 + k) * E + e] : 0;
+#pragma unroll
+      for (int k = 0; k < 8; k++)
+        if (b0 + k < s.nb) p.block_off[(int64_t)(b0 + k) * E + e] = before, before += n[k];
     }
-    p.sv.counts[e] = tot;
+    p.sv.counts[e] = sh_counts[e] = tot;
   }
-  // loss statistics: the fixed pairwise tree over the chunks, in place, per column.
+  // loss statistics: the fixed pairwise tree over the chunks, per column, into row 0.
   // With W > 1 over every rank's chunks in global order: each rank's rows go into every
   // rank's stats table at its first global chunk, and every rank sums the whole table
   // (the same tree over the same chunks as W = 1, when every rank but the last has a
@@ -189,8 +216,15 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     }
     if (losses) {
       const int64_t n = (int64_t)s.chunks * (E + 1);
-      for (int r = 0; r < s.W; r++)
-        for (int64_t i = threadIdx.x; i < n; i += kThreads) p.px.stats[r][chunk0 * (int64_t)(E + 1) + i] = p.chunk_stats[i];
+      for (int64_t i0 = threadIdx.x; i0 < n; i0 += 8 * kThreads) {  // 8 loaded, then stored to every rank
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = i0 + k * kThreads < n ? p.chunk_stats[i0 + k * kThreads] : 0.f;
+        for (int r = 0; r < s.W; r++)
+#pragma unroll
+          for (int k = 0; k < 8; k++)
+            if (i0 + k * kThreads < n) p.px.stats[r][chunk0 * (int64_t)(E + 1) + i0 + k * kThreads] = v[k];
+      }
       __threadfence_system();
       __syncthreads();
       if (threadIdx.x == 0) publish_peers(p.px, s, kFlagStats, sm.peer_serial);
@@ -198,14 +232,20 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       stats = p.px.stats[s.rank];
     }
   }
-  if (losses)
+  if (losses)  // each column's tree (TreeCounter, 8 leaves loaded at a time) into its row 0
     for (int e = threadIdx.x; e <= E; e += kThreads) {
-      volatile float* col = stats + e;  // (W > 1: rows written by peers)
-      for (int n = chunks; n > 1; n = (n + 1) / 2)
-        for (int i = 0; i < n / 2 + (n & 1); i++) {
-          const float left = col[(int64_t)(2 * i) * (E + 1)];
-          col[(int64_t)i * (E + 1)] = 2 * i + 1 < n ? __fadd_rn(left, col[(int64_t)(2 * i + 1) * (E + 1)]) : left;
-        }
+      const float* col = stats + e;
+      TreeCounter<SmemNodes> tc{{reinterpret_cast<float*>(sm.stage[1]) + threadIdx.x}};  // (registers: a spill)
+      for (int c0 = 0; c0 < chunks; c0 += 8) {
+        float v[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++)  // (L2: at W > 1 rows written by peers)
+          v[k] = c0 + k < chunks ? __ldcg(col + (int64_t)(c0 + k) * (E + 1)) : 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+          if (c0 + k < chunks) tc.push(v[k], 0);
+      }
+      stats[e] = tc.fold();
     }
   __shared__ int over;  // some rank's experts would receive more rows than the capacity
   __syncthreads();
@@ -217,11 +257,11 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     over = 0;
     for (int e = 0; e < E; e++) {
       if (e % s.e_loc == 0) off = 0;
-      p.sv.expert_off[e] = off, off += p.sv.counts[e];
+      p.sv.expert_off[e] = sh_off[e] = off, off += sh_counts[e];
       over |= off > p.capacity;
       if (e / s.e_loc == s.rank) mine = off;
     }
-    p.sv.expert_off[E] = mine;
+    p.sv.expert_off[E] = sh_off[E] = mine;
     // every rank sees every count and stops alike, before any row moves or output is
     // written: PREFIX never completes, so the tasks waiting for it give up
     if (over) raise_error(p.st, MOK_STATUS_CAPACITY_EXCEEDED);
@@ -231,7 +271,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   if (threadIdx.x == 0) {
     int mt = 0;
     const int e0 = s.rank * s.e_loc;
-    walk_tiles(p.sv.counts + e0, p.sv.expert_off + e0, s.e_loc, s.pairs, [&](int e, int row0, int n, int row_end) {
+    walk_tiles(sh_counts + e0, sh_off + e0, s.e_loc, s.pairs, [&](int e, int row0, int n, int row_end) {
       for (int i = 0; i < n; i++, mt++)
         p.tile_expert[mt] = e, p.tile_row0[mt] = row0 + i * BM, p.tile_row_end[mt] = row_end;
       return false;
@@ -240,7 +280,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     if (s.W > 1) {  // this rank's rows in stream order (by expert, then owner row: j = pos + loc_shift[e])
       int j = 0;
       for (int e = 0; e < E; e++) {
-        const int mine = p.sv.loc_off[e], owner_row = p.sv.expert_off[e] + p.sv.loc_shift[e];
+        const int mine = sh_loc_off[e], owner_row = sh_off[e] + sh_loc_shift[e];
         p.sv.loc_off[e] = j, p.sv.loc_shift[e] = j - owner_row;
         j += mine;
       }
@@ -250,7 +290,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       float aux = 0.f;
       const float TK = (float)T_all * (float)s.K;
       for (int e = 0; e < E; e++)
-        aux = __fadd_rn(aux, __fmul_rn(__fdiv_rn((float)p.sv.counts[e], TK), __fdiv_rn(stats[e], (float)T_all)));
+        aux = __fadd_rn(aux, __fmul_rn(__fdiv_rn((float)sh_counts[e], TK), __fdiv_rn(stats[e], (float)T_all)));
       if (p.aux_loss) *p.aux_loss = __fmul_rn(__fmul_rn(s.aux_coef, (float)E), aux);
       if (p.z_loss) *p.z_loss = __fmul_rn(s.z_coef, __fdiv_rn(stats[E], (float)T_all));
     } else {
@@ -269,31 +309,27 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   // outputs only when the step goes on (a capacity overflow stops it on every rank first)
   if (*(volatile uint32_t*)&p.st.sync->error == 0) {
     for (int e = threadIdx.x; e < E && p.tokens_per_expert; e += kThreads) p.tokens_per_expert[e] = p.sv.counts[e];
-    if (s.fused && (p.out_idx || p.out_w))
-      for (int64_t i = threadIdx.x; i < (int64_t)s.T * s.K; i += kThreads) {
-        if (p.out_idx) p.out_idx[i] = p.sv.idx[i];
-        if (p.out_w) p.out_w[i] = p.sv.g[i];
+    if (s.fused && (p.out_idx || p.out_w)) {
+      const int64_t n = (int64_t)s.T * s.K;
+      for (int64_t i0 = threadIdx.x; i0 < n; i0 += 8 * kThreads) {  // 8 slots loaded, then stored
+        int32_t idx[8];
+        float g[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+          const int64_t i = i0 + (int64_t)k * kThreads;
+          idx[k] = i < n ? p.sv.idx[i] : 0, g[k] = i < n ? p.sv.g[i] : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+          const int64_t i = i0 + (int64_t)k * kThreads;
+          if (i < n && p.out_idx) p.out_idx[i] = idx[k];
+          if (i < n && p.out_w) p.out_w[i] = g[k];
+        }
       }
+    }
   }
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[C_PREFIX]);
-}
-
-// One warp copies an x row (H bf16) from src to dst: kInFlight 16-byte loads a lane
-// before their stores (latency hiding; the stream task keeps 2, which its registers
-// allow beside the kernel's).
-template <int kInFlight>
-__device__ __forceinline__ void copy_row(const bf16* src_row, bf16* dst_row, int H, int lane) {
-  const uint4* src = reinterpret_cast<const uint4*>(src_row);
-  uint4* dst = reinterpret_cast<uint4*>(dst_row);
-  for (int v0 = lane; v0 < H / 8; v0 += 32 * kInFlight) {
-    uint4 r[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; u++)
-      if (v0 + 32 * u < H / 8) r[u] = src[v0 + 32 * u];
-#pragma unroll
-    for (int u = 0; u < kInFlight; u++)
-      if (v0 + 32 * u < H / 8) dst[v0 + 32 * u] = r[u];
-  }
 }
 
 // ---- DISPATCH, W > 1: stream task d of s.nd ----
@@ -317,13 +353,25 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
   if (!wait_counter(sm, &p.st.sync->counter[C_DISPATCH], (uint32_t)s.nd, p.st, 19)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
   const int gs = cdiv(s.e_loc, kArriveGroups), groups = cdiv(s.e_loc, gs);
+  if (threadIdx.x == 0) release_stages_from_stores(sm);  // (copy_rows_smem's chunks go there)
+  __syncthreads();
+  const uint32_t buf = smem_addr(sm.stage) + (warp * kCopyChunks * 32 + lane) * 16;
   for (int g = 0; g < groups; g++) {
     for (int r = 0; r < s.W; r++)
       for (int l = g * gs; l < min(s.e_loc, (g + 1) * gs); l++) {
-        const int e = r * s.e_loc + l, j1 = p.sv.loc_off[e + 1], shift = p.sv.loc_shift[e];
+        const int e = r * s.e_loc + l, j1 = p.sv.loc_off[e + 1], shift = p.sv.loc_shift[e], step = s.nd * warps;
         bf16* rows = p.peer_x_rows.rows[r];
-        for (int j = p.sv.loc_off[e] + d + s.nd * warp; j < j1; j += s.nd * warps)
-          copy_row<2>(p.x + (int64_t)(p.sv.sorted[j] / K) * H, rows + (int64_t)(j - shift) * H, H, lane);
+        for (int j0 = p.sv.loc_off[e] + d + s.nd * warp; j0 < j1; j0 += kCopyRows * step) {  // rows j0, j0 + step, ...
+          const bf16* src[kCopyRows];
+          bf16* dst[kCopyRows];
+#pragma unroll
+          for (int k = 0; k < kCopyRows; k++) {
+            const int j = min(j0 + k * step, j1 - 1), i = p.sv.sorted[j];
+            if (lane == 0) p.ret.row_src[r][j - shift] = (int64_t)s.rank << 32 | (uint32_t)i;  // (RETURN's way back)
+            src[k] = p.x + (int64_t)(i / K) * H, dst[k] = rows + (int64_t)(j - shift) * H;
+          }
+          copy_rows_smem(buf, src, dst, min(kCopyRows, (j1 - 1 - j0) / step + 1), H, lane);
+        }
       }
     __threadfence_system();  // (each thread's stores into the owners' rows)
     __syncthreads();
@@ -332,6 +380,7 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
       flag_release_sys(flag, sm.peer_serial);
     }
   }
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
 }
 
 // ---- DISPATCH: W = 1 block sb of kSubTokens tokens; W > 1 stream task sb ----
@@ -340,13 +389,27 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   if (s.W > 1) return dispatch_stream_task(sm, p, sb);
   if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), b = t0 / 128, K = s.K, H = s.H;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
-    const int t = i / K, e = p.sv.idx[i];
-    const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
-    if (lane == 0) p.sv.pos[i] = pos;
-    copy_row<4>(p.x + (int64_t)t * H, p.sv.x_rows + (int64_t)pos * H, H, lane);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
+  if (threadIdx.x == 0) release_stages_from_stores(sm);  // (copy_rows_smem's chunks go there)
+  __syncthreads();
+  const uint32_t buf = smem_addr(sm.stage) + (warp * kCopyChunks * 32 + lane) * 16;
+  for (int i0 = t0 * K + warp; i0 < t1 * K; i0 += kCopyRows * warps) {  // slots i0, i0 + warps, ...
+    const bf16* src[kCopyRows];
+    bf16* dst[kCopyRows];
+    int n = 0;
+#pragma unroll
+    for (int k = 0; k < kCopyRows; k++) {
+      const int i = min(i0 + k * warps, t1 * K - 1), t = i / K, e = p.sv.idx[i];
+      const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
+      if (i0 + k * warps < t1 * K) {
+        if (lane == 0) p.sv.pos[i] = pos;
+        n = k + 1;
+      }
+      src[k] = p.x + (int64_t)t * H, dst[k] = p.sv.x_rows + (int64_t)pos * H;
+    }
+    copy_rows_smem(buf, src, dst, n, H, lane);
   }
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
 }
 
@@ -434,8 +497,53 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
         });
   });
   if (!ok) return;
-  signal_counter_publish(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * groups(cdiv(s.H, BN), s.F / BK)), p.px, s,
-                         kFlagExperts, sm.peer_serial);
+  // W = 1: all of GEMM2 (COMBINE's wait); W > 1: the tile's count, after GEMM1's groups
+  // (RETURN's wait), and RETURN publishes the rows' arrival
+  signal_counter(sm, &p.st.sync->counter[s.W > 1 ? C_FIXED + mt : C_G2]);
+}
+
+// ---- RETURN, W > 1: return stream d of s.nr ----
+// As GEMM2 completes each m-tile mt = d, d + nr, ... of this rank's experts (the tile's
+// counter: GEMM1's groups, then GEMM2's), the tile's rows of other ranks' slots go to
+// those ranks' o_kept at the slot (row_src, written by the source's DISPATCH), while
+// GEMM2 goes on with later tiles. COMBINE then reads only local rows instead of pulling
+// T K (W - 1) / W rows over NVLink after every owner's last GEMM2 (268 MB each way at
+// qwen3-30b-a3b, W = 2: about 0.77 ms of NVLink with nothing beside it). A warp copies
+// kCopyRows rows at a time (copy_rows_smem). The last return task to finish publishes
+// kFlagExperts.
+__device__ __noinline__ void return_task(Smem& sm, const FwdParams& p, int d) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;  // (the tile table)
+  const uint32_t done = (uint32_t)(groups(cdiv(s.F, BF), s.H / BK) + groups(cdiv(s.H, BN), s.F / BK));
+  const int tiles = *(volatile const int*)p.num_tiles, H = s.H;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
+  if (threadIdx.x == 0) release_stages_from_stores(sm);
+  __syncthreads();
+  const uint32_t buf = smem_addr(sm.stage) + (warp * kCopyChunks * 32 + lane) * 16;
+  for (int mt = d; mt < tiles; mt += s.nr) {
+    if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], done, p.st, 19)) return;
+    const int row0 = p.tile_row0[mt], row1 = min(row0 + BM, p.tile_row_end[mt]);
+    for (int pos = row0 + warp; pos < row1;) {  // the warp's rows of other ranks' slots, kCopyRows at a time
+      const bf16* src[kCopyRows];
+      bf16* dst[kCopyRows];
+      int n = 0;
+#pragma unroll
+      for (int k = 0; k < kCopyRows; k++) {
+        src[k] = p.sv.o_rows, dst[k] = nullptr;
+        for (; pos < row1 && dst[k] == nullptr; pos += warps) {
+          const int64_t from = p.ret.row_src[s.rank][pos];
+          const int r = (int)(from >> 32);
+          if (r == s.rank) continue;  // (COMBINE reads this rank's own rows in place)
+          src[k] = p.sv.o_rows + (int64_t)pos * H, dst[k] = p.ret.o_kept[r] + (int64_t)(uint32_t)from * H;
+          n = k + 1;
+        }
+      }
+      copy_rows_smem(buf, src, dst, n, H, lane);
+    }
+  }
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
+  __threadfence_system();  // (each thread's stores into the sources' o_kept)
+  signal_counter_publish(sm, &p.st.sync->counter[C_RET], (uint32_t)s.nr, p.px, s, kFlagExperts, sm.peer_serial);
 }
 
 __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int mt, int g) {
@@ -458,7 +566,9 @@ __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int m
 __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) {
   const Shape& s = p.s;
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
-  if (!wait_counter(sm, &p.st.sync->counter[C_G2], (uint32_t)(s.max_mt * nH2), p.st, 19, kFlagExperts))
+  const bool ret = s.W > 1;  // every rank's RETURN has sent this rank its o rows
+  if (!wait_counter(sm, &p.st.sync->counter[ret ? C_RET : C_G2], ret ? (uint32_t)s.nr : (uint32_t)(s.max_mt * nH2),
+                    p.st, 19, kFlagExperts))
     return;  // (every owner's o rows)
   if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nHs), p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), H = s.H;
@@ -466,7 +576,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
   __syncthreads();
   for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32)
     sum_slot_rows<true>(  // y = sum_j g_j o_j, slots in order, then + the shared expert's o
-        sm, p.peer_o_rows, p.sv, s, t, p.o_kept,
+        sm, p.peer_o_rows, p.sv, s, t, ret ? p.ret.o_kept[s.rank] : nullptr,
         [&](int v, uint32_t x) {
           if (s.Fs > 0) cp_async_16(x, p.shared_o + (int64_t)t * H + v * 8);
         },
@@ -486,6 +596,12 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
 // The phases whose GEMM tasks two CTAs of a cluster may run as a pair: gemm1, gemm2.
 __device__ __forceinline__ bool paired_phase(int k) { return k == 4 || k == 6; }
 
+// Phases (kinds): 0 route, 1 shared1, 2 prefix, 3 dispatch, 4 gemm1, 5 shared2, 6 gemm2,
+// 7 combine, 8 return (profile slot 23). The i-th phase in ticket order: return's
+// tickets come before gemm2's, so that its tasks hold their CTAs while GEMM2 runs.
+constexpr int kFwdPhases = 9;
+__host__ __device__ constexpr int fwd_order(int i) { return i <= 5 ? i : i == 6 ? 8 : i - 1; }
+
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
@@ -495,31 +611,33 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   const int nH2 = groups(cdiv(s.H, BN), s.F / BK), nHs = groups(cdiv(s.H, BN), s.Fs / BK);
   const int n_route = s.nb, n_sh1 = s.Fs ? s.smt * nS1 : 0, n_g1 = s.max_mt * nF1;
   const int n_sh2 = s.Fs ? s.smt * nHs : 0, n_g2 = s.max_mt * nH2;
-  // The phases in ticket order: route, shared1, prefix, dispatch, gemm1, shared2, gemm2,
-  // combine; with pairs the paired phases (gemm1, gemm2) start at an even ticket (one
-  // skipped before), so that a cluster's two tickets are two m-tiles of one column group
-  // (kBand and max_mt are even): a pair when both are the same expert's (pair_agree;
-  // walk_tiles). In shared memory: indexed by a run-time phase, an array in registers
-  // would be local memory.
-  __shared__ int phase_start[8], phase_end[8];
+  // The phases in ticket order: route, shared1, prefix, dispatch, gemm1, shared2, return,
+  // gemm2, combine (kinds 0-5, 8, 6, 7: fwd_order); with pairs the paired phases (gemm1,
+  // gemm2) start at an even ticket (one skipped before), so that a cluster's two tickets
+  // are two m-tiles of one column group (kBand and max_mt are even): a pair when both
+  // are the same expert's (pair_agree; walk_tiles). In shared memory: indexed by a
+  // run-time phase, an array in registers would be local memory.
+  __shared__ int phase_start[kFwdPhases], phase_end[kFwdPhases];
   if (threadIdx.x == 0) {
-    const int count[8] = {n_route, n_sh1, 1, s.nd, n_g1, n_sh2, n_g2, s.ns};
+    const int count[kFwdPhases] = {n_route, n_sh1, 1, s.nd, n_g1, n_sh2, n_g2, s.ns, s.nr};
     int t = 0;
-    for (int k = 0; k < 8; k++) {
-      t = pad_even(t, s.pairs && paired_phase(k));
-      phase_start[k] = t, phase_end[k] = t += count[k];
+    for (int i = 0; i < kFwdPhases; i++) {
+      const int k = fwd_order(i);
+      t = pad_even(t, s.pairs && (paired_phase(k) || k == 8));  // (return: return_tasks)
+      phase_start[i] = t, phase_end[i] = t += count[k];
     }
   }
   __syncthreads();
-  const int num_tasks = phase_end[7];
+  const int num_tasks = phase_end[kFwdPhases - 1];
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
     if (task >= num_tasks) continue;  // a cluster's second ticket past the last task
-    const int kind = ticket_phase(phase_start, phase_end, 8, task);
-    if (kind < 0) continue;
+    const int i = ticket_phase(phase_start, phase_end, kFwdPhases, task);
+    if (i < 0) continue;
+    const int kind = fwd_order(i);
     profile_start(sm, p.st);
-    const int local = task - phase_start[kind];
-    const bool pairable = paired_phase(kind) && partner_in_phase(sm, phase_start, phase_end, 8, task, kind);
+    const int local = task - phase_start[i];
+    const bool pairable = paired_phase(kind) && partner_in_phase(sm, phase_start, phase_end, kFwdPhases, task, i);
     int mt, g;
     switch (kind) {
       case 0: route_task(sm, p, local); break;
@@ -529,9 +647,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
       case 4: band_order(local, s.max_mt, nF1, &mt, &g), gemm1_task(sm, p, mt, g, pairable); break;
       case 5: shared2_task(sm, p, local / nHs, local % nHs); break;
       case 6: band_order(local, s.max_mt, nH2, &mt, &g), gemm2_task(sm, p, mt, g, pairable); break;
-      default: combine_task(sm, p, local); break;
+      case 7: combine_task(sm, p, local); break;
+      default: return_task(sm, p, local); break;
     }
-    profile_task(sm, p.st, kind);
+    profile_task(sm, p.st, kind == 8 ? 23 : kind);
   }
   finish_step(sm, p.st);
 }
