@@ -916,18 +916,28 @@ struct SmemNodes {
   __device__ __forceinline__ float& operator[](int L) { return p[L * kThreads]; }
   __device__ __forceinline__ float operator[](int L) const { return p[L * kThreads]; }
 };
-template <class Nodes>
+// Four adjacent columns' trees side by side (a float4 a node, strided by kThreads float4s).
+struct SmemNodes4 {
+  float4* p;
+  __device__ __forceinline__ float4& operator[](int L) { return p[L * kThreads]; }
+  __device__ __forceinline__ float4 operator[](int L) const { return p[L * kThreads]; }
+};
+__device__ __forceinline__ float tree_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float4 tree_add(float4 a, float4 b) {  // (each column's own addition)
+  return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+}
+template <class Nodes, class T = float>
 struct TreeCounter {
   Nodes node;
   uint32_t seen = 0;
   // x: the subtree of leaves [seen, seen + 2^level)
-  __device__ __forceinline__ void push(float x, int level) {
+  __device__ __forceinline__ void push(T x, int level) {
     bool carry = true;  // (no break: node stays in registers)
 #pragma unroll
     for (int L = 0; L < kTreeLevels; L++) {
       if (L < level || !carry) continue;
       if ((seen >> L) & 1u) {
-        x = __fadd_rn(node[L], x);
+        x = tree_add(node[L], x);
       } else {
         node[L] = x;
         carry = false;
@@ -936,13 +946,13 @@ struct TreeCounter {
     seen += 1u << level;
   }
   // the pending nodes, from the lowest level up (the lone-node rule)
-  __device__ __forceinline__ float fold() const {
-    float r = 0.f;
+  __device__ __forceinline__ T fold() const {
+    T r{};
     bool any = false;
 #pragma unroll
     for (int L = 0; L < kTreeLevels; L++)
       if ((seen >> L) & 1u) {
-        r = any ? __fadd_rn(node[L], r) : node[L];
+        r = any ? tree_add(node[L], r) : node[L];
         any = true;
       }
     return r;

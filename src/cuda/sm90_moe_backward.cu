@@ -27,8 +27,6 @@ enum : int { B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_TREE, B_RG_A
 __device__ __forceinline__ int c_rg(const Shape& s, int mt) { return B_FIXED + s.max_mt + s.smt + mt; }
 __device__ __forceinline__ int c_rgs(const Shape& s, int mt) { return B_FIXED + 2 * s.max_mt + s.smt + mt; }
 
-constexpr int kTreeSlice = 8192;  // elements per TREE task
-
 __device__ __forceinline__ int cdivb(int a, int b) { return (a + b - 1) / b; }
 
 // Rank r's chunks in the global chunk order (the forward wrote every rank's T into the
@@ -483,32 +481,43 @@ __device__ int rw_tiles(const Shape& s) {
   return (s.fused ? cdivb(s.E, BM) * nH : 0) + (s.Fs ? cdivb(2 * s.Fs, BM) * nH + cdivb(s.H, BM) * cdivb(s.Fs, BN) : 0);
 }
 
-// The fixed tree over one column's n chunk partials (col[c * stride], c < n) through
-// TreeCounter (sm90_common.cuh). Whole aligned runs of 8 leaves go in as their complete
-// level-3 subtree (the next run's 8 loads in flight meanwhile), the rest one by one.
-// Each partial read once (no in-place levels: 3x less traffic).
-__device__ __forceinline__ float tree_column(const float* col, int64_t stride, int n) {
-  TreeCounter<RegNodes> tc;
+// The fixed tree over four adjacent columns' n chunk partials (col[c * stride], c < n,
+// 16-byte aligned) through TreeCounter (sm90_common.cuh), each column's own additions.
+// Whole aligned runs of 8 leaves go in as their complete level-3 subtree (the next run's
+// 8 float4 loads in flight meanwhile), the rest one by one; the pending nodes in the
+// caller's shared memory (nodes). Each partial read once.
+__device__ __forceinline__ float4 tree_column4(const float* col, int64_t stride, int n, SmemNodes4 nodes) {
+  TreeCounter<SmemNodes4, float4> tc{nodes};
+  const auto leaf = [&](int c) { return *reinterpret_cast<const float4*>(col + (int64_t)c * stride); };
   int c = 0;
-  float next[8];  // the next run's leaves, loaded while this run is added up
+  float4 next[8];  // the next run's leaves, loaded while this run is added up
   if (n >= 8)
 #pragma unroll
-    for (int k = 0; k < 8; k++) next[k] = col[(int64_t)k * stride];
+    for (int k = 0; k < 8; k++) next[k] = leaf(k);
   for (; c + 8 <= n; c += 8) {
-    float v[8];
+    float4 v[8];
 #pragma unroll
     for (int k = 0; k < 8; k++) v[k] = next[k];
     if (c + 16 <= n)
 #pragma unroll
-      for (int k = 0; k < 8; k++) next[k] = col[(int64_t)(c + 8 + k) * stride];
+      for (int k = 0; k < 8; k++) next[k] = leaf(c + 8 + k);
 #pragma unroll
     for (int lv = 0; lv < 3; lv++)  // levels 1..3: 4, 2, 1 nodes
 #pragma unroll
-      for (int k = 0; k < (4 >> lv); k++) v[k] = __fadd_rn(v[2 * k], v[2 * k + 1]);
+      for (int k = 0; k < (4 >> lv); k++) v[k] = tree_add(v[2 * k], v[2 * k + 1]);
     tc.push(v[0], 3);
   }
-  for (; c < n; c++) tc.push(col[(int64_t)c * stride], 0);
+  for (; c < n; c++) tc.push(leaf(c), 0);
   return tc.fold();
+}
+
+// TREE's slice of columns: a float4 of adjacent columns a thread, 1 to 8 of them, about
+// 1024 slices when the gradients are small, so that the tree fills the machine
+// (qwen3-30b-a3b's router, 262144 columns: 256 slices; at 8192 columns a slice its 32
+// tasks held 32 CTAs through the backward's last 0.6 ms). The same on every rank.
+__device__ __forceinline__ int64_t tree_slice(int64_t len) {
+  constexpr int64_t unit = 4 * kThreads;
+  return unit * min((int64_t)8, max((int64_t)1, (len + unit * 1024 - 1) / (unit * 1024)));
 }
 
 // The columns of the replicated gradients' partials that go out (the router's only when
@@ -524,13 +533,17 @@ __device__ __forceinline__ void tree_store(const BwdParams& p, void* out, int64_
   if (p.wgrad_fp32) reinterpret_cast<float*>(out)[k] = __fadd_rn(reinterpret_cast<float*>(out)[k], v);
   else reinterpret_cast<bf16*>(out)[k] = to_bf(v);
 }
+__device__ __forceinline__ void tree_store4(const BwdParams& p, void* out, int64_t k, float4 v) {
+  tree_store(p, out, k, v.x), tree_store(p, out, k + 1, v.y), tree_store(p, out, k + 2, v.z), tree_store(p, out, k + 3, v.w);
+}
 
-// Replicated gradients, slice of kTreeSlice columns: each column's tree over the chunks.
+// Replicated gradients, slice of tree_slice(len) columns: each column's tree over the
+// chunks, a thread's four adjacent columns at a time.
 // W > 1: the phase has two rounds of the slices. In the first each rank sums its
 // partials over the aligned subtrees of the global chunk tree that lie inside its
 // chunks (subtree_level), into its own tree window; the task that completes the round
 // publishes TREE. In the second, after every rank's TREE, every rank pushes all ranks'
-// subtrees in chunk order through tree_column's binary counter: the same nodes and
+// subtrees in chunk order through tree_column4's binary counter: the same nodes and
 // additions as W = 1, so the same bits on every rank and for every W.
 __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, uint32_t rw_total, int slices) {
   const Shape& s = p.s;
@@ -539,49 +552,51 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   if (!(combine ? wait_counter(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.st, 20, kFlagTree)
                 : wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20, kFlagBackward)))
     return;
-  const int64_t len = p.partial_len;
+  const int64_t len = p.partial_len, width = tree_slice(len);
   int chunk0 = 0;  // this rank's first chunk
   for (int r = 0; r < s.rank; r++) chunk0 += rank_chunks(p, r);
-  // the second round's counters, a thread's kTreeLevels pending nodes strided by kThreads,
-  // in the pipeline stages (no GEMM here; the last epilogue's stores have read them)
-  const SmemNodes pending{reinterpret_cast<float*>(sm.stage[0]) + threadIdx.x};
-  if (combine) {
-    if (threadIdx.x == 0) release_stages_from_stores(sm);
-    __syncthreads();
-  }
-  for (int64_t x = (int64_t)slice * kTreeSlice + threadIdx.x; x < min(len, (int64_t)(slice + 1) * kTreeSlice);
-       x += kThreads) {
+  // a thread's kTreeLevels pending nodes strided by kThreads, in the pipeline stages (no
+  // GEMM here; the last epilogue's stores have read them): float4s in the first round
+  // (106 KB), floats in the second
+  if (threadIdx.x == 0) release_stages_from_stores(sm);
+  __syncthreads();
+  const SmemNodes4 nodes4{reinterpret_cast<float4*>(sm.stage[0]) + threadIdx.x};
+  const SmemNodes nodes{reinterpret_cast<float*>(sm.stage[0]) + threadIdx.x};
+  for (int64_t x = slice * width + 4 * threadIdx.x; x < min(len, (slice + 1) * width); x += 4 * kThreads) {
     int64_t k;
-    void* out = tree_out(p, x, &k);
+    void* out = tree_out(p, x, &k);  // (the outputs' bounds are multiples of 4: H % 64 == 0)
     if (!out) continue;
     if (!combine) {  // W = 1: the whole tree; W > 1: subtree j of this rank's chunks, into its window
       for (int a = chunk0, j = 0, end = chunk0 + s.chunks; a < end; j++) {
         const int n = s.W == 1 ? s.chunks : 1 << subtree_level(a, end);
-        const float v = tree_column(p.partials + (a - chunk0) * len + x, len, n);
-        if (s.W == 1) tree_store(p, out, k, v);
-        else if (j < p.px.tree_nodes) p.px.tree[s.rank][j * len + x] = v;
+        const float4 v = tree_column4(p.partials + (a - chunk0) * len + x, len, n, nodes4);
+        if (s.W == 1) tree_store4(p, out, k, v);
+        else if (j < p.px.tree_nodes) *reinterpret_cast<float4*>(p.px.tree[s.rank] + j * len + x) = v;
         else raise_error(p.st, MOK_STATUS_INTERNAL_ERROR);  // (the window holds every split of <= T tokens)
         a += n;
       }
     } else {  // every rank's subtrees, ranks in chunk order, through the binary counter
-      TreeCounter<SmemNodes> tc{pending};
-      for (int r = 0, c0 = 0; r < s.W; r++) {
-        const int n = rank_chunks(p, r);
-        const volatile float* nodes = p.px.tree[r];
-        for (int a = c0, j = 0; a < c0 + n; j++) {
-          const int level = subtree_level(a, c0 + n);
-          tc.push(nodes[j * len + x], level);
-          a += 1 << level;
+      for (int q = 0; q < 4; q++) {
+        TreeCounter<SmemNodes> tc{nodes};
+        for (int r = 0, c0 = 0; r < s.W; r++) {
+          const int n = rank_chunks(p, r);
+          const volatile float* tree = p.px.tree[r];
+          for (int a = c0, j = 0; a < c0 + n; j++) {
+            const int level = subtree_level(a, c0 + n);
+            tc.push(tree[j * len + x + q], level);
+            a += 1 << level;
+          }
+          c0 += n;
         }
-        c0 += n;
+        tree_store(p, out, k + q, tc.fold());
       }
-      tree_store(p, out, k, tc.fold());
     }
   }
   if (s.W > 1 && !combine) {
     __threadfence_system();
     signal_counter_publish(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.px, s, kFlagTree, sm.peer_serial);
   }
+  fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   __syncthreads();
 }
 
@@ -653,7 +668,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     wgrad_mt[1] = cdivb(2 * s.F, BM);
     const int nH = cdivb(s.H, BN), rwt = rw_tiles(s), wg_size = wgrad_group(s);
     // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
-    const int slices = rwt ? (int)((p.partial_len + kTreeSlice - 1) / kTreeSlice) : 0;
+    const int slices = rwt ? (int)((p.partial_len + tree_slice(p.partial_len) - 1) / tree_slice(p.partial_len)) : 0;
     const int rows[kBwdPhases] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt,
                                   s.e_loc, s.e_loc, rwt ? s.chunks : 0, s.W > 1 ? 2 * slices : slices, s.ns,
                                   p.recompute ? s.max_mt : 0, p.recompute && s.Fs ? s.smt : 0};
