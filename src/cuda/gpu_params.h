@@ -65,6 +65,8 @@ constexpr uint32_t kKnobOnlyWgrad = 64, kKnobOnlyDx = 128;
 // before its counter's release (signal_counter). And, in the SwiGLU backward epilogue,
 // waiting for its TMA loads of gate and up. Besides the waits, a span of the mainloop:
 // each block's wgmma_wait<1> (the tensor core running the previous block's wgmmas).
+// ROUTE's parts after its GEMM (thread 0's warp and expert): scores and top-K, the
+// per-expert counts and ranks, the loss statistics.
 enum {
   kStallFull,
   kStallEmpty,
@@ -77,6 +79,9 @@ enum {
   kStallSignal,
   kStallEpiLoads,
   kStallMma,
+  kStallRouteTopK,
+  kStallRouteCounts,
+  kStallRouteStats,
   kStallKinds
 };
 struct TraceRecord {

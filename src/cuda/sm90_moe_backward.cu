@@ -640,12 +640,24 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
 __device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 || k == 6 || k == 7; }
 
 // Phases (k): 0 dg, 1 dhs, 2 dh, 3 dxr, 4 dxs, 5 dx, 6 wgrad2, 7 wgrad13, 8 rw, 9 tree,
-// 10 dxsum, 11 rg, 12 rgs (profile kinds 8 + k, and 21, 22 for rg, rgs). In ticket order
-// rg and rgs come right after dg: dg is memory-bound and short, and at W > 1 the peers'
-// dh waits for this rank's dg. The i-th phase in ticket order, and phase k's place.
+// 10 dxsum, 11 rg, 12 rgs (profile kinds 8 + k, and 21, 22 for rg, rgs). Ticket order:
+// dg, rg, rgs, dhs, dh, dxr, dxs, dx, wgrad2, dxsum, rw, wgrad13, tree. rg and rgs come
+// right after dg: dg is memory-bound and short, and at W > 1 the peers' dh waits for
+// this rank's dg. The memory-bound dxsum and rw go between the weight gradients, whose
+// GEMMs hide them, each after what it waits for has long finished (dxsum: every dx; rw:
+// every dh and wgrad2, since its partials go where dy_rows are); only tree (every rw)
+// is left after the last GEMM. The i-th phase in ticket order, and phase k's place.
 constexpr int kBwdPhases = 13;
-__host__ __device__ constexpr int bwd_order(int i) { return i == 0 ? 0 : i <= 2 ? 10 + i : i - 2; }
-__host__ __device__ constexpr int bwd_place(int k) { return k == 0 ? 0 : k >= 11 ? k - 10 : k + 2; }
+// (nibble i: the phase at place i, and the inverse; an array indexed at run time would
+// live in local memory)
+__host__ __device__ constexpr int bwd_order(int i) { return (int)(0x978a654321cb0ull >> (4 * i) & 15); }
+__host__ __device__ constexpr int bwd_place(int k) { return (int)(0x219cab8765430ull >> (4 * k) & 15); }
+constexpr bool bwd_place_inverts_order() {
+  for (int i = 0; i < kBwdPhases; i++)
+    if (bwd_place(bwd_order(i)) != i) return false;
+  return true;
+}
+static_assert(bwd_place_inverts_order(), "bwd_place is bwd_order's inverse");
 
 __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
   Smem& sm = kernel_smem(p.st.knobs);

@@ -45,6 +45,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
   const Shape& s = p.s;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), E = s.E, K = s.K;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  MOK_STALL_FROM(kStallRouteTopK);  // (again after the GEMM: replay routing has none)
   if (s.fused) {
     for (int nt = 0; nt < cdiv(E, BN); nt++) {
       const Operand A = rows128(&p.m_x, t0, 0), B = wide(&p.m_wr, nt * BN, 0);
@@ -53,6 +54,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
       });
     }
     __syncthreads();
+    MOK_STALL_FROM(kStallRouteTopK);
     // a warp per token: lanes hold experts lane, lane + 32, ... (E <= 256)
     for (int t = t0 + warp; t < t1; t += kThreads / 32) {
       float prob[8], sc[8], key[8];
@@ -107,6 +109,8 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
       }
     }
   }
+  MOK_STALL_ADD(kStallRouteTopK);
+  MOK_STALL_FROM(kStallRouteCounts);
   if (threadIdx.x == 0) release_stages_from_stores(sm);
   __syncthreads();
   // per expert: the block's count and each slot's rank, in token order. Each expert's
@@ -125,6 +129,8 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
     p.block_counts[(int64_t)b * E + e] = n;
   }
   fence_proxy_async_smem();  // (block_idx's generic writes before a next GEMM task's TMA loads)
+  MOK_STALL_ADD(kStallRouteCounts);
+  MOK_STALL_FROM(kStallRouteStats);
   // loss statistics per 64-token chunk: sum_t s[t, e] and sum_t lse_t^2, increasing t
   if (s.fused && (s.aux_coef != 0.f || s.z_coef != 0.f))
     for (int c = 0; c < 2; c++) {
@@ -137,6 +143,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
         p.chunk_stats[(int64_t)(b * 2 + c) * (E + 1) + e] = acc;
       }
     }
+  MOK_STALL_ADD(kStallRouteStats);
   signal_counter(sm, &p.st.sync->counter[C_ROUTE]);
 }
 
