@@ -32,12 +32,21 @@ __host__ __device__ inline uint32_t fwd_num_counters(const Shape& s) { return C_
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-// Is key a (expert ia) ahead of key b (expert ib)? Larger first, ties to the lower
-// index, NaN after every number (the CPU rule).
-__device__ __forceinline__ bool ahead(float a, int ia, float b, int ib) {
-  if (a != a) return b != b && ia < ib;
-  if (b != b) return true;
-  return a > b || (a == b && ia < ib);
+// The top-K order as one unsigned integer, larger first: key a (expert ia) ahead of key
+// b (expert ib) when a > b, or a == b and ia < ib; NaN after every number, NaNs by
+// index (the CPU rule). The float's bits made monotone (sign-magnitude to unsigned, -0
+// as +0 so that it ties with +0; NaN 0, below -inf's 0x007fffff) above 0xffff - index:
+// a warp's argmax is then a max of integers, without the branches of comparing floats
+// with their NaN cases (ROUTE's top-K loop took ~2/3 of its ~190 us at qwen3-30b-a3b,
+// latency-bound at two warps a scheduler). Every expert's key is nonzero.
+__device__ __forceinline__ uint64_t topk_key(float v, int e) {
+  const uint32_t u = __float_as_uint(v == 0.f ? 0.f : v);
+  const uint32_t ord = v != v ? 0u : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (uint64_t)ord << 32 | (uint32_t)(0xffff - e);
+}
+__device__ __forceinline__ uint64_t shfl_xor_u64(uint64_t v, int o) {
+  const uint32_t lo = __shfl_xor_sync(~0u, (uint32_t)v, o), hi = __shfl_xor_sync(~0u, (uint32_t)(v >> 32), o);
+  return (uint64_t)hi << 32 | lo;
 }
 
 // ---- ROUTE ----
@@ -57,32 +66,28 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
     MOK_STALL_FROM(kStallRouteTopK);
     // a warp per token: lanes hold experts lane, lane + 32, ... (E <= 256)
     for (int t = t0 + warp; t < t1; t += kThreads / 32) {
-      float prob[8], sc[8], key[8];
+      float prob[8], sc[8];
       const float lse = token_scores(p.logits + (int64_t)t * E, E, s.score, prob, sc);
       uint32_t chosen = 0;
+      uint64_t key[8];  // (0: not an expert)
 #pragma unroll
       for (int i = 0; i < 8; i++) {
         const int e = lane + 32 * i;
-        key[i] = (s.use_bias && e < E) ? __fadd_rn(sc[i], p.bias[e]) : sc[i];
+        key[i] = e < E ? topk_key(s.use_bias ? __fadd_rn(sc[i], p.bias[e]) : sc[i], e) : 0;
         if (e < E) p.scores[(int64_t)t * E + e] = sc[i];
-        else chosen |= 1u << i;  // not an expert
       }
       if (lane == 0) p.lse[t] = lse;
       // K rounds of a warp argmax; lane j keeps slot j (K <= 32)
       float gsum = 0.f, my_g = 0.f;
       int my_e = 0;
       for (int j = 0; j < K; j++) {
-        float bk = 0.f;
-        int be = -1;
+        uint64_t best = 0;
 #pragma unroll
         for (int i = 0; i < 8; i++)
-          if (!(chosen >> i & 1u) && (be < 0 || ahead(key[i], lane + 32 * i, bk, be))) bk = key[i], be = lane + 32 * i;
+          if (!(chosen >> i & 1u)) best = max(best, key[i]);
 #pragma unroll
-        for (int o = 16; o > 0; o /= 2) {
-          const float ok = __shfl_xor_sync(~0u, bk, o);
-          const int oe = __shfl_xor_sync(~0u, be, o);
-          if (oe >= 0 && (be < 0 || ahead(ok, oe, bk, be))) bk = ok, be = oe;
-        }
+        for (int o = 16; o > 0; o /= 2) best = max(best, shfl_xor_u64(best, o));
+        const int be = 0xffff - (int)(uint32_t)best;  // (K <= E: an expert is left)
         float gs = 0.f;  // the winner's lane marks it and broadcasts its score
 #pragma unroll
         for (int i = 0; i < 8; i++)
@@ -114,18 +119,28 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
   if (threadIdx.x == 0) release_stages_from_stores(sm);
   __syncthreads();
   // per expert: the block's count and each slot's rank, in token order. Each expert's
-  // thread reads all the block's (t1 - t0) K indices: from shared memory, where they
-  // are broadcast, not from global memory, where each load waited for the last rank's
-  // store (they may alias, as far as the compiler knows): 1024 loads in a row at
-  // qwen3-30b-a3b's K = 8.
-  int* block_idx = reinterpret_cast<int*>(sm.stage);  // [(t1 - t0) K] (K <= 32: 16 KB)
-  const int n_slots = (t1 - t0) * K;
-  for (int i = threadIdx.x; i < n_slots; i += kThreads) block_idx[i] = p.sv.idx[(int64_t)t0 * K + i];
+  // thread reads all the block's (t1 - t0) K indices from shared memory, where they are
+  // broadcast, 32 at a time (8 16-byte loads in flight: one at a time, each waiting for
+  // the last rank's store, since they may alias, they were 15% of ROUTE at qwen3); the
+  // slots past the block's are -1.
+  int* block_idx = reinterpret_cast<int*>(sm.stage);  // [(t1 - t0) K, rounded up to 32] (K <= 32: 16 KB)
+  const int n_slots = (t1 - t0) * K, n_padded = (n_slots + 31) / 32 * 32;
+  for (int i = threadIdx.x; i < n_padded; i += kThreads) block_idx[i] = i < n_slots ? p.sv.idx[(int64_t)t0 * K + i] : -1;
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += kThreads) {
     int n = 0;
-    for (int i = 0; i < n_slots; i++)  // (i = (t - t0) K + j: tokens, then slots, in order)
-      if (block_idx[i] == e) p.rank[(int64_t)t0 * K + i] = n++;
+    for (int i0 = 0; i0 < n_padded; i0 += 32) {  // (i = (t - t0) K + j: tokens, then slots, in order)
+      int4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; u++) v[u] = reinterpret_cast<const int4*>(block_idx + i0)[u];
+#pragma unroll
+      for (int u = 0; u < 8; u++) {
+        const int q[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+          if (q[c] == e) p.rank[(int64_t)t0 * K + i0 + 4 * u + c] = n++;
+      }
+    }
     p.block_counts[(int64_t)b * E + e] = n;
   }
   fence_proxy_async_smem();  // (block_idx's generic writes before a next GEMM task's TMA loads)
