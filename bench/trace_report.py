@@ -30,7 +30,8 @@ NAMES = FWD + BWD + ["wait(fwd)", "wait(bwd)"] + RECOMPUTE + RETURN
 # gpu_params.h's kStall* in order; epi-* are parts of "epilogue"; mma: each block's wgmma_wait<1>
 # (the tensor core running the previous block)
 STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barriers", "epi-issue", "signal", "epi-loads",
-          "mma", "route-topk", "route-counts", "route-stats"]
+          "mma", "route-topk", "route-counts", "route-stats",
+          "prefix-sums", "prefix-walk"]
 
 SM_FLOPS_PER_CYCLE = 4096  # dense bf16, one Hopper SM (bench/peer_cycles.py's peer rows compare)
 

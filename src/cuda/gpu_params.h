@@ -66,7 +66,8 @@ constexpr uint32_t kKnobOnlyWgrad = 64, kKnobOnlyDx = 128;
 // waiting for its TMA loads of gate and up. Besides the waits, a span of the mainloop:
 // each block's wgmma_wait<1> (the tensor core running the previous block's wgmmas).
 // ROUTE's parts after its GEMM (thread 0's warp and expert): scores and top-K, the
-// per-expert counts and ranks, the loss statistics.
+// per-expert counts and ranks, the loss statistics. PREFIX's (one task): the counts and
+// block offsets; thread 0's walks and the tile table.
 enum {
   kStallFull,
   kStallEmpty,
@@ -82,6 +83,8 @@ enum {
   kStallRouteTopK,
   kStallRouteCounts,
   kStallRouteStats,
+  kStallPrefixSums,
+  kStallPrefixWalk,
   kStallKinds
 };
 struct TraceRecord {

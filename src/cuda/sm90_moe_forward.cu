@@ -181,6 +181,12 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   __syncthreads();
   int* const sh_counts = reinterpret_cast<int*>(sm.stage);
   int* const sh_off = sh_counts + E, *const sh_loc_off = sh_off + E + 1, *const sh_loc_shift = sh_loc_off + E + 1;
+  // the tile table's runs (walk_tiles' visits, at most 2 E + 1), each from its first
+  // tile: thread 0 walks, then every thread writes tiles
+  int* const run_mt0 = sh_loc_shift + E, *const run_e = run_mt0 + 2 * E + 2, *const run_row0 = run_e + 2 * E + 2;
+  int* const run_end = run_row0 + 2 * E + 2;
+  __shared__ int num_runs;
+  MOK_STALL_FROM(kStallPrefixSums);
   // With W > 1 the counts and T go to every rank (row s.rank of each rank's counts
   // table) and this rank's rows of expert e follow those of ranks < s.rank: block
   // offsets start there. Every rank then holds the same [W][E + 1] table and computes
@@ -220,6 +226,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     }
     p.sv.counts[e] = sh_counts[e] = tot;
   }
+  MOK_STALL_ADD(kStallPrefixSums);
   // loss statistics: the fixed pairwise tree over the chunks, per column, into row 0.
   // With W > 1 over every rank's chunks in global order: each rank's rows go into every
   // rank's stats table at its first global chunk, and every rank sums the whole table
@@ -290,14 +297,16 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   }
   __syncthreads();
   if (over) return;
+  MOK_STALL_FROM(kStallPrefixWalk);
   if (threadIdx.x == 0) {
-    int mt = 0;
+    int mt = 0, r = 0;
     const int e0 = s.rank * s.e_loc;
     walk_tiles(sh_counts + e0, sh_off + e0, s.e_loc, s.pairs, [&](int e, int row0, int n, int row_end) {
-      for (int i = 0; i < n; i++, mt++)
-        p.tile_expert[mt] = e, p.tile_row0[mt] = row0 + i * BM, p.tile_row_end[mt] = row_end;
+      run_mt0[r] = mt, run_e[r] = e, run_row0[r] = row0, run_end[r] = row_end;
+      r++, mt += n;
       return false;
     });
+    run_mt0[r] = mt, num_runs = r;
     *p.num_tiles = mt;
     if (s.W > 1) {  // this rank's rows in stream order (by expert, then owner row: j = pos + loc_shift[e])
       int j = 0;
@@ -328,30 +337,33 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       p.sv.header[5 + r] = (uint64_t)(s.W > 1 ? peer_count(p, r, E) : s.T);
   }
   __syncthreads();
-  // outputs only when the step goes on (a capacity overflow stops it on every rank first)
-  if (*(volatile uint32_t*)&p.st.sync->error == 0) {
-    for (int e = threadIdx.x; e < E && p.tokens_per_expert; e += kThreads) p.tokens_per_expert[e] = p.sv.counts[e];
-    if (s.fused && (p.out_idx || p.out_w)) {
-      const int64_t n = (int64_t)s.T * s.K;
-      for (int64_t i0 = threadIdx.x; i0 < n; i0 += 8 * kThreads) {  // 8 slots loaded, then stored
-        int32_t idx[8];
-        float g[8];
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-          const int64_t i = i0 + (int64_t)k * kThreads;
-          idx[k] = i < n ? p.sv.idx[i] : 0, g[k] = i < n ? p.sv.g[i] : 0.f;
-        }
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-          const int64_t i = i0 + (int64_t)k * kThreads;
-          if (i < n && p.out_idx) p.out_idx[i] = idx[k];
-          if (i < n && p.out_w) p.out_w[i] = g[k];
-        }
-      }
+  for (int mt = threadIdx.x; mt < run_mt0[num_runs]; mt += kThreads) {  // the tile table, from the runs
+    int lo = 0, hi = num_runs - 1;  // the last run starting at or before mt
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (run_mt0[mid] <= mt) lo = mid;
+      else hi = mid - 1;
     }
+    p.tile_expert[mt] = run_e[lo], p.tile_row0[mt] = run_row0[lo] + (mt - run_mt0[lo]) * BM;
+    p.tile_row_end[mt] = run_end[lo];
   }
+  MOK_STALL_ADD(kStallPrefixWalk);
+  // outputs only when the step goes on (a capacity overflow stops it on every rank
+  // first); topk_idx and topk_weight come with DISPATCH, which runs only then
+  if (*(volatile uint32_t*)&p.st.sync->error == 0)
+    for (int e = threadIdx.x; e < E && p.tokens_per_expert; e += kThreads) p.tokens_per_expert[e] = p.sv.counts[e];
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[C_PREFIX]);
+}
+
+// The top-K outputs (fused routing: topk_idx, topk_weight, when asked for) of slots i0,
+// i0 + step, ... below i1: DISPATCH writes them, after PREFIX has let the step go on.
+__device__ __forceinline__ void copy_topk_out(const FwdParams& p, int i0, int i1, int step) {
+  if (!p.out_idx && !p.out_w) return;
+  for (int i = i0; i < i1; i += step) {
+    if (p.out_idx) p.out_idx[i] = p.sv.idx[i];
+    if (p.out_w) p.out_w[i] = p.sv.g[i];
+  }
 }
 
 // ---- DISPATCH, W > 1: stream task d of s.nd ----
@@ -365,6 +377,7 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
   const int K = s.K, H = s.H, E = s.E;
+  copy_topk_out(p, d * kThreads + threadIdx.x, s.T * K, s.nd * kThreads);
   for (int i = d * kThreads + threadIdx.x; i < s.T * K; i += s.nd * kThreads) {
     const int e = p.sv.idx[i];
     const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)(i / K / 128) * E + e] + p.rank[i];
@@ -414,6 +427,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (copy_rows_smem's chunks go there)
   __syncthreads();
+  copy_topk_out(p, t0 * K + threadIdx.x, t1 * K, kThreads);
   const uint32_t buf = smem_addr(sm.stage) + (warp * kCopyChunks * 32 + lane) * 16;
   for (int i0 = t0 * K + warp; i0 < t1 * K; i0 += kCopyRows * warps) {  // slots i0, i0 + warps, ...
     const bf16* src[kCopyRows];
