@@ -173,6 +173,19 @@ __device__ __forceinline__ void tensormap_publish(void* gmem_map, uint32_t smem_
 __device__ __forceinline__ void tensormap_acquire(const void* gmem_map) {
   asm volatile("fence.proxy.tensormap::generic.acquire.cta [%0], 128;" ::"l"(gmem_map) : "memory");
 }
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global src into shared
+// dst, completing on bar's transaction count; and from shared src to global dst in this
+// thread's bulk group (bulk_commit, then bulk_wait_read / bulk_wait_all).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // This thread's bulk store groups, all but the newest kPending, have read their shared
 // memory (it may be written again).

@@ -76,6 +76,9 @@ struct alignas(1024) Smem {
   // a_full (phase a_phase), while B streams through the ring
   uint64_t a_full;
   uint32_t a_phase;
+  // DISPATCH's bulk row copies: a batch of rows into the stages completes on copy_full
+  uint64_t copy_full;
+  uint32_t copy_phase;
   uint32_t ring_it;   // K blocks this CTA has put through the stage ring so far
   uint32_t ring2_it;  // the same for paired tasks (equal in both CTAs of a cluster)
   int cluster;        // CTAs in this CTA's cluster: 1, or 2 (pairs)
@@ -129,6 +132,8 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
     for (int b = 0; b < 2; b++) mbar_init(&sm.epi_full[b], 1);
     mbar_init(&sm.a_full, 1);
     sm.a_phase = 0;
+    mbar_init(&sm.copy_full, 1);
+    sm.copy_phase = 0;
     sm.abort = 0;
     sm.peer_W = 1;
     sm.ring_it = 0;

@@ -424,26 +424,37 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   if (s.W > 1) return dispatch_stream_task(sm, p, sb);
   if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), b = t0 / 128, K = s.K, H = s.H;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
-  if (threadIdx.x == 0) release_stages_from_stores(sm);  // (copy_rows_smem's chunks go there)
+  if (threadIdx.x == 0) release_stages_from_stores(sm);  // (the positions and rows go there)
   __syncthreads();
   copy_topk_out(p, t0 * K + threadIdx.x, t1 * K, kThreads);
-  const uint32_t buf = smem_addr(sm.stage) + (warp * kCopyChunks * 32 + lane) * 16;
-  for (int i0 = t0 * K + warp; i0 < t1 * K; i0 += kCopyRows * warps) {  // slots i0, i0 + warps, ...
-    const bf16* src[kCopyRows];
-    bf16* dst[kCopyRows];
-    int n = 0;
-#pragma unroll
-    for (int k = 0; k < kCopyRows; k++) {
-      const int i = min(i0 + k * warps, t1 * K - 1), t = i / K, e = p.sv.idx[i];
-      const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
-      if (i0 + k * warps < t1 * K) {
-        if (lane == 0) p.sv.pos[i] = pos;
-        n = k + 1;
+  // The slots' positions into shared memory, then thread 0 moves the rows with the bulk
+  // copy engine: a batch of whole rows into the stages (as many as fit), then out to
+  // their positions. Through cp.async and registers (copy_rows_smem) DISPATCH moved
+  // about 2.3 TB/s of rows at qwen3-30b-a3b, about half the HBM copy rate.
+  int* const sh_pos = reinterpret_cast<int*>(sm.stage);  // [(t1 - t0) K] (K <= 32: 4 KB)
+  uint8_t* const ring = sm.stage[0] + 4096;
+  const int i0 = t0 * K, n = (t1 - t0) * K;
+  for (int j = threadIdx.x; j < n; j += kThreads) {
+    const int i = i0 + j, e = p.sv.idx[i];
+    const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
+    p.sv.pos[i] = sh_pos[j] = pos;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t row_bytes = (uint32_t)H * 2;
+    const int slots = (int)((kStages * kStageBytes - 4096) / row_bytes);
+    for (int j0 = 0; j0 < n; j0 += slots) {
+      const int m = min(slots, n - j0);
+      mbar_arrive_expect_tx(&sm.copy_full, (uint32_t)m * row_bytes);
+      for (int j = 0; j < m; j++)
+        bulk_load(ring + j * row_bytes, p.x + (int64_t)((i0 + j0 + j) / K) * H, row_bytes, &sm.copy_full);
+      while (!mbar_try_wait(&sm.copy_full, sm.copy_phase)) {
       }
-      src[k] = p.x + (int64_t)t * H, dst[k] = p.sv.x_rows + (int64_t)pos * H;
+      sm.copy_phase ^= 1;
+      for (int j = 0; j < m; j++) bulk_store(p.sv.x_rows + (int64_t)sh_pos[j0 + j] * H, ring + j * row_bytes, row_bytes);
+      bulk_commit();
+      bulk_wait_read();  // (the ring is refilled next; signal_counter waits for the stores to land)
     }
-    copy_rows_smem(buf, src, dst, n, H, lane);
   }
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
