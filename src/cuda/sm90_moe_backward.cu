@@ -13,11 +13,11 @@
 //   DXS[m,n]      dx shared path = d_a_s ws13 (fp32)
 //   DX[m,n]       dx_j = bf16(d_a w13[e])
 //   WG2[e,m,n]    dw2[e] = dy_rows^T h_rows, over the expert's rows in order
-//   WG13[e,m,n]   dw13[e] = d_a^T x_rows
+//   DXSUM[b]      (32 tokens) dx[t] = bf16(sum_j dx_j + router path + shared path)
 //   RW[c,tile]    replicated gradients of 64-token chunk c: dW_router, dws13, dws2 (the
 //                 partials where dy_rows were: after every dh and wgrad2)
+//   WG13[e,m,n]   dw13[e] = d_a^T x_rows
 //   TREE[slice]   the fixed pairwise tree over the chunks, then written out
-//   DXSUM[b]      (32 tokens) dx[t] = bf16(sum_j dx_j + router path + shared path)
 #include "sm90_common.cuh"
 
 namespace mok {
@@ -417,7 +417,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
 // in one pipeline, each the sum over the chunk's 64 tokens (one K block).
 // The partials may be where dy_rows are (plan_bwd_ws): RW writes them once dh and wgrad2,
 // dy_rows' readers, have all finished (wg2_total: wgrad2's tasks). In ticket order RW
-// comes after wgrad13, so by then they have.
+// comes after wgrad2 and dxsum, so by then they all but have.
 // wgrad2's tile has read its dy_rows (every K block's TMA load consumed), which is all
 // RW needs: no wait for the tile's TMA stores (signal_counter's), which nothing reads.
 __device__ __noinline__ void wgrad2_done(Smem& sm, const BwdParams& p) {  // (noinline: no spill at the call)
