@@ -909,19 +909,15 @@ __device__ __forceinline__ void copy_rows_smem(uint32_t buf, const bf16* const (
 // right and carries to level L + 1; at the end the pending nodes fold from the lowest
 // level up, which is the lone-node rule. The same bits as the level-by-level evaluation.
 constexpr int kTreeLevels = 26;  // chunks = ceil(T / 64) < 2^26 for any int32 T
-// Where a counter's pending nodes live: registers (tree_column), or a thread's column of
-// shared memory strided by kThreads (tree_task's second round, beside no GEMM state).
-struct RegNodes {
-  float v[kTreeLevels];
-  __device__ __forceinline__ float& operator[](int L) { return v[L]; }
-  __device__ __forceinline__ float operator[](int L) const { return v[L]; }
-};
+// Where a counter's pending nodes live: a thread's column of shared memory strided by
+// kThreads, floats or float4s (tree_task's rounds, PREFIX's loss statistics; no GEMM
+// state beside them; PREFIX's in registers spilled the forward kernel).
 struct SmemNodes {
   float* p;
   __device__ __forceinline__ float& operator[](int L) { return p[L * kThreads]; }
   __device__ __forceinline__ float operator[](int L) const { return p[L * kThreads]; }
 };
-// Four adjacent columns' trees side by side (a float4 a node, strided by kThreads float4s).
+// (four adjacent columns' trees side by side: a float4 a node)
 struct SmemNodes4 {
   float4* p;
   __device__ __forceinline__ float4& operator[](int L) { return p[L * kThreads]; }

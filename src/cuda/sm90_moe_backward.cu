@@ -519,6 +519,7 @@ __device__ __forceinline__ int64_t tree_slice(int64_t len) {
   constexpr int64_t unit = 4 * kThreads;
   return unit * min((int64_t)8, max((int64_t)1, (len + unit * 1024 - 1) / (unit * 1024)));
 }
+__device__ __forceinline__ int tree_slices(int64_t len) { return (int)((len + tree_slice(len) - 1) / tree_slice(len)); }
 
 // The columns of the replicated gradients' partials that go out (the router's only when
 // fused, each only when its output was asked for): the output and the index in it.
@@ -680,7 +681,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     wgrad_mt[1] = cdivb(2 * s.F, BM);
     const int nH = cdivb(s.H, BN), rwt = rw_tiles(s), wg_size = wgrad_group(s);
     // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
-    const int slices = rwt ? (int)((p.partial_len + tree_slice(p.partial_len) - 1) / tree_slice(p.partial_len)) : 0;
+    const int slices = rwt ? tree_slices(p.partial_len) : 0;
     const int rows[kBwdPhases] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt,
                                   s.e_loc, s.e_loc, rwt ? s.chunks : 0, s.W > 1 ? 2 * slices : slices, s.ns,
                                   p.recompute ? s.max_mt : 0, p.recompute && s.Fs ? s.smt : 0};

@@ -54,7 +54,6 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
   const Shape& s = p.s;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), E = s.E, K = s.K;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  MOK_STALL_FROM(kStallRouteTopK);  // (again after the GEMM: replay routing has none)
   if (s.fused) {
     for (int nt = 0; nt < cdiv(E, BN); nt++) {
       const Operand A = rows128(&p.m_x, t0, 0), B = wide(&p.m_wr, nt * BN, 0);
@@ -102,6 +101,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
         p.sv.g[(int64_t)t * K + lane] = __fmul_rn(g, s.route_scale);
       }
     }
+    MOK_STALL_ADD(kStallRouteTopK);
   } else {
     for (int t = t0 + (int)threadIdx.x; t < t1; t += kThreads) {
       for (int j = 0; j < K; j++) {
@@ -114,7 +114,6 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
       }
     }
   }
-  MOK_STALL_ADD(kStallRouteTopK);
   MOK_STALL_FROM(kStallRouteCounts);
   if (threadIdx.x == 0) release_stages_from_stores(sm);
   __syncthreads();
