@@ -556,13 +556,11 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   const int64_t len = p.partial_len, width = tree_slice(len);
   int chunk0 = 0;  // this rank's first chunk
   for (int r = 0; r < s.rank; r++) chunk0 += rank_chunks(p, r);
-  // a thread's kTreeLevels pending nodes strided by kThreads, in the pipeline stages (no
-  // GEMM here; the last epilogue's stores have read them): float4s in the first round
-  // (106 KB), floats in the second
+  // a thread's kTreeLevels pending float4 nodes strided by kThreads, in the pipeline
+  // stages (106 KB; no GEMM here; the last epilogue's stores have read them)
   if (threadIdx.x == 0) release_stages_from_stores(sm);
   __syncthreads();
   const SmemNodes4 nodes4{reinterpret_cast<float4*>(sm.stage[0]) + threadIdx.x};
-  const SmemNodes nodes{reinterpret_cast<float*>(sm.stage[0]) + threadIdx.x};
   for (int64_t x = slice * width + 4 * threadIdx.x; x < min(len, (slice + 1) * width); x += 4 * kThreads) {
     int64_t k;
     void* out = tree_out(p, x, &k);  // (the outputs' bounds are multiples of 4: H % 64 == 0)
@@ -577,20 +575,17 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
         a += n;
       }
     } else {  // every rank's subtrees, ranks in chunk order, through the binary counter
-      for (int q = 0; q < 4; q++) {
-        TreeCounter<SmemNodes> tc{nodes};
-        for (int r = 0, c0 = 0; r < s.W; r++) {
-          const int n = rank_chunks(p, r);
-          const volatile float* tree = p.px.tree[r];
-          for (int a = c0, j = 0; a < c0 + n; j++) {
-            const int level = subtree_level(a, c0 + n);
-            tc.push(tree[j * len + x + q], level);
-            a += 1 << level;
-          }
-          c0 += n;
+      TreeCounter<SmemNodes4, float4> tc{nodes4};
+      for (int r = 0, c0 = 0; r < s.W; r++) {
+        const int n = rank_chunks(p, r);
+        for (int a = c0, j = 0; a < c0 + n; j++) {  // (L2: the nodes are peers' writes)
+          const int level = subtree_level(a, c0 + n);
+          tc.push(__ldcg(reinterpret_cast<const float4*>(p.px.tree[r] + j * len + x)), level);
+          a += 1 << level;
         }
-        tree_store(p, out, k + q, tc.fold());
+        c0 += n;
       }
+      tree_store4(p, out, k, tc.fold());
     }
   }
   if (s.W > 1 && !combine) {

@@ -355,14 +355,12 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   signal_counter(sm, &p.st.sync->counter[C_PREFIX]);
 }
 
-// The top-K outputs (fused routing: topk_idx, topk_weight, when asked for) of slots i0,
-// i0 + step, ... below i1: DISPATCH writes them, after PREFIX has let the step go on.
-__device__ __forceinline__ void copy_topk_out(const FwdParams& p, int i0, int i1, int step) {
-  if (!p.out_idx && !p.out_w) return;
-  for (int i = i0; i < i1; i += step) {
-    if (p.out_idx) p.out_idx[i] = p.sv.idx[i];
-    if (p.out_w) p.out_w[i] = p.sv.g[i];
-  }
+// Slot i's top-K outputs (fused routing: topk_idx, topk_weight, when asked for), e its
+// expert: DISPATCH writes them beside the slot's position, after PREFIX has let the
+// step go on.
+__device__ __forceinline__ void put_topk_out(const FwdParams& p, int i, int e) {
+  if (p.out_idx) p.out_idx[i] = e;
+  if (p.out_w) p.out_w[i] = p.sv.g[i];
 }
 
 // ---- DISPATCH, W > 1: stream task d of s.nd ----
@@ -376,9 +374,9 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
   const int K = s.K, H = s.H, E = s.E;
-  copy_topk_out(p, d * kThreads + threadIdx.x, s.T * K, s.nd * kThreads);
   for (int i = d * kThreads + threadIdx.x; i < s.T * K; i += s.nd * kThreads) {
     const int e = p.sv.idx[i];
+    put_topk_out(p, i, e);
     const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)(i / K / 128) * E + e] + p.rank[i];
     p.sv.pos[i] = pos;
     p.sv.sorted[pos + p.sv.loc_shift[e]] = i;
@@ -425,7 +423,6 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), b = t0 / 128, K = s.K, H = s.H;
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (the positions and rows go there)
   __syncthreads();
-  copy_topk_out(p, t0 * K + threadIdx.x, t1 * K, kThreads);
   // The slots' positions into shared memory, then thread 0 moves the rows with the bulk
   // copy engine: a batch of whole rows into the stages (as many as fit), then out to
   // their positions. Through cp.async and registers (copy_rows_smem) DISPATCH moved
@@ -438,6 +435,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     const int i = i0 + j, e = p.sv.idx[i];
     const int pos = p.sv.expert_off[e] + p.block_off[(int64_t)b * s.E + e] + p.rank[i];
     p.sv.pos[i] = sh_pos[j] = pos;
+    put_topk_out(p, i, e);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
