@@ -61,7 +61,8 @@
 #                 first shape of SHAPES (bench/block_cycles.py; TOKENS=4096,8192,16384)
 #   micro         the GPU microbenchmarks (bench/micro/: conversion pipes, wgmma ring)
 #   phase-ncu     ncu over the backward running only its weight gradients (MOK_KNOBS 64),
-#                 then only dx (128), for the first shape of SHAPES: the tensor pipe's
+#                 then only dx (128) (PHASE_KNOBS: another list, e.g. 256 = DG alone), for
+#                 the first shape of SHAPES: the tensor pipe's
 #                 active share, L2 hit rate and traffic by source, DRAM bytes, shared-
 #                 memory bank conflicts, and warp stalls per SASS instruction
 #                 ($OUT/ncu-phase-*-sass.csv) of each phase alone
@@ -271,7 +272,7 @@ torch.cuda.synchronize()"
       M1=gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
       M1=$M1,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
       M2=lts__t_sectors.sum,lts__t_sectors_srcunit_tex.sum,lts__t_sectors_srcunit_ltcfabric.sum,lts__t_sectors_srcunit_tex_lookup_hit.sum
-      for knob in 64 128; do
+      for knob in ${PHASE_KNOBS:-64 128}; do
         echo "== MOK_KNOBS=$knob"
         for m in M1 M2; do
           MOK_KNOBS=$knob $NCU $NCU_ARGS --csv --metrics "${!m}" python3 -c "$STEPS" \

@@ -31,7 +31,7 @@ NAMES = FWD + BWD + ["wait(fwd)", "wait(bwd)"] + RECOMPUTE + RETURN
 # (the tensor core running the previous block)
 STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barriers", "epi-issue", "signal", "epi-loads",
           "mma", "route-topk", "route-counts", "route-stats",
-          "prefix-sums", "prefix-walk"]
+          "prefix-sums", "prefix-walk", "dg-rows", "dg-router"]
 
 SM_FLOPS_PER_CYCLE = 4096  # dense bf16, one Hopper SM (bench/peer_cycles.py's peer rows compare)
 

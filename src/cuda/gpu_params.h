@@ -46,10 +46,11 @@ struct GpuStep {
                              // 8 = bf16 tiles leave through the plain path, not TMA stores,
                              // 16 = GEMM loads skip the B operand (its L2 traffic and energy),
                              // 32 = every K block of B is the tile's first (same bytes moved,
-                             // repeated data), 64 / 128 = the backward runs only its
-                             // weight-gradient / dx tasks, which do not wait for their inputs
+                             // repeated data), 64 / 128 / 256 / 512 = the backward runs only
+                             // its weight-gradient / dx / DG / dh tasks, which do not wait
+                             // for their inputs
 };
-constexpr uint32_t kKnobOnlyWgrad = 64, kKnobOnlyDx = 128;
+constexpr uint32_t kKnobOnlyWgrad = 64, kKnobOnlyDx = 128, kKnobOnlyDg = 256, kKnobOnlyDh = 512;
 
 // MOK_TRACE: a task's wall-clock span (%globaltimer, ns) on one CTA, and the part of it
 // spent waiting for dependencies; kind is the profile slot.
@@ -67,7 +68,8 @@ constexpr uint32_t kKnobOnlyWgrad = 64, kKnobOnlyDx = 128;
 // each block's wgmma_wait<1> (the tensor core running the previous block's wgmmas).
 // ROUTE's parts after its GEMM (thread 0's warp and expert): scores and top-K, the
 // per-expert counts and ranks, the loss statistics. PREFIX's (one task): the counts and
-// block offsets; thread 0's walks and the tile table.
+// block offsets; thread 0's walks and the tile table. DG's: the slot rows (dots and
+// dy_j), the router backward.
 enum {
   kStallFull,
   kStallEmpty,
@@ -85,6 +87,8 @@ enum {
   kStallRouteStats,
   kStallPrefixSums,
   kStallPrefixWalk,
+  kStallDgRows,
+  kStallDgRouter,
   kStallKinds
 };
 struct TraceRecord {

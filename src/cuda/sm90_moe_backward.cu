@@ -69,6 +69,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   // rate. DG tasks come first in ticket order, so before any GEMM task of this CTA: the
   // pipeline stages are free. The lane's chunks: [warp][dy, o][kDgInFlight][32 lanes].
   const uint32_t buf = smem_addr(sm.stage) + (warp * 2 * kDgInFlight * 32 + lane) * 16;
+  MOK_STALL_FROM(kStallDgRows);
   for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
     const int t = i / K, pos = p.sv.pos[i];
     const float g = p.sv.g[i];
@@ -107,7 +108,9 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
       if (!s.fused) p.d_topk_weight[i] = part;
     }
   }
+  MOK_STALL_ADD(kStallDgRows);
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
+  MOK_STALL_FROM(kStallDgRouter);
   if (s.fused) {
     epi_acquire(sm);  // warp_scratch shares sm.epi with a previous task's TMA stores
     const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
@@ -166,6 +169,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
         if (lane + 32 * i < E) p.dlogits[(int64_t)t * E + lane + 32 * i] = to_bf(dl[i]);
     }
   }
+  MOK_STALL_ADD(kStallDgRouter);
   if (s.W > 1) __threadfence_system();  // (each thread's dy rows into owners' buffers)
   signal_counter_publish(sm, &p.st.sync->counter[B_DG], (uint32_t)s.ns, p.px, s, kFlagDg, sm.peer_serial);
 }
@@ -259,8 +263,9 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
 // the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
 __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  const bool ok = wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20, kFlagDg) &&  // (every rank's dy rows)
-                  (!p.recompute || wait_counter(sm, &p.st.sync->counter[c_rg(s, mt)], rg_groups(s), p.st, 20));
+  const bool ok = (p.st.knobs & kKnobOnlyDh) ||
+                  (wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20, kFlagDg) &&  // (every rank's dy rows)
+                   (!p.recompute || wait_counter(sm, &p.st.sync->counter[c_rg(s, mt)], rg_groups(s), p.st, 20)));
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
@@ -704,10 +709,12 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     const int local = task - phase_start[i];
     int row = local / phase_cols[i], col = local % phase_cols[i];
     const bool pairable = paired_phase(k) && partner_in_phase(sm, phase_start, phase_end, kBwdPhases, task, i);
-    // MOK_KNOBS 64 / 128: only the weight-gradient / dx tasks run (without waiting for
-    // their inputs), so that ncu sees that phase alone
-    const uint32_t only = p.st.knobs & (kKnobOnlyWgrad | kKnobOnlyDx);
-    if (only && !((only & kKnobOnlyWgrad) && (k == 6 || k == 7)) && !((only & kKnobOnlyDx) && k == 5)) continue;
+    // MOK_KNOBS 64 / 128 / 256 / 512: only the weight-gradient / dx / DG / dh tasks run
+    // (without waiting for their inputs), so that ncu sees that phase alone
+    const uint32_t only = p.st.knobs & (kKnobOnlyWgrad | kKnobOnlyDx | kKnobOnlyDg | kKnobOnlyDh);
+    if (only && !((only & kKnobOnlyWgrad) && (k == 6 || k == 7)) && !((only & kKnobOnlyDx) && k == 5) &&
+        !((only & kKnobOnlyDg) && k == 0) && !((only & kKnobOnlyDh) && k == 2))
+      continue;
     switch (k) {
       case 0: dg_task(sm, p, local); break;
       case 1: dhs_task(sm, p, row, col); break;
