@@ -969,8 +969,12 @@ __device__ __forceinline__ void ld_shared_f32x4(uint32_t addr, float* v) {
 // sigmoid and silu through the SFU (ex2 and rcp, approximate; no division's slow-path
 // branch, so the SwiGLU epilogues' 64-128 evaluations a thread interleave). DESIGN.md
 // fixes the rounding points around them (bf16 gate and up in, bf16 h or d_a out), not
-// their last fp32 bit; every run and every SM gives the same bits.
-__device__ __forceinline__ float sigmoid_fast(float g) { return rcp_approx(__fadd_rn(1.f, __expf(-g))); }
+// their last fp32 bit; every run and every SM gives the same bits. e^-g is __expf's
+// (-g times log2 e rounded to float, then ex2) with subnormal results flushed: those
+// come from g > 87, where 1 + e^-g is 1 either way, so sigmoid's bits are __expf's.
+__device__ __forceinline__ float sigmoid_fast(float g) {
+  return rcp_approx(__fadd_rn(1.f, ex2_approx_ftz(__fmul_rn(-g, __int_as_float(0x3fb8aa3b)))));
+}
 __device__ __forceinline__ float silu(float g) { return __fmul_rn(g, sigmoid_fast(g)); }
 
 // ---- epilogues: accumulators -> sm.epi -> 16-byte global stores ----
