@@ -65,7 +65,8 @@
 #                 the first shape of SHAPES: the tensor pipe's
 #                 active share, L2 hit rate and traffic by source, DRAM bytes, shared-
 #                 memory bank conflicts, and warp stalls per SASS instruction
-#                 ($OUT/ncu-phase-*-sass.csv) of each phase alone
+#                 ($OUT/ncu-phase-*-sass.csv.gz, read with bench/ncu_sass_report.py) of
+#                 each phase alone (PHASE_KNOBS=0: the whole backward)
 # WARM=S: trace, stalls and kernel-times first run S seconds of back-to-back steps, so
 # that the measured steps run at a sustained run's clock (default 0: from idle).
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
@@ -285,6 +286,9 @@ torch.cuda.synchronize()"
         $NCU -i "$OUT/ncu-phase-$knob.ncu-rep" --page source --csv --print-source sass \
           > "$OUT/ncu-phase-$knob-sass.csv" 2>&1
         grep -i "stall\|warp cycles" "$OUT/ncu-phase-$knob-details.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}' | head -40
+        # (the report is too large to come back; the per-instruction CSV, compressed, does)
+        rm -f "$OUT/ncu-phase-$knob.ncu-rep"
+        gzip -f "$OUT/ncu-phase-$knob-sass.csv"
       done
       ;;
     micro)
