@@ -207,16 +207,16 @@ __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.p
 
 // 1 / x through the SFU (rcp.approx.ftz: within 1 ulp, no slow-path branch, so the
 // compiler can interleave many of them; the same bits on every run and every SM).
+__device__ __forceinline__ float rcp_approx(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
 // 2^x on the SFU, subnormal results flushed to zero: __expf's ex2 without the
 // subnormal range's two extra multiplies and compare.
 __device__ __forceinline__ float ex2_approx_ftz(float x) {
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ float rcp_approx(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
 
