@@ -135,8 +135,7 @@ static int dispatch_tasks(const Shape& s, const mok_config_t& c, int grid) {
 static int return_tasks(const mok_config_t& c, int grid, bool clusters) {
   if (c.W == 1) return 0;
   const char* v = getenv("MOK_RETURN_STREAMS");
-  const int n = std::max(1, std::min(std::min(v ? atoi(v) : 16, kMaxReturnStreams), grid / 4));
-  return clusters ? pad_even(n, true) : n;
+  return pad_even(std::max(1, std::min(std::min(v ? atoi(v) : 16, kMaxReturnStreams), grid / 4)), clusters);
 }
 
 // ---- byte plans (every piece 256-byte aligned); for the context's max T ----
@@ -420,7 +419,7 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
     return MOK_ERR(ctx, MOK_STATUS_BACKEND_UNAVAILABLE, "the driver has no cuTensorMapEncodeTiled");
   g.encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   const Shape s = make_shape(c, c.T, true);
-  g.sync_words = (uint32_t)(11 + 2 * (s.max_mt + s.smt));  // (the backward's: B_FIXED + 2 (max_mt + smt))
+  g.sync_words = std::max(fwd_num_counters(s), bwd_num_counters(s));
   CUDA_TRY(ctx, cudaMalloc(&g.sync, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   CUDA_TRY(ctx, cudaMemset(g.sync, 0, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   const char* trace = getenv("MOK_TRACE");

@@ -208,6 +208,19 @@ struct Shape {
                 // tiles, which run unpaired
 };
 
+// The step's dependency counters (GpuSync::counter): the forward's kFwdFixedCounters
+// (its C_* enum) then one an expert m-tile and one a shared-expert m-tile; the
+// backward's kBwdFixedCounters (B_*) then four: dh and rg an m-tile, dhs and rgs a
+// shared m-tile. The kernels assert their enums against these; the context allocates
+// the larger count.
+constexpr int kFwdFixedCounters = 6, kBwdFixedCounters = 11;
+__host__ __device__ inline uint32_t fwd_num_counters(const Shape& s) {
+  return (uint32_t)(kFwdFixedCounters + s.max_mt + s.smt);
+}
+__host__ __device__ inline uint32_t bwd_num_counters(const Shape& s) {
+  return (uint32_t)(kBwdFixedCounters + 2 * (s.max_mt + s.smt));
+}
+
 // The TMA store maps of an output: 128-row boxes for whole tiles, kStoreRows-row boxes
 // for tiles cut short by the end of an expert's rows (sm90_common.cuh), and `pair`, the
 // output seen as [cols / 64][rows][64] with 2 x 128 x 64 boxes: two adjacent 64-column

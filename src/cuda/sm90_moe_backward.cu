@@ -23,7 +23,8 @@
 namespace mok {
 
 enum : int { B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_TREE, B_RG_ALL, B_RGS_ALL, B_WG2_ALL, B_FIXED };
-// then dh[max_mt], dhs[smt], rg[max_mt], rgs[smt] (the context's sync_words: B_FIXED + 2 (max_mt + smt))
+// then dh[max_mt], dhs[smt], rg[max_mt], rgs[smt] (gpu_params.h's bwd_num_counters)
+static_assert(B_FIXED == kBwdFixedCounters, "gpu_params.h's bwd_num_counters");
 __device__ __forceinline__ int c_rg(const Shape& s, int mt) { return B_FIXED + s.max_mt + s.smt + mt; }
 __device__ __forceinline__ int c_rgs(const Shape& s, int mt) { return B_FIXED + 2 * s.max_mt + s.smt + mt; }
 

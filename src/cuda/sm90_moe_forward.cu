@@ -27,8 +27,7 @@ namespace mok {
 
 // then mt1[max_mt] (W > 1: GEMM2's groups count there too, after GEMM1's), smt1[smt]
 enum : int { C_ROUTE, C_PREFIX, C_DISPATCH, C_G2, C_S2, C_RET, C_FIXED };
-
-__host__ __device__ inline uint32_t fwd_num_counters(const Shape& s) { return C_FIXED + s.max_mt + s.smt; }
+static_assert(C_FIXED == kFwdFixedCounters, "gpu_params.h's fwd_num_counters");
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
 
