@@ -51,8 +51,17 @@ __device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
 }
 
 // ---- DG: d_g, dy_j, router backward ----
-constexpr int kDgInFlight = 8;
-static_assert((kThreads / 32) * 2 * kDgInFlight * 32 * 16 <= kStages * kStageBytes, "DG's chunks fit in the stages");
+// A warp's slots stream through a ring of kDgRing units in shared memory; a unit is one
+// round of one slot: kDgInFlight 16-byte chunks of its dy row and of its o row a lane
+// (cp.async: none held in registers, which the kernel has none to spare for). While the
+// warp sums one unit, the next kDgRing - 1 are in flight. One slot at a time a warp, with
+// its indices loaded when it came up, DG was a chain of dependent loads: three quarters
+// of its time went to the chain, not the rows (PERF.md, seventeenth session). DG tasks
+// come first in ticket order, so before any GEMM task of this CTA: the stages are free.
+// A lane's chunks: [warp][ring unit][dy, o][kDgInFlight][32 lanes].
+constexpr int kDgInFlight = 8, kDgRing = 3;
+static_assert((kThreads / 32) * kDgRing * 2 * kDgInFlight * 32 * 16 <= kStages * kStageBytes,
+              "DG's ring fits in the stages");
 __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   const Shape& s = p.s;
   // W > 1: every rank's previous launch has ended before this one writes its dy_rows (two
@@ -64,33 +73,67 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   if (s.W > 1 && !wait_peers(sm, p.st, kFlagBackward)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H, E = s.E;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // A slot's dy and o rows come through shared memory, kDgInFlight 16-byte chunks of each
-  // a lane in flight (cp.async: none held in registers, which the kernel has none to
-  // spare for). With one chunk pair in flight a lane, DG ran at about a third of HBM's
-  // rate. DG tasks come first in ticket order, so before any GEMM task of this CTA: the
-  // pipeline stages are free. The lane's chunks: [warp][dy, o][kDgInFlight][32 lanes].
-  const uint32_t buf = smem_addr(sm.stage) + (warp * 2 * kDgInFlight * 32 + lane) * 16;
+  const int i0 = t0 * K, nv = H / 8, rounds = cdivb(nv, 32 * kDgInFlight);
+  const uint32_t ring = smem_addr(sm.stage) + (warp * kDgRing * 2 * kDgInFlight * 32 + lane) * 16;
   MOK_STALL_FROM(kStallDgRows);
-  for (int i = t0 * K + warp; i < t1 * K; i += kThreads / 32) {
-    const int t = i / K, pos = p.sv.pos[i];
-    const float g = p.sv.g[i];
-    const uint4* dyv = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
-    const int owner = p.sv.idx[i] / s.e_loc;
-    const bf16* o_row = owner == s.rank ? p.peer_o_rows.rows[owner] + (int64_t)pos * H
-                                        : p.o_kept + (int64_t)i * H;  // (where the owner's RETURN put it)
-    const uint4* ov = reinterpret_cast<const uint4*>(o_row);
-    uint4* dst = reinterpret_cast<uint4*>(p.peer_dy_rows.rows[owner] + (int64_t)pos * H);
-    float part = 0.f;  // lane's h in increasing order, then the warp's fixed tree
-    for (int v0 = lane; v0 < H / 8; v0 += 32 * kDgInFlight) {
+  // The warp's slots are i0 + warp + kWarps n (n < per), taken 32 at a time: lane l
+  // loads slot n = b + l's token, row and weight once, and the warp reads them by shuffle.
+  constexpr int kWarps = kThreads / 32;
+  const int per = ((t1 - t0) * K - warp + kWarps - 1) / kWarps;
+  for (int b = 0; b < per; b += 32) {
+    const int nb = min(32, per - b), units = nb * rounds;
+    int my_t = 0, my_pos = 0, my_owner = 0;
+    float my_g = 0.f;
+    if (lane < nb) {
+      const int i = i0 + warp + kWarps * (b + lane);
+      my_t = i / K, my_pos = p.sv.pos[i], my_g = p.sv.g[i];
+      my_owner = s.W > 1 ? p.sv.idx[i] / s.e_loc : 0;  // (W = 1: every expert is this rank's)
+    }
+    // Unit u: slot b + u / rounds, chunks v0 = lane + 32 kDgInFlight (u % rounds) + 32 k.
+    auto slot_rows = [&](int u, const uint4*& dyv, const uint4*& ov, uint4*& dst, int& i, float& g) {
+      const int k = u / rounds, t = __shfl_sync(~0u, my_t, k), pos = __shfl_sync(~0u, my_pos, k),
+                owner = __shfl_sync(~0u, my_owner, k);
+      g = __shfl_sync(~0u, my_g, k);
+      i = i0 + warp + kWarps * (b + k);
+      dyv = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
+      ov = reinterpret_cast<const uint4*>(owner == s.rank ? p.peer_o_rows.rows[owner] + (int64_t)pos * H
+                                                          : p.o_kept + (int64_t)i * H);  // (where RETURN put it)
+      dst = reinterpret_cast<uint4*>(p.peer_dy_rows.rows[owner] + (int64_t)pos * H);
+    };
+    auto issue = [&](int u) {  // (a group even when empty: the waits count groups)
+      if (u < units) {
+        const uint4 *dyv, *ov;
+        uint4* dst;
+        int i;
+        float g;
+        slot_rows(u, dyv, ov, dst, i, g);
+        const int v0 = lane + (u % rounds) * 32 * kDgInFlight;
+        const uint32_t at = ring + (u % kDgRing) * 2 * kDgInFlight * 512;
 #pragma unroll
-      for (int u = 0; u < kDgInFlight; u++)
-        if (v0 + 32 * u < H / 8)
-          cp_async_16(buf + u * 512, dyv + v0 + 32 * u), cp_async_16(buf + (kDgInFlight + u) * 512, ov + v0 + 32 * u);
-      cp_async_wait_all();  // (a lane reads back only its own chunks)
+        for (int c = 0; c < kDgInFlight; c++)
+          if (v0 + 32 * c < nv)
+            cp_async_16(at + c * 512, dyv + v0 + 32 * c), cp_async_16(at + (kDgInFlight + c) * 512, ov + v0 + 32 * c);
+      }
+      cp_async_commit();
+    };
+#pragma unroll 1
+    for (int u = 0; u < kDgRing - 1; u++) issue(u);
+    float part = 0.f;  // a slot's: lane's h in increasing order, then the warp's fixed tree
+#pragma unroll 1
+    for (int u = 0; u < units; u++) {
+      issue(u + kDgRing - 1);
+      cp_async_wait_group<kDgRing - 1>();  // (unit u's group; a lane reads back only its own chunks)
+      const uint4 *dyv, *ov;
+      uint4* dst;
+      int i;
+      float g;
+      slot_rows(u, dyv, ov, dst, i, g);
+      const int v0 = lane + (u % rounds) * 32 * kDgInFlight;
+      const uint32_t at = ring + (u % kDgRing) * 2 * kDgInFlight * 512;
 #pragma unroll
-      for (int u = 0; u < kDgInFlight; u++) {
-        if (v0 + 32 * u >= H / 8) continue;
-        const uint4 dr = ld_shared_v4(buf + u * 512), orw = ld_shared_v4(buf + (kDgInFlight + u) * 512);
+      for (int c = 0; c < kDgInFlight; c++) {
+        if (v0 + 32 * c >= nv) continue;
+        const uint4 dr = ld_shared_v4(at + c * 512), orw = ld_shared_v4(at + (kDgInFlight + c) * 512);
         const bf16* d = reinterpret_cast<const bf16*>(&dr);
         const bf16* o = reinterpret_cast<const bf16*>(&orw);
         uint4 out;
@@ -100,13 +143,16 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
           part = __fadd_rn(part, __fmul_rn(bf(d[k]), bf(o[k])));
           dj[k] = to_bf(__fmul_rn(g, bf(d[k])));
         }
-        dst[v0 + 32 * u] = out;
+        dst[v0 + 32 * c] = out;
       }
-    }
-    part = warp_sum(part);
-    if (lane == 0) {
-      p.dg[i] = part;
-      if (!s.fused) p.d_topk_weight[i] = part;
+      if (u % rounds == rounds - 1) {  // the slot's last round
+        part = warp_sum(part);
+        if (lane == 0) {
+          p.dg[i] = part;
+          if (!s.fused) p.d_topk_weight[i] = part;
+        }
+        part = 0.f;
+      }
     }
   }
   MOK_STALL_ADD(kStallDgRows);
@@ -127,22 +173,25 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
           ds[i] = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),
                                       __fdiv_rn((float)p.sv.counts[e], TK)), T_all);
       }
-      // g_j = route_scale s_j / S: S and sum_j dgn_j g_n_j over slots in order
+      // g_j = route_scale s_j / S: S and sum_j dgn_j g_n_j over slots in order. Lane j
+      // holds slot j's expert and d_g (K <= 32), the loops take them by shuffle.
       float* sw = sm.warp_scratch[warp];  // (shares sm.epi: the epi_acquire above)
 #pragma unroll
       for (int i = 0; i < 8; i++)
         if (lane + 32 * i < E) sw[lane + 32 * i] = sc[i];
+      const int my_e = lane < K ? p.sv.idx[(int64_t)t * K + lane] : 0;
+      const float my_dgn = lane < K ? __fmul_rn(p.dg[(int64_t)t * K + lane], s.route_scale) : 0.f;
       __syncwarp();
       float S = 0.f, dot = 0.f;
-      for (int j = 0; j < K; j++) S = __fadd_rn(S, sw[p.sv.idx[(int64_t)t * K + j]]);
+      for (int j = 0; j < K; j++) S = __fadd_rn(S, sw[__shfl_sync(~0u, my_e, j)]);
       for (int j = 0; j < K; j++) {
-        const float v = sw[p.sv.idx[(int64_t)t * K + j]];
-        dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(p.dg[(int64_t)t * K + j], s.route_scale), __fdiv_rn(v, S)));
+        const float v = sw[__shfl_sync(~0u, my_e, j)];
+        dot = __fadd_rn(dot, __fmul_rn(__shfl_sync(~0u, my_dgn, j), __fdiv_rn(v, S)));
       }
       __syncwarp();
       for (int j = 0; j < K; j++) {
-        const int e = p.sv.idx[(int64_t)t * K + j];
-        const float dgn = __fmul_rn(p.dg[(int64_t)t * K + j], s.route_scale);
+        const int e = __shfl_sync(~0u, my_e, j);
+        const float dgn = __shfl_sync(~0u, my_dgn, j);
         const float d = s.normalize ? __fdiv_rn(__fsub_rn(dgn, dot), S) : dgn;
 #pragma unroll
         for (int i = 0; i < 8; i++)
