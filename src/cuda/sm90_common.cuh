@@ -827,6 +827,13 @@ __device__ __forceinline__ void ld_shared_bf16x8(uint32_t addr, float (&v)[8]) {
 #pragma unroll
   for (int k = 0; k < 8; k++) v[k] = bf(b[k]);
 }
+// Lane j's pointer, to every lane of the warp (two 32-bit shuffles).
+template <class T>
+__device__ __forceinline__ T* shfl_ptr(T* p, int j) {
+  const uint64_t v = reinterpret_cast<uint64_t>(p);
+  const uint32_t lo = __shfl_sync(~0u, (uint32_t)v, j), hi = __shfl_sync(~0u, (uint32_t)(v >> 32), j);
+  return reinterpret_cast<T*>((uint64_t)hi << 32 | lo);
+}
 __device__ __forceinline__ void store_bf16x8(bf16* dst, const float (&v)[8]) {
   uint4 raw;
   bf16* b = reinterpret_cast<bf16*>(&raw);
@@ -854,12 +861,21 @@ __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, co
                                               int t, const bf16* kept, Extra extra, Finish finish) {
   const int K = s.K, nv = s.H / 8, lane = threadIdx.x % 32, U = max(1, kSlotChunks / (K + kSlotExtra));
   const uint32_t buf = smem_addr(sm.stage) + ((threadIdx.x / 32) * kSlotChunks * 32 + lane) * 16;
+  // Lane j < K (K <= 32) looks up slot j's row and weight once; every round takes them by
+  // shuffle. Looked up slot by slot in each round, they were a chain of dependent loads
+  // before the round's first copy.
+  const uint4* my_row = nullptr;
+  float my_g = 1.f;
+  if (lane < K) {
+    const int64_t i = (int64_t)t * K + lane;
+    const int owner = s.W > 1 ? sv.idx[i] / s.e_loc : 0;  // (W = 1: every expert is this rank's)
+    my_row = reinterpret_cast<const uint4*>(kept && owner != s.rank ? kept + i * s.H
+                                                                    : peer.rows[owner] + (int64_t)sv.pos[i] * s.H);
+    if (kWeighted) my_g = sv.g[i];
+  }
   for (int v0 = lane; v0 < nv; v0 += 32 * U) {
     for (int j = 0; j < K; j++) {
-      const int64_t i = (int64_t)t * K + j;
-      const int owner = sv.idx[i] / s.e_loc;
-      const uint4* row = reinterpret_cast<const uint4*>(kept && owner != s.rank ? kept + i * s.H
-                                                                                : peer.rows[owner] + (int64_t)sv.pos[i] * s.H);
+      const uint4* row = shfl_ptr(my_row, j);
       for (int u = 0; u < U && v0 + 32 * u < nv; u++) cp_async_16(buf + (j * U + u) * 512, row + v0 + 32 * u);
     }
     for (int u = 0; u < U && v0 + 32 * u < nv; u++) extra(v0 + 32 * u, buf + (K * U + u * kSlotExtra) * 512);
@@ -868,9 +884,8 @@ __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, co
       const int v = v0 + 32 * u;
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int j = 0; j < K; j++) {
-        const int64_t i = (int64_t)t * K + j;
         const uint4 raw = ld_shared_v4(buf + (j * U + u) * 512);
-        const float g = kWeighted ? sv.g[i] : 1.f;
+        const float g = kWeighted ? __shfl_sync(~0u, my_g, j) : 1.f;
         const bf16* x = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
         for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], kWeighted ? __fmul_rn(g, bf(x[k])) : bf(x[k]));
