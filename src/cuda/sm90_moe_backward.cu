@@ -686,6 +686,11 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   __syncthreads();
 }
 
+// The MOK_KNOBS bit that runs phase k alone (0: none does).
+__device__ __forceinline__ uint32_t only_knob(int k) {
+  return k == 6 || k == 7 ? kKnobOnlyWgrad : k == 5 ? kKnobOnlyDx : k == 0 ? kKnobOnlyDg : k == 2 ? kKnobOnlyDh : 0u;
+}
+
 // The phases whose GEMM tasks two CTAs of a cluster may run as a pair: dh, dx, wgrad2,
 // wgrad13.
 __device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 || k == 6 || k == 7; }
@@ -762,9 +767,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     // MOK_KNOBS 64 / 128 / 256 / 512: only the weight-gradient / dx / DG / dh tasks run
     // (without waiting for their inputs), so that ncu sees that phase alone
     const uint32_t only = p.st.knobs & (kKnobOnlyWgrad | kKnobOnlyDx | kKnobOnlyDg | kKnobOnlyDh);
-    if (only && !((only & kKnobOnlyWgrad) && (k == 6 || k == 7)) && !((only & kKnobOnlyDx) && k == 5) &&
-        !((only & kKnobOnlyDg) && k == 0) && !((only & kKnobOnlyDh) && k == 2))
-      continue;
+    if (only && !(only & only_knob(k))) continue;
     switch (k) {
       case 0: dg_task(sm, p, local); break;
       case 1: dhs_task(sm, p, row, col); break;

@@ -66,8 +66,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
     for (int t = t0 + warp; t < t1; t += kThreads / 32) {
       float prob[8], sc[8];
       const float lse = token_scores(p.logits + (int64_t)t * E, E, s.score, prob, sc);
-      uint32_t chosen = 0;
-      uint64_t key[8];  // (0: not an expert)
+      uint64_t key[8];  // (0: not an expert, or one already chosen)
 #pragma unroll
       for (int i = 0; i < 8; i++) {
         const int e = lane + 32 * i;
@@ -82,14 +81,14 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
         uint64_t best = 0;
 #pragma unroll
         for (int i = 0; i < 8; i++)
-          if (!(chosen >> i & 1u)) best = max(best, key[i]);
+          best = max(best, key[i]);
 #pragma unroll
         for (int o = 16; o > 0; o /= 2) best = max(best, shfl_xor_u64(best, o));
         const int be = 0xffff - (int)(uint32_t)best;  // (K <= E: an expert is left)
-        float gs = 0.f;  // the winner's lane marks it and broadcasts its score
+        float gs = 0.f;  // the winner's lane takes it out and broadcasts its score
 #pragma unroll
         for (int i = 0; i < 8; i++)
-          if (lane + 32 * i == be) chosen |= 1u << i, gs = sc[i];
+          if (lane + 32 * i == be) key[i] = 0, gs = sc[i];
         gs = __shfl_sync(~0u, gs, be % 32);
         if (lane == j) my_g = gs, my_e = be;
         gsum = __fadd_rn(gsum, gs);  // slots in order
