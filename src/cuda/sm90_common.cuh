@@ -873,24 +873,26 @@ __device__ __forceinline__ void sum_slot_rows(Smem& sm, const PeerRows& peer, co
                                                                     : peer.rows[owner] + (int64_t)sv.pos[i] * s.H);
     if (kWeighted) my_g = sv.g[i];
   }
-  for (int v0 = lane; v0 < nv; v0 += 32 * U) {
+  for (int r = 0; r < nv; r += 32 * U) {  // (rounds and shuffles warp-uniform: lanes past nv ride along)
+    const int v0 = r + lane;
     for (int j = 0; j < K; j++) {
       const uint4* row = shfl_ptr(my_row, j);
       for (int u = 0; u < U && v0 + 32 * u < nv; u++) cp_async_16(buf + (j * U + u) * 512, row + v0 + 32 * u);
     }
     for (int u = 0; u < U && v0 + 32 * u < nv; u++) extra(v0 + 32 * u, buf + (K * U + u * kSlotExtra) * 512);
     cp_async_wait_all();  // (a lane reads back only its own chunks)
-    for (int u = 0; u < U && v0 + 32 * u < nv; u++) {
+    for (int u = 0; u < U && r + 32 * u < nv; u++) {
       const int v = v0 + 32 * u;
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int j = 0; j < K; j++) {
-        const uint4 raw = ld_shared_v4(buf + (j * U + u) * 512);
         const float g = kWeighted ? __shfl_sync(~0u, my_g, j) : 1.f;
+        if (v >= nv) continue;
+        const uint4 raw = ld_shared_v4(buf + (j * U + u) * 512);
         const bf16* x = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll
         for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], kWeighted ? __fmul_rn(g, bf(x[k])) : bf(x[k]));
       }
-      finish(v, acc, buf + (K * U + u * kSlotExtra) * 512);
+      if (v < nv) finish(v, acc, buf + (K * U + u * kSlotExtra) * 512);
     }
   }
 }
