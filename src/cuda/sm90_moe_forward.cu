@@ -443,7 +443,8 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     for (int u0 = 0; u0 < t1 - t0; u0 += rows) {  // (u: the task's tokens)
       const int m = min(rows, t1 - t0 - u0);
       mbar_arrive_expect_tx(&sm.copy_full, (uint32_t)m * row_bytes);
-      for (int u = 0; u < m; u++) bulk_load(ring + u * row_bytes, p.x + (int64_t)(t0 + u0 + u) * H, row_bytes, &sm.copy_full);
+      for (int u = 0; u < m; u++)
+        bulk_load(ring + u * row_bytes, p.x + (int64_t)(t0 + u0 + u) * H, row_bytes, &sm.copy_full);
       while (!mbar_try_wait(&sm.copy_full, sm.copy_phase)) {
       }
       sm.copy_phase ^= 1;
