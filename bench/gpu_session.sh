@@ -9,7 +9,8 @@
 #   bench/gpu_session.sh test trace bench          # all three, in this order
 #   SHAPES=deepseek-v3 bench/gpu_session.sh trace  # traces of one shape
 #
-#   test          make test-gpu (its last line printed)
+#   test          make test-gpu (its last line printed; killed after TEST_LIMIT s, default
+#                 420: a hang then still leaves its log's last lines, not a silent call)
 #   trace         MOK_TRACE of one step per shape, bench/trace_report.py per shape
 #   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
@@ -18,7 +19,7 @@
 #   test-refs     each of TEST_REFS's builds (build-NAME directories from build_refs.sh,
 #                 space-separated): its mok_gpu_tests (the C GPU suites, comm included),
 #                 the last line and what failed; for telling which of several branches
-#                 breaks a merge of them, in one call
+#                 breaks a merge of them, in one call (each bounded by TEST_LIMIT too)
 #   comm          the 2-GPU cases alone (suite comm: the NCCL exchange, the forward and
 #                 a step at W = 2 against the CPU and bitwise against W = 1, capacity,
 #                 timeout)
@@ -120,17 +121,23 @@ trace_shapes() {
 # device tool brings back only a few files)
 test_verdict() {
   echo "$1 (exit $2): $(tail -1 "$3")"
-  [ "$2" -eq 0 ] || grep -B8 "^FAIL" "$3" | tail -60
+  if [ "$2" -eq 137 ]; then
+    echo "$1: killed after TEST_LIMIT=$TEST_LIMIT s (a hang?); the log's last lines:"
+    tail -20 "$3"
+  elif [ "$2" -ne 0 ]; then
+    grep -B8 "^FAIL" "$3" | tail -60
+  fi
 }
+TEST_LIMIT=${TEST_LIMIT:-420}
 for part in "$@"; do
   case "$part" in
     test)
-      $TEST_GPU > "$OUT/test-gpu.log" 2>&1
+      timeout -s KILL "$TEST_LIMIT" $TEST_GPU > "$OUT/test-gpu.log" 2>&1
       test_verdict test-gpu $? "$OUT/test-gpu.log"
       ;;
     test-refs)
       for dir in ${TEST_REFS:-}; do
-        "$dir/mok_gpu_tests" > "$OUT/test-refs-$dir.log" 2>&1
+        timeout -s KILL "$TEST_LIMIT" "$dir/mok_gpu_tests" > "$OUT/test-refs-$dir.log" 2>&1
         test_verdict "$dir/mok_gpu_tests" $? "$OUT/test-refs-$dir.log"
       done
       ;;
