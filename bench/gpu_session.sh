@@ -19,7 +19,8 @@
 #   test-refs     each of TEST_REFS's builds (build-NAME directories from build_refs.sh,
 #                 space-separated): its mok_gpu_tests (the C GPU suites, comm included),
 #                 the last line and what failed; for telling which of several branches
-#                 breaks a merge of them, in one call (each bounded by TEST_LIMIT too)
+#                 breaks a merge of them, in one call (each bounded by TEST_LIMIT too, as
+#                 is comm)
 #   comm          the 2-GPU cases alone (suite comm: the NCCL exchange, the forward and
 #                 a step at W = 2 against the CPU and bitwise against W = 1, capacity,
 #                 timeout)
@@ -221,7 +222,7 @@ for part in "$@"; do
       grep -E "final loss|bitwise|differs" "$OUT"/lm-ep1.txt "$OUT"/lm-ep1b.txt "$OUT"/lm-ep2.txt "$OUT"/lm-ep2b.txt
       ;;
     comm)
-      ./build/mok_gpu_tests -k comm 2>&1 | tail -40
+      timeout -s KILL "$TEST_LIMIT" ./build/mok_gpu_tests -k comm 2>&1 | tail -40
       ;;
     p2p)
       python3 bench/p2p_copy.py --json "$OUT/p2p.json" 2>&1 | tee "$OUT/p2p.txt"
