@@ -89,30 +89,39 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
       my_t = i / K, my_pos = p.sv.pos[i], my_g = p.sv.g[i];
       my_owner = s.W > 1 ? p.sv.idx[i] / s.e_loc : 0;  // (W = 1: every expert is this rank's)
     }
-    // Unit u: slot b + u / rounds, chunks v0 = lane + 32 kDgInFlight (u % rounds) + 32 k.
-    auto slot_rows = [&](int u, const uint4*& dyv, const uint4*& ov, uint4*& dst, int& i, float& g) {
+    // Unit u: slot b + u / rounds, its rows, its chunks v0 + 32 c (v0 = lane + 32
+    // kDgInFlight (u % rounds)) and its place in the ring. Made again where the unit is
+    // summed (four shuffles), not held in registers across the ring's depth.
+    struct Unit {
+      const uint4 *dy, *o;
+      uint4* dst;
+      int i, v0;
+      float g;
+      uint32_t at;
+    };
+    auto unit = [&](int u) {
+      Unit x;
       const int k = u / rounds, t = __shfl_sync(~0u, my_t, k), pos = __shfl_sync(~0u, my_pos, k),
                 owner = __shfl_sync(~0u, my_owner, k);
-      g = __shfl_sync(~0u, my_g, k);
-      i = i0 + warp + kWarps * (b + k);
-      dyv = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
-      ov = reinterpret_cast<const uint4*>(owner == s.rank ? p.peer_o_rows.rows[owner] + (int64_t)pos * H
-                                                          : p.o_kept + (int64_t)i * H);  // (where RETURN put it)
-      dst = reinterpret_cast<uint4*>(p.peer_dy_rows.rows[owner] + (int64_t)pos * H);
+      x.g = __shfl_sync(~0u, my_g, k);
+      x.i = i0 + warp + kWarps * (b + k);
+      x.dy = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
+      x.o = reinterpret_cast<const uint4*>(owner == s.rank ? p.peer_o_rows.rows[owner] + (int64_t)pos * H
+                                                           : p.o_kept + (int64_t)x.i * H);  // (where RETURN put it)
+      x.dst = reinterpret_cast<uint4*>(p.peer_dy_rows.rows[owner] + (int64_t)pos * H);
+      x.v0 = lane + (u % rounds) * 32 * kDgInFlight;
+      x.at = ring + (u % kDgRing) * 2 * kDgInFlight * 512;
+      return x;
     };
     auto issue = [&](int u) {  // (a group even when empty: the waits count groups)
       if (u < units) {
-        const uint4 *dyv, *ov;
-        uint4* dst;
-        int i;
-        float g;
-        slot_rows(u, dyv, ov, dst, i, g);
-        const int v0 = lane + (u % rounds) * 32 * kDgInFlight;
-        const uint32_t at = ring + (u % kDgRing) * 2 * kDgInFlight * 512;
+        const Unit x = unit(u);
 #pragma unroll
         for (int c = 0; c < kDgInFlight; c++)
-          if (v0 + 32 * c < nv)
-            cp_async_16(at + c * 512, dyv + v0 + 32 * c), cp_async_16(at + (kDgInFlight + c) * 512, ov + v0 + 32 * c);
+          if (x.v0 + 32 * c < nv) {
+            cp_async_16(x.at + c * 512, x.dy + x.v0 + 32 * c);
+            cp_async_16(x.at + (kDgInFlight + c) * 512, x.o + x.v0 + 32 * c);
+          }
       }
       cp_async_commit();
     };
@@ -123,17 +132,11 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     for (int u = 0; u < units; u++) {
       issue(u + kDgRing - 1);
       cp_async_wait_group<kDgRing - 1>();  // (unit u's group; a lane reads back only its own chunks)
-      const uint4 *dyv, *ov;
-      uint4* dst;
-      int i;
-      float g;
-      slot_rows(u, dyv, ov, dst, i, g);
-      const int v0 = lane + (u % rounds) * 32 * kDgInFlight;
-      const uint32_t at = ring + (u % kDgRing) * 2 * kDgInFlight * 512;
+      const Unit x = unit(u);
 #pragma unroll
       for (int c = 0; c < kDgInFlight; c++) {
-        if (v0 + 32 * c >= nv) continue;
-        const uint4 dr = ld_shared_v4(at + c * 512), orw = ld_shared_v4(at + (kDgInFlight + c) * 512);
+        if (x.v0 + 32 * c >= nv) continue;
+        const uint4 dr = ld_shared_v4(x.at + c * 512), orw = ld_shared_v4(x.at + (kDgInFlight + c) * 512);
         const bf16* d = reinterpret_cast<const bf16*>(&dr);
         const bf16* o = reinterpret_cast<const bf16*>(&orw);
         uint4 out;
@@ -141,15 +144,15 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
 #pragma unroll
         for (int k = 0; k < 8; k++) {
           part = __fadd_rn(part, __fmul_rn(bf(d[k]), bf(o[k])));
-          dj[k] = to_bf(__fmul_rn(g, bf(d[k])));
+          dj[k] = to_bf(__fmul_rn(x.g, bf(d[k])));
         }
-        dst[v0 + 32 * c] = out;
+        x.dst[x.v0 + 32 * c] = out;
       }
       if (u % rounds == rounds - 1) {  // the slot's last round
         part = warp_sum(part);
         if (lane == 0) {
-          p.dg[i] = part;
-          if (!s.fused) p.d_topk_weight[i] = part;
+          p.dg[x.i] = part;
+          if (!s.fused) p.d_topk_weight[x.i] = part;
         }
         part = 0.f;
       }
