@@ -38,11 +38,14 @@ constexpr int kEpiBytes = 32 * 1024;       // the epilogue buffer: two 128 x 64 
 
 // One operand of a tile: the tensor map and, per box, the row (K-major) or the mn start
 // (MN-major): two boxes for A, four for B; k0 is the first k (inner coordinate for
-// K-major, outer for MN-major).
+// K-major, outer for MN-major). rows (A only): the tile's rows that are stored; at most
+// 64 (an expert's last m-tile), A's second box and the second warpgroup's wgmmas are
+// skipped (gemm_tiles): they would only compute rows no epilogue stores.
 struct Operand {
   const CUtensorMap* map;
   int pos[4];
   int k0;
+  int rows;
 };
 
 // Thread 0's TMA load cursor in gemm_tiles: K block kb (of num_kb) of tile `tile`, ring
@@ -107,11 +110,12 @@ static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
 
 // B boxes of a 256-wide column tile starting at n0 (4 consecutive 64-wide boxes).
 __device__ __forceinline__ Operand wide(const CUtensorMap* map, int n0, int k0) {
-  return Operand{map, {n0, n0 + 64, n0 + 128, n0 + 192}, k0};
+  return Operand{map, {n0, n0 + 64, n0 + 128, n0 + 192}, k0, BM};
 }
-// A boxes of a 128-row tile starting at m0.
-__device__ __forceinline__ Operand rows128(const CUtensorMap* map, int m0, int k0) {
-  return Operand{map, {m0, m0 + 64, 0, 0}, k0};
+// A boxes of a 128-row tile starting at m0, whose first `rows` rows are stored (BM or
+// more: all; rows past them belong to another expert, or to no one).
+__device__ __forceinline__ Operand rows128(const CUtensorMap* map, int m0, int k0, int rows = BM) {
+  return Operand{map, {m0, m0 + 64, 0, 0}, k0, rows};
 }
 
 // The kernel's shared memory (dynamic, aligned here to 1024 B for the 128-byte swizzle),
@@ -565,14 +569,16 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     MOK_STALL_ADD(kStallEmpty);
     const uint32_t knobs = sm.knobs;              // (once: the TMA asm's memory clobber would re-read it)
     const bool skip_b = !PAIRED && !AR && (knobs & 16);  // MOK_KNOBS 16: B stays what the stage held
-    mbar_arrive_expect_tx(&full[s], AR ? kBSlotBytes : skip_b ? 2 * kBoxBytes : kStageBytes);
+    const Operand A = c.A;
+    const int a_boxes = A.rows > 64 ? 2 : 1;  // (Operand::rows)
+    mbar_arrive_expect_tx(&full[s], AR ? kBSlotBytes : (skip_b ? 0 : 4 * kBoxBytes) + a_boxes * kBoxBytes);
     uint8_t* dst = sm.stage[s];
     uint8_t* const b_dst = AR ? stage_at(s) : dst + 2 * kBoxBytes;  // B's first box (AR: A is resident)
     const int k = kb * BK;
     if (!AR) {
-      const Operand A = c.A;
 #pragma unroll
       for (int b = 0; b < 2; b++) {
+        if (b >= a_boxes) break;
         if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &full[s], A.pos[b], A.k0 + k);
         else tma_load_2d(dst + b * kBoxBytes, A.map, &full[s], A.k0 + k, A.pos[b]);
       }
@@ -628,35 +634,48 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     float acc[kAcc];
 #pragma unroll
     for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
-    for (int kb = 0; kb < num_kb; kb++, it++) {
-      const uint32_t s = it % kStages, ph = (it / kStages) & 1;
-      // the descriptors are made before the wait (the empty asm pins them there; the
-      // compiler would sink them past it), so that the first wgmma issues as soon as the
-      // data lands: when the data comes late, every instruction between is tensor-core time
-      uint64_t da, db;
-      if (AR) box_descs<TA, TB>(ring + (kb * 2 + wg) * kBoxBytes, stage_at(s), da, db);  // A resident, B in slot s
-      else stage_descs<TA, TB>(sm.stage[s], wg, da, db);
-      asm volatile("" : "+l"(da), "+l"(db));
-      MOK_STALL_FROM(kStallFull);
-      while (!mbar_try_wait(&full[s], ph)) {
+    // The second warpgroup, when its 64 rows are all past the tile's stored ones
+    // (Operand::rows: an expert's last m-tile), multiplies nothing: its accumulators stay
+    // zero and no epilogue stores them. It only passes the ring's stages on, each once it
+    // has landed (the last one as below). (A loop of its own: a condition in the K loop
+    // would be one more register beside the accumulators, and the backward spilled.)
+    if (wg == 1 && A.rows <= 64) {
+      for (int kb = 0; kb < num_kb; kb++, it++) {
+        while (!mbar_try_wait(&full[it % kStages], (it / kStages) & 1)) {
+        }
+        if (kb < num_kb - 1 && tid % 128 == 0) release(it % kStages, 1);
       }
-      MOK_STALL_ADD(kStallFull);
-      // the last block of a tile whose operands end early (k_valid_last < 64; its rows
-      // past k_valid_last are zeros) skips its k16 steps past them. Each count is its
-      // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
-      // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
-      const int k_steps = kb == num_kb - 1 ? (k_valid_last + 15) / 16 : BK / 16;
-      if (k_steps == 4) mma_block<TA, TB, 4>(acc, da, db);
-      else if (k_steps == 3) mma_block<TA, TB, 3>(acc, da, db);
-      else if (k_steps == 2) mma_block<TA, TB, 2>(acc, da, db);
-      else mma_block<TA, TB, 1>(acc, da, db);
-      // keep this block's wgmmas in flight; the previous block's are done: free its
-      // stage, then (thread 0) refill the ring kStages - 1 blocks ahead
-      MOK_STALL_FROM(kStallMma);
-      wgmma_wait<1>();
-      MOK_STALL_ADD(kStallMma);
-      if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
-      if (tid == 0) load_next();
+    } else {
+      for (int kb = 0; kb < num_kb; kb++, it++) {
+        const uint32_t s = it % kStages, ph = (it / kStages) & 1;
+        // the descriptors are made before the wait (the empty asm pins them there; the
+        // compiler would sink them past it), so that the first wgmma issues as soon as the
+        // data lands: when the data comes late, every instruction between is tensor-core time
+        uint64_t da, db;
+        if (AR) box_descs<TA, TB>(ring + (kb * 2 + wg) * kBoxBytes, stage_at(s), da, db);  // A resident, B in slot s
+        else stage_descs<TA, TB>(sm.stage[s], wg, da, db);
+        asm volatile("" : "+l"(da), "+l"(db));
+        MOK_STALL_FROM(kStallFull);
+        while (!mbar_try_wait(&full[s], ph)) {
+        }
+        MOK_STALL_ADD(kStallFull);
+        // the last block of a tile whose operands end early (k_valid_last < 64; its rows
+        // past k_valid_last are zeros) skips its k16 steps past them. Each count is its
+        // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
+        // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
+        const int k_steps = kb == num_kb - 1 ? (k_valid_last + 15) / 16 : BK / 16;
+        if (k_steps == 4) mma_block<TA, TB, 4>(acc, da, db);
+        else if (k_steps == 3) mma_block<TA, TB, 3>(acc, da, db);
+        else if (k_steps == 2) mma_block<TA, TB, 2>(acc, da, db);
+        else mma_block<TA, TB, 1>(acc, da, db);
+        // keep this block's wgmmas in flight; the previous block's are done: free its
+        // stage, then (thread 0) refill the ring kStages - 1 blocks ahead
+        MOK_STALL_FROM(kStallMma);
+        wgmma_wait<1>();
+        MOK_STALL_ADD(kStallMma);
+        if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
+        if (tid == 0) load_next();
+      }
     }
     MOK_STALL_FROM(kStallDrain);
     wgmma_wait<0>();

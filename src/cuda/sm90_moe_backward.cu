@@ -264,7 +264,7 @@ __device__ __forceinline__ void rg_task(Smem& sm, const BwdParams& p, int mt, in
         sm, g, cdivb(F, BF), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
           const int gate = e * 2 * F + nt * BF, up = gate + F;
-          A = rows128(&p.m_xrows, row0, 0);
+          A = rows128(&p.m_xrows, row0, 0, row_end - row0);
           B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -282,7 +282,7 @@ __device__ __forceinline__ void rgs_task(Smem& sm, const BwdParams& p, int mt, i
   gemm_group<0, 0>(
       sm, g, cdivb(Fs, BF), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_x, t0, 0);
+        A = rows128(&p.m_x, t0, 0, s.T - t0);
         B = Operand{&p.m_ws13, {nt * BF, nt * BF + 64, Fs + nt * BF, Fs + nt * BF + 64}, 0};
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -302,7 +302,7 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
   gemm_group<0, 1>(
       sm, g, cdivb(s.Fs, BN), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_dy, t0, 0);
+        A = rows128(&p.m_dy, t0, 0, s.T - t0);
         B = wide(&p.m_ws2, nt * BN, 0);
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -325,7 +325,7 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
     gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.F, BN), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = rows128(&p.m_dyrows, row0, 0);
+          A = rows128(&p.m_dyrows, row0, 0, row_end - row0);
           B = wide(&p.m_w2, nt * BN, e * s.H);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -345,7 +345,7 @@ __device__ __forceinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, in
   gemm_group<0, 1>(
       sm, g, cdivb(s.H, BN), cdivb(s.E, BK),
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_dlog, t0, 0);
+        A = rows128(&p.m_dlog, t0, 0, s.T - t0);
         B = wide(&p.m_wr, nt * BN, 0);
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -361,7 +361,7 @@ __device__ __forceinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, i
   gemm_group<0, 1>(
       sm, g, cdivb(s.H, BN), 2 * s.Fs / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_das, t0, 0);
+        A = rows128(&p.m_das, t0, 0, s.T - t0);
         B = wide(&p.m_ws13, nt * BN, 0);
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -380,7 +380,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
     gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.H, BN), 2 * s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = rows128(&p.m_da, row0, 0);
+          A = rows128(&p.m_da, row0, 0, row_end - row0);
           B = wide(&p.m_w13, nt * BN, e * 2 * s.F);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {

@@ -499,7 +499,7 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt,
         sm, g, cdiv(F, BF), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
           const int gate = e * 2 * F + nt * BF, up = gate + F;
-          A = rows128(&p.m_xrows, row0, 0);
+          A = rows128(&p.m_xrows, row0, 0, row_end - row0);
           B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -517,7 +517,7 @@ __device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int m
   gemm_group<0, 0>(
       sm, g, cdiv(Fs, BF), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_x, t0, 0);
+        A = rows128(&p.m_x, t0, 0, s.T - t0);
         B = Operand{&p.m_ws13, {nt * BF, nt * BF + 64, Fs + nt * BF, Fs + nt * BF + 64}, 0};
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -535,7 +535,7 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
     gemm_group<0, 0, decltype(P)::value>(
         sm, g, cdiv(s.H, BN), s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = rows128(&p.m_hrows, row0, 0);
+          A = rows128(&p.m_hrows, row0, 0, row_end - row0);
           B = wide(&p.m_w2, e * s.H + nt * BN, 0);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -599,7 +599,7 @@ __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int m
   gemm_group<0, 0>(
       sm, g, cdiv(s.H, BN), s.Fs / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_sh, t0, 0);
+        A = rows128(&p.m_sh, t0, 0, s.T - t0);
         B = wide(&p.m_ws2, nt * BN, 0);
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
