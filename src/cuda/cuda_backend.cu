@@ -209,7 +209,7 @@ static void place_gate_up(const mok_config_t& c, const GateUpPlan& g, char* ws, 
 // Forward and backward scratch share the workspace (a call uses one of them).
 struct FwdWsPlan {
   size_t scores, lse, rank, block_counts, block_off, tile_expert, tile_row0, tile_row_end, num_tiles, chunk_stats,
-      shared_o, total;
+      shared_o, cta_maps, total;
   GateUpPlan gate_up;
 };
 static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
@@ -227,6 +227,7 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   w.num_tiles = p.take(4);
   w.chunk_stats = p.take((int64_t)s.nb * 2 * (c.E + 1) * 4);
   w.shared_o = p.take(T * c.H * 2);
+  w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
   w.gate_up = plan_gate_up(c, T, p, true);
   w.total = p.at;
   return w;
@@ -749,6 +750,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.tile_expert = reinterpret_cast<int32_t*>(ws + wp.tile_expert);
   p.tile_row0 = reinterpret_cast<int32_t*>(ws + wp.tile_row0);
   p.tile_row_end = reinterpret_cast<int32_t*>(ws + wp.tile_row_end);
+  p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
   p.num_tiles = reinterpret_cast<int32_t*>(ws + wp.num_tiles);
   p.chunk_stats = reinterpret_cast<float*>(ws + wp.chunk_stats);
   p.shared_o = reinterpret_cast<bf16*>(ws + wp.shared_o);

@@ -281,6 +281,7 @@ struct FwdParams {
   int32_t* num_tiles;   // [1]
   float* chunk_stats;   // [chunks, E + 1]
   bf16* shared_o;       // [T, H]
+  CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's cut map of an expert's last m-tile (expert_rows)
 };
 
 struct BwdParams {
@@ -343,7 +344,8 @@ struct BwdParams {
   float* dx_shared;     // [T, H]
   float* partials;      // [chunks, E*H + 3*Fs*H]; where dy_rows are when they fit (plan_bwd_ws)
   int64_t partial_len;  // E*H + 3*Fs*H
-  CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's maps of its weight-gradient task's expert
+  CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's maps of its weight-gradient task's expert, or of an
+                          // expert's last m-tile (expert_rows)
 };
 
 }  // namespace mok

@@ -721,29 +721,41 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
 // Copies of two 2-D tensor maps ([rows, cols], ld elements a row) cut to rows [row0,
 // row0 + n) (at least one row: a map's extent must not be 0), at dst[0] and dst[1]
 // (global memory, 128-byte aligned, this CTA's alone): loads through them read zeros
-// from row n on, as TMA fills what lies outside a tensor. Warp 0 makes them; thread 0,
-// the one that issues TMA, acquires them. The slot's previous maps are no longer in
-// use: a task's loads have all landed before it ends.
+// from row n on, as TMA fills what lies outside a tensor. b null: a's alone, at dst[0].
+// Warp 0 makes them; thread 0, the one that issues TMA, acquires them. The slot's
+// previous maps are no longer in use: a task's loads have all landed before it ends.
 __device__ __forceinline__ void cut_maps(Smem& sm, CUtensorMap* dst, const CUtensorMap* a, const bf16* a_base,
                                          int64_t a_ld, const CUtensorMap* b, const bf16* b_base, int64_t b_ld,
                                          int64_t row0, int n) {
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, maps = b ? 2 : 1;
   if (tid >= 32) return;
-  if (tid < 16)  // 16 bytes a lane: lanes 0-7 copy a, 8-15 b
+  if (tid < 8 * maps)  // 16 bytes a lane: lanes 0-7 copy a, 8-15 b
     reinterpret_cast<uint4*>(sm.maps[tid / 8])[tid % 8] = reinterpret_cast<const uint4*>(tid < 8 ? a : b)[tid % 8];
   __syncwarp();
-  if (tid < 2) {
+  if (tid < maps) {
     const uint32_t m = smem_addr(sm.maps[tid]);
     tensormap_set_base(m, tid == 0 ? a_base + row0 * a_ld : b_base + row0 * b_ld);
     tensormap_set_outer_dim(m, (uint32_t)max(n, 1));
   }
   __syncwarp();
   tensormap_publish(dst, smem_addr(sm.maps[0]));
-  tensormap_publish(dst + 1, smem_addr(sm.maps[1]));
+  if (b) tensormap_publish(dst + 1, smem_addr(sm.maps[1]));
   if (tid == 0) {
     tensormap_acquire(dst);
-    tensormap_acquire(dst + 1);
+    if (b) tensormap_acquire(dst + 1);
   }
+}
+// rows128's A operand of an expert's m-tile (rows [row0, row_end) of the map `full` over
+// `base`, ld elements a row): a tile with fewer than BM rows (the expert's last) reads
+// through a copy of the map cut at row_end (this CTA's slot, cut_maps), so that its rows
+// past the expert are zeros, not the next expert's rows: the second warpgroup's wgmmas
+// over them (Operand::extent skips them only when all 64 are past) then cost less
+// energy. Either way no epilogue stores those rows.
+__device__ __forceinline__ Operand expert_rows(Smem& sm, CUtensorMap* slot, const CUtensorMap* full, const bf16* base,
+                                               int64_t ld, int row0, int row_end) {
+  if (row_end - row0 >= BM) return rows128(full, row0, 0, row_end - row0);
+  cut_maps(sm, slot, full, base, ld, nullptr, nullptr, 0, row0, row_end - row0);
+  return rows128(slot, 0, 0, row_end - row0);
 }
 
 // GEMM tasks own a group of column tiles of one row tile (one pipeline): about

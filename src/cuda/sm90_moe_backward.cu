@@ -322,10 +322,11 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
+    const Operand rows = expert_rows(sm, p.cta_maps + 2 * blockIdx.x, &p.m_dyrows, p.dy_rows, s.H, row0, row_end);
     gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.F, BN), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = rows128(&p.m_dyrows, row0, 0, row_end - row0);
+          A = rows;
           B = wide(&p.m_w2, nt * BN, e * s.H);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -377,10 +378,11 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
+    const Operand rows = expert_rows(sm, p.cta_maps + 2 * blockIdx.x, &p.m_da, p.d_a, 2 * s.F, row0, row_end);
     gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.H, BN), 2 * s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
-          A = rows128(&p.m_da, row0, 0, row_end - row0);
+          A = rows;
           B = wide(&p.m_w13, nt * BN, e * 2 * s.F);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
