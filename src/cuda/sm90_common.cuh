@@ -748,9 +748,9 @@ __device__ __forceinline__ void cut_maps(Smem& sm, CUtensorMap* dst, const CUten
 // rows128's A operand of an expert's m-tile (rows [row0, row_end) of the map `full` over
 // `base`, ld elements a row): a tile with fewer than BM rows (the expert's last) reads
 // through a copy of the map cut at row_end (this CTA's slot, cut_maps), so that its rows
-// past the expert are zeros, not the next expert's rows: the second warpgroup's wgmmas
-// over them (Operand::extent skips them only when all 64 are past) then cost less
-// energy. Either way no epilogue stores those rows.
+// past the expert are zeros, not the next expert's rows: the wgmmas over them
+// (Operand::rows skips a warpgroup's only when all its 64 are past) then multiply
+// zeros, at a lower energy (docs/PERF.md, nineteenth session). No epilogue stores them.
 __device__ __forceinline__ Operand expert_rows(Smem& sm, CUtensorMap* slot, const CUtensorMap* full, const bf16* base,
                                                int64_t ld, int row0, int row_end) {
   if (row_end - row0 >= BM) return rows128(full, row0, 0, row_end - row0);
