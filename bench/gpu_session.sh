@@ -69,6 +69,11 @@
 #                 memory bank conflicts, and warp stalls per SASS instruction
 #                 ($OUT/ncu-phase-*-sass.csv.gz, read with bench/ncu_sass_report.py) of
 #                 each phase alone (PHASE_KNOBS=0: the whole backward)
+#   dram          ncu's DRAM bytes read and written, L2 hit rate and tensor-pipe share of
+#                 one forward, then of the backward running only dh (MOK_KNOBS 512) and
+#                 only dx (128), for the first shape of SHAPES (DRAM_RUNS: other
+#                 knob:kernel entries, e.g. "64:moe_backward"); set them against each
+#                 tensor's bytes once (docs/PERF.md, nineteenth session)
 # WARM=S: trace, stalls and kernel-times first run S seconds of back-to-back steps, so
 # that the measured steps run at a sustained run's clock (default 0: from idle).
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
@@ -299,12 +304,28 @@ torch.cuda.synchronize()"
         gzip -f "$OUT/ncu-phase-$knob-sass.csv"
       done
       ;;
+    dram)
+      # the same Problem steps as phase-ncu; a few metrics, so each run is one short replay
+      STEPS="import sys; sys.path.insert(0, 'bench'); import bench_moe as B, torch
+pb = B.Problem('${SHAPES%%,*}')
+for _ in range(4): pb.mok_step()
+torch.cuda.synchronize()"
+      M=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
+      M=$M,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg
+      for run in ${DRAM_RUNS:-0:moe_forward 512:moe_backward 128:moe_backward}; do
+        knob=${run%%:*} kernel=${run#*:}
+        echo "== MOK_KNOBS=$knob $kernel"
+        MOK_KNOBS=$knob $NCU --clock-control none --kernel-name "regex:$kernel" --launch-skip 3 --launch-count 1 \
+          --csv --metrics "$M" python3 -c "$STEPS" > "$OUT/dram-$knob-$kernel.csv" 2> "$OUT/dram-$knob-$kernel.err"
+        grep "$kernel" "$OUT/dram-$knob-$kernel.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}'
+      done
+      ;;
     micro)
       make -j"$(nproc)" micro > "$OUT/build-micro.log" 2>&1 || { tail -20 "$OUT/build-micro.log"; exit 1; }
       for m in build/micro/*; do echo "== $m"; "$m"; done 2>&1 | tee "$OUT/micro.txt"
       ;;
     *)
-      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab, peer-cycles, block-cycles, micro, phase-ncu)"
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab, peer-cycles, block-cycles, micro, phase-ncu, dram)"
       exit 2
       ;;
   esac
