@@ -107,7 +107,12 @@ export MOK_LIBRARY="$PWD/build/libmok.so"
 # CPU machine's; Python's nvidia-nccl has the library here
 NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
 [ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH="$NCCL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)  # peer-cycles, phase-ncu
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)  # peer-cycles, phase-ncu, dram
+# phase-ncu, dram: four mok steps of SHAPES' first shape, for ncu (which takes the 4th launch)
+NCU_STEPS="import sys; sys.path.insert(0, 'bench'); import bench_moe as B, torch
+pb = B.Problem('${SHAPES%%,*}')
+for _ in range(4): pb.mok_step()
+torch.cuda.synchronize()"
 
 # trace_shapes NAME: MOK_TRACE of one step per shape with the library in $MOK_LIBRARY,
 # into $OUT/NAME-<shape>.txt(.gz), bench/trace_report.py's report beside it, its rates,
@@ -278,10 +283,6 @@ for part in "$@"; do
       # replay of the 4th backward launch: (1) rates and traffic, (2) L2 traffic by
       # source (the other L2 partition's share), (3) warp-state sampling per SASS
       # instruction. Separate runs: one metric name this ncu lacks fails only its run.
-      STEPS="import sys; sys.path.insert(0, 'bench'); import bench_moe as B, torch
-pb = B.Problem('${SHAPES%%,*}')
-for _ in range(4): pb.mok_step()
-torch.cuda.synchronize()"
       NCU_ARGS="--clock-control none --kernel-name regex:moe_backward --launch-skip 3 --launch-count 1"
       M1=gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
       M1=$M1,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
@@ -289,12 +290,12 @@ torch.cuda.synchronize()"
       for knob in ${PHASE_KNOBS:-64 128}; do
         echo "== MOK_KNOBS=$knob"
         for m in M1 M2; do
-          MOK_KNOBS=$knob $NCU $NCU_ARGS --csv --metrics "${!m}" python3 -c "$STEPS" \
+          MOK_KNOBS=$knob $NCU $NCU_ARGS --csv --metrics "${!m}" python3 -c "$NCU_STEPS" \
             > "$OUT/ncu-phase-$knob-$m.csv" 2> "$OUT/ncu-phase-$knob-$m.err"
           grep moe_backward "$OUT/ncu-phase-$knob-$m.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}'
         done
         MOK_KNOBS=$knob $NCU $NCU_ARGS --section WarpStateStats --section SourceCounters \
-          -o "$OUT/ncu-phase-$knob" python3 -c "$STEPS" > "$OUT/ncu-phase-$knob-src.log" 2>&1
+          -o "$OUT/ncu-phase-$knob" python3 -c "$NCU_STEPS" > "$OUT/ncu-phase-$knob-src.log" 2>&1
         $NCU -i "$OUT/ncu-phase-$knob.ncu-rep" --page details --csv > "$OUT/ncu-phase-$knob-details.csv" 2>&1
         $NCU -i "$OUT/ncu-phase-$knob.ncu-rep" --page source --csv --print-source sass \
           > "$OUT/ncu-phase-$knob-sass.csv" 2>&1
@@ -305,18 +306,14 @@ torch.cuda.synchronize()"
       done
       ;;
     dram)
-      # the same Problem steps as phase-ncu; a few metrics, so each run is one short replay
-      STEPS="import sys; sys.path.insert(0, 'bench'); import bench_moe as B, torch
-pb = B.Problem('${SHAPES%%,*}')
-for _ in range(4): pb.mok_step()
-torch.cuda.synchronize()"
+      # a few metrics, so each run is one short replay
       M=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
       M=$M,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg
       for run in ${DRAM_RUNS:-0:moe_forward 512:moe_backward 128:moe_backward}; do
         knob=${run%%:*} kernel=${run#*:}
         echo "== MOK_KNOBS=$knob $kernel"
         MOK_KNOBS=$knob $NCU --clock-control none --kernel-name "regex:$kernel" --launch-skip 3 --launch-count 1 \
-          --csv --metrics "$M" python3 -c "$STEPS" > "$OUT/dram-$knob-$kernel.csv" 2> "$OUT/dram-$knob-$kernel.err"
+          --csv --metrics "$M" python3 -c "$NCU_STEPS" > "$OUT/dram-$knob-$kernel.csv" 2> "$OUT/dram-$knob-$kernel.err"
         grep "$kernel" "$OUT/dram-$knob-$kernel.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}'
       done
       ;;

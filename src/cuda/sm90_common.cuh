@@ -751,6 +751,8 @@ __device__ __forceinline__ void cut_maps(Smem& sm, CUtensorMap* dst, const CUten
 // past the expert are zeros, not the next expert's rows: the wgmmas over them
 // (Operand::rows skips a warpgroup's only when all its 64 are past) then multiply
 // zeros, at a lower energy (docs/PERF.md, nineteenth session). No epilogue stores them.
+// This CTA's two map slots of cta_maps ([kMaxCtas][2]: the weight gradients' cut maps, expert_rows').
+__device__ __forceinline__ CUtensorMap* cta_slot(CUtensorMap* cta_maps) { return cta_maps + 2 * blockIdx.x; }
 __device__ __forceinline__ Operand expert_rows(Smem& sm, CUtensorMap* slot, const CUtensorMap* full, const bf16* base,
                                                int64_t ld, int row0, int row_end) {
   if (row_end - row0 >= BM) return rows128(full, row0, 0, row_end - row0);

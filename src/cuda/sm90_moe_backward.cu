@@ -322,7 +322,7 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
-    const Operand rows = expert_rows(sm, p.cta_maps + 2 * blockIdx.x, &p.m_dyrows, p.dy_rows, s.H, row0, row_end);
+    const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.m_dyrows, p.dy_rows, s.H, row0, row_end);
     gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.F, BN), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
@@ -378,7 +378,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
-    const Operand rows = expert_rows(sm, p.cta_maps + 2 * blockIdx.x, &p.m_da, p.d_a, 2 * s.F, row0, row_end);
+    const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.m_da, p.d_a, 2 * s.F, row0, row_end);
     gemm_group<0, 1, decltype(P)::value>(
         sm, g, cdivb(s.H, BN), 2 * s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
@@ -447,7 +447,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
     zero_block(out, cols, mt * BM, min(BM, rows - mt * BM), n0 * BN, min(size * BN, cols - n0 * BN));
     return;
   }
-  CUtensorMap* maps = p.cta_maps + 2 * blockIdx.x;  // [0] A, [1] B
+  CUtensorMap* maps = cta_slot(p.cta_maps);  // [0] A, [1] B
   if (which == 2) cut_maps(sm, maps, &p.m_dyrows, p.dy_rows, s.H, &p.m_hrows, p.sv.h_rows, s.F, off, n);
   else cut_maps(sm, maps, &p.m_da, p.d_a, 2 * s.F, &p.m_xrows, p.sv.x_rows, s.H, off, n);
   // dw2[e] [H, F] = dy_rows^T h_rows, or dw13[e] [2F, H] = d_a^T x_rows

@@ -495,7 +495,7 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt,
   const bool valid = ok && mt < *p.num_tiles;  // (walk_tiles' tiles all hold rows)
   paired_task(sm, pairable, ok, valid, valid ? p.tile_expert[mt] : 0, g, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
-    const Operand rows = expert_rows(sm, p.cta_maps + 2 * blockIdx.x, &p.m_xrows, p.sv.x_rows, s.H, row0, row_end);
+    const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.m_xrows, p.sv.x_rows, s.H, row0, row_end);
     gemm_group<0, 0, decltype(P)::value>(
         sm, g, cdiv(F, BF), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
@@ -533,7 +533,7 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt,
   const bool valid = ok && mt < *p.num_tiles;  // (walk_tiles' tiles all hold rows)
   paired_task(sm, pairable, ok, valid, valid ? p.tile_expert[mt] : 0, g, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
-    const Operand rows = expert_rows(sm, p.cta_maps + 2 * blockIdx.x, &p.m_hrows, p.sv.h_rows, s.F, row0, row_end);
+    const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.m_hrows, p.sv.h_rows, s.F, row0, row_end);
     gemm_group<0, 0, decltype(P)::value>(
         sm, g, cdiv(s.H, BN), s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
