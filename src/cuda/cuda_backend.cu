@@ -149,7 +149,7 @@ struct Plan {
 };
 
 struct SavedPlan {
-  size_t header, idx, g, pos, logits, counts, expert_off, sorted, loc_off, loc_shift, x_rows, a_rows, h_rows, o_rows,
+  size_t header, idx, g, pos, logits, counts, expert_off, tile_band, sorted, loc_off, loc_shift, x_rows, a_rows, h_rows, o_rows,
       sa, sh, total;
 };
 static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
@@ -163,6 +163,7 @@ static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   s.logits = p.take(T * c.E * 4);
   s.counts = p.take(c.E * 4);
   s.expert_off = p.take((c.E + 1) * 4);
+  s.tile_band = p.take((int64_t)make_shape(c, T, true).max_mt * 4);
   s.sorted = p.take(c.W > 1 ? T * c.K * 4 : 0);
   s.loc_off = p.take(c.W > 1 ? (c.E + 1) * 4 : 0);
   s.loc_shift = p.take(c.W > 1 ? c.E * 4 : 0);
@@ -649,6 +650,7 @@ static SavedView saved_view(const mok_context_t* ctx, void* base) {
   v.logits = reinterpret_cast<float*>(b + sp.logits);
   v.counts = reinterpret_cast<int32_t*>(b + sp.counts);
   v.expert_off = reinterpret_cast<int32_t*>(b + sp.expert_off);
+  v.tile_band = reinterpret_cast<int32_t*>(b + sp.tile_band);
   v.sorted = reinterpret_cast<int32_t*>(b + sp.sorted);
   v.loc_off = reinterpret_cast<int32_t*>(b + sp.loc_off);
   v.loc_shift = reinterpret_cast<int32_t*>(b + sp.loc_shift);

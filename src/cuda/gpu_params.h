@@ -116,6 +116,7 @@ struct SavedView {
   float* logits;      // [T, E]
   int32_t* counts;    // [E] rows per expert
   int32_t* expert_off;// [E + 1] first row of each expert
+  int32_t* tile_band; // [max_mt] the band of each expert m-tile (expert_band_order)
   // W > 1: this rank's slots in the order the stream dispatch sends them (by expert,
   // then owner position): sorted[j] = slot i; the rows of expert e are j in
   // [loc_off[e], loc_off[e + 1]), going to owner row j - loc_shift[e]

@@ -394,29 +394,73 @@ __device__ __forceinline__ bool pair_agree(Smem& sm, bool pairable, bool ok, int
 // n, plus one when pairs need it even (a cluster's two tickets, two tiles of a pair).
 __host__ __device__ constexpr int pad_even(int n, bool pairs) { return n + (pairs & n & 1); }
 // The expert m-tile table (the forward's prefix writes it, the backward's expert_tile
-// reads it back from the counts): calls visit(e, row0, n, row_end) for runs of n
-// consecutive 128-row tiles of expert e from row0 (rows end at row_end), in table
-// order, until visit returns true. Without pairs: each expert's tiles, experts in
-// order. With pairs: each expert's even run, so that every run starts at an even tile
-// and pairs whole (a cluster's two tiles, one B); an expert's odd last tile waits for
-// the next odd expert's, and the two go in just before that expert's run: two
-// experts' last tiles side by side, unpaired, rather than one beside an empty tile,
-// and both near their experts' other tiles (the same weights, still in L2); a last
-// lone one goes at the end.
+// reads it back from the counts): calls visit(e, row0, n, row_end) for each expert e
+// with rows, its n 128-row m-tiles from row0 (rows end at row_end), in table order,
+// until visit returns true. Each expert's tiles are consecutive (one weight stream:
+// expert_segments keeps them in one band). Without pairs: experts in order. With pairs:
+// an expert with an odd number of tiles waits for the next such expert, and the two
+// go in side by side there, so that every other expert starts at an even tile and
+// pairs whole (a cluster's two tiles, one B); the two odd experts' meeting tiles (the
+// first's last, the second's first) run unpaired, side by side, rather than one beside
+// an empty tile. A last odd expert with no partner goes at the end.
 template <class Visit>
 __device__ __forceinline__ void walk_tiles(const int32_t* counts, const int32_t* offs, int E, bool pairs, Visit visit) {
-  int waiting = -1;  // the odd expert whose last tile waits
-  auto last_tile = [&](int x) { return visit(x, offs[x] + (counts[x] - 1) / BM * BM, 1, offs[x] + counts[x]); };
+  int waiting = -1;  // the odd expert that waits for the next
+  auto expert = [&](int x) { return visit(x, offs[x], (counts[x] + BM - 1) / BM, offs[x] + counts[x]); };
   for (int x = 0; x < E; x++) {
-    const int tiles = (counts[x] + BM - 1) / BM, run = pairs ? tiles & ~1 : tiles;
+    const int tiles = (counts[x] + BM - 1) / BM;
+    if (tiles == 0) continue;
     if (pairs && (tiles & 1)) {
-      if (waiting < 0) waiting = x;
-      else if (last_tile(waiting) || last_tile(x)) return;
-      else waiting = -1;
+      if (waiting < 0) {
+        waiting = x;
+        continue;
+      }
+      if (expert(waiting)) return;
+      waiting = -1;
     }
-    if (run > 0 && visit(x, offs[x], run, offs[x] + counts[x])) return;
+    if (expert(x)) return;
   }
-  if (waiting >= 0) last_tile(waiting);
+  if (waiting >= 0) expert(waiting);
+}
+
+// The GEMM phases' bands of m-tiles (band_order, expert_band_order): a band holds kBand
+// tiles, up to kBandMax to keep an expert (or two odd ones side by side) whole.
+// MOK_BAND overrides kBand in measurement builds.
+#ifdef MOK_BAND
+constexpr int kBand = MOK_BAND;
+#else
+constexpr int kBand = 8;
+#endif
+constexpr int kBandMax = kBand + 2;
+static_assert(kBand % 2 == 0 && kBandMax < 256, "pairs need even bands; tile_band packs the tiles in 8 bits");
+
+// PREFIX's thread 0: the expert m-tile bands, from the tile table's runs (walk_tiles'
+// visits: run r holds tiles [run_mt0[r], run_mt0[r + 1]), r < num_runs), as segments:
+// tiles [seg_mt0[k], seg_mt0[k + 1]) for k < the count returned. A run joins the open
+// band while the band stays within kBand tiles; else it starts the next segment (with
+// pairs only at an even tile: two odd experts side by side stay together, and every
+// segment starts even). A segment longer than kBandMax (a large expert) is cut into
+// bands of kBand from its start, the last band taking the rest (segment_band); the
+// open band is what a joining run is measured against. The last segment ends at the
+// tiles' end, made even with pairs.
+__device__ __forceinline__ int expert_segments(const int* run_mt0, int num_runs, bool pairs, int* seg_mt0) {
+  int n = 0, open = 0;
+  seg_mt0[n++] = 0;
+  for (int r = 0; r < num_runs; r++) {
+    const int a = run_mt0[r], b = run_mt0[r + 1];
+    if (a > open && b - open > kBand && !(pairs && (a & 1))) seg_mt0[n++] = open = a;
+    if (b - open > kBandMax) open += (b - open - kBandMax + kBand - 1) / kBand * kBand;
+  }
+  seg_mt0[n] = pad_even(run_mt0[num_runs], pairs);
+  return n;
+}
+// The band [*first, *end) of tile q in segment [s, t): bands of kBand from s, as few as
+// leave at most kBandMax tiles to the last.
+__device__ __forceinline__ void segment_band(int s, int t, int q, int* first, int* end) {
+  const int cuts = t - s > kBandMax ? (t - s - kBandMax + kBand - 1) / kBand : 0;
+  const int c = min((q - s) / kBand, cuts);
+  *first = s + c * kBand;
+  *end = c < cuts ? *first + kBand : t;
 }
 
 // The phase of ticket t, given the phases' [start, end) in ticket order; -1 for a ticket
@@ -1406,15 +1450,36 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
   if (tid == 0 && f0 + 192 >= F) bulk_wait_read();
 }
 
-// GEMM phases over (m-tile, column group): the ticket order visits kBand m-tiles for each
-// column group before the next, so the tasks running at once share the weight columns
-// they read (in L2) instead of each m-tile streaming all of an expert's weights.
-constexpr int kBand = 8;
+// GEMM phases over (m-tile, column group): the ticket order visits a band of m-tiles for
+// each column group before the next, so the tasks running at once share the weight
+// columns they read (in L2) instead of each m-tile streaming all of an expert's weights.
+// band_order: fixed bands of kBand m-tiles (the weight gradients' row tiles, and the
+// expert m-tiles' fallback).
 __device__ __forceinline__ void band_order(int task, int num_mt, int num_g, int* mt, int* g) {
   const int band = task / (kBand * num_g), in = task % (kBand * num_g);
   const int rows = min(kBand, num_mt - band * kBand);
   *g = in / rows;
   *mt = band * kBand + in % rows;
+}
+
+// The expert m-tiles' bands end where an expert's run of tiles ends (PREFIX writes
+// them, expert_segments): a band cut inside an expert has the expert's weights read by two
+// waves, once from DRAM each (deepseek-v3's 2-3 tile experts against fixed bands of 8:
+// a fifth of its experts). tile_band[q] = (first tile << 8) | tiles, of the band that
+// holds m-tile q, for every q < num_mt. Task `task` of a phase with num_g column groups
+// a tile: the band of q = task / num_g holds tasks [first num_g, (first + tiles) num_g),
+// column group by column group. An entry that cannot be this step's (the backward after
+// a forward that stopped early: MOK_STATUS_INVALID_SAVED is raised) falls back to the
+// fixed bands, so that the task stays in range.
+__device__ __forceinline__ void expert_band_order(const int32_t* tile_band, int task, int num_mt, int num_g, int* mt,
+                                                  int* g) {
+  const int q = task / num_g;
+  const uint32_t band = (uint32_t)tile_band[q];
+  const int first = (int)(band >> 8), rows = (int)(band & 255u);
+  if (rows == 0 || first > q || q - first >= rows || first + rows > num_mt) return band_order(task, num_mt, num_g, mt, g);
+  const int in = task - first * num_g;
+  *g = in / rows;
+  *mt = first + in % rows;
 }
 
 }  // namespace mok

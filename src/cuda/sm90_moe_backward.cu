@@ -732,9 +732,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   // that the dispatch loop holds few registers across the task calls.
   // With pairs the paired phases (dh, dx, wgrad2, wgrad13) start at an even ticket (one
   // skipped before), so that a cluster's two tickets are two row tiles of one column
-  // group (kBand and max_mt are even; an odd number of weight-gradient row tiles makes
-  // that band's last pair straddle two groups): a pair when both are the same expert's
-  // (pair_agree; walk_tiles puts two odd experts' last m-tiles side by side, unpaired).
+  // group (expert_segments: even bands from even tiles; kBand is even, and an odd number
+  // of weight-gradient row tiles makes that band's last pair straddle two groups): a
+  // pair when both are the same expert's (pair_agree; walk_tiles puts two odd experts'
+  // last m-tiles side by side, unpaired).
   __shared__ int phase_start[kBwdPhases], phase_end[kBwdPhases], phase_cols[kBwdPhases], wgrad_mt[2];  // (by place)
   if (threadIdx.x == 0) {
     wgrad_mt[0] = cdivb(s.H, BM);  // dw2's row tiles
@@ -776,10 +777,16 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     switch (k) {
       case 0: dg_task(sm, p, local); break;
       case 1: dhs_task(sm, p, row, col); break;
-      case 2: band_order(local, s.max_mt, phase_cols[i], &row, &col), dh_task(sm, p, row, col, pairable); break;
+      case 2:
+        expert_band_order(p.sv.tile_band, local, s.max_mt, phase_cols[i], &row, &col);
+        dh_task(sm, p, row, col, pairable);
+        break;
       case 3: dxr_task(sm, p, row, col); break;
       case 4: dxs_task(sm, p, row, col); break;
-      case 5: band_order(local, s.max_mt, phase_cols[i], &row, &col), dx_task(sm, p, row, col, pairable); break;
+      case 5:
+        expert_band_order(p.sv.tile_band, local, s.max_mt, phase_cols[i], &row, &col);
+        dx_task(sm, p, row, col, pairable);
+        break;
       case 6:
       case 7: {  // row = expert; col: its (row tile, column group) in band order
         const int e = row, nmt = wgrad_mt[k - 6];

@@ -178,10 +178,12 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   __syncthreads();
   int* const sh_counts = reinterpret_cast<int*>(sm.stage);
   int* const sh_off = sh_counts + E, *const sh_loc_off = sh_off + E + 1, *const sh_loc_shift = sh_loc_off + E + 1;
-  // the tile table's runs (walk_tiles' visits, at most 2 E + 1), each from its first
+  // the tile table's runs (walk_tiles' visits, at most E), each from its first
   // tile: thread 0 walks, then every thread writes tiles
-  int* const run_mt0 = sh_loc_shift + E, *const run_e = run_mt0 + 2 * E + 2, *const run_row0 = run_e + 2 * E + 2;
-  int* const run_end = run_row0 + 2 * E + 2;
+  int* const run_mt0 = sh_loc_shift + E, *const run_e = run_mt0 + E + 1, *const run_row0 = run_e + E + 1;
+  int* const run_end = run_row0 + E + 1;
+  int* const seg_mt0 = run_end + E + 1;  // the band segments (expert_segments, at most E + 2)
+  __shared__ int num_segs;
   __shared__ int num_runs;
   MOK_STALL_FROM(kStallPrefixSums);
   // With W > 1 the counts and T go to every rank (row s.rank of each rank's counts
@@ -305,6 +307,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     });
     run_mt0[r] = mt, num_runs = r;
     *p.num_tiles = mt;
+    num_segs = expert_segments(run_mt0, r, s.pairs, seg_mt0);
     if (s.W > 1) {  // this rank's rows in stream order (by expert, then owner row: j = pos + loc_shift[e])
       int j = 0;
       for (int e = 0; e < E; e++) {
@@ -334,15 +337,33 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       p.sv.header[5 + r] = (uint64_t)(s.W > 1 ? peer_count(p, r, E) : s.T);
   }
   __syncthreads();
-  for (int mt = threadIdx.x; mt < run_mt0[num_runs]; mt += kThreads) {  // the tile table, from the runs
-    int lo = 0, hi = num_runs - 1;  // the last run starting at or before mt
+  // the tile table and the band table (sv.tile_band, every m-tile slot up to max_mt: the
+  // backward reads it too), from the runs
+  // the last of n sorted starts at or before mt
+  auto last_start = [](const int* start, int n, int mt) {
+    int lo = 0, hi = n - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (run_mt0[mid] <= mt) lo = mid;
+      if (start[mid] <= mt) lo = mid;
       else hi = mid - 1;
     }
-    p.tile_expert[mt] = run_e[lo], p.tile_row0[mt] = run_row0[lo] + (mt - run_mt0[lo]) * BM;
-    p.tile_row_end[mt] = run_end[lo];
+    return lo;
+  };
+  const int banded = seg_mt0[num_segs];  // (the tiles, made even with pairs)
+  for (int mt = threadIdx.x; mt < s.max_mt; mt += kThreads) {
+    if (mt < run_mt0[num_runs]) {
+      const int r = last_start(run_mt0, num_runs, mt);
+      p.tile_expert[mt] = run_e[r], p.tile_row0[mt] = run_row0[r] + (mt - run_mt0[r]) * BM;
+      p.tile_row_end[mt] = run_end[r];
+    }
+    int first, end;
+    if (mt < banded) {
+      const int k = last_start(seg_mt0, num_segs, mt);
+      segment_band(seg_mt0[k], seg_mt0[k + 1], mt, &first, &end);
+    } else {  // past the tiles (tasks with no rows): fixed bands
+      first = banded + (mt - banded) / kBand * kBand, end = min(first + kBand, s.max_mt);
+    }
+    p.sv.tile_band[mt] = first << 8 | (end - first);
   }
   MOK_STALL_ADD(kStallPrefixWalk);
   // outputs only when the step goes on (a capacity overflow stops it on every rank
@@ -463,7 +484,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
 // PREFIX is (the tile table), then, when mt is a tile, every rank's every stream task
 // has sent its rows of the tile's expert group: lanes of warp 0 poll the W x nd flags.
 // MOK_PROFILE / MOK_TRACE count the wait, as wait_counter's.
-static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p, int mt) {
+static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p, int task, int num_g) {
   const Shape& s = p.s;
   const uint32_t* counter = &p.st.sync->counter[s.W == 1 ? C_DISPATCH : C_PREFIX];
   const uint32_t target = s.W == 1 ? s.ns : 1;
@@ -471,6 +492,8 @@ static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p,
     const uint64_t t0 = globaltimer_ns();
     if (threadIdx.x == 0) poll(sm, p.st, [&] { return ld_acquire(counter) >= target; });
     __syncwarp();
+    int mt = 0, col = 0;  // (after PREFIX: its band table)
+    if (s.W > 1) expert_band_order(p.sv.tile_band, task, s.max_mt, num_g, &mt, &col);
     if (s.W > 1 && sm.abort == 0 && mt < *(volatile const int*)p.num_tiles) {
       const int g = p.tile_expert[mt] / cdiv(s.e_loc, kArriveGroups);
       for (int k = threadIdx.x; k < s.W * s.nd && sm.abort == 0; k += 32) {
@@ -489,9 +512,12 @@ static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p,
 // ---- expert and shared GEMMs ----
 // pairable: this task and the partner CTA's are in the same GEMM phase (next_task);
 // the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
-__device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int mt, int g, bool pairable) {
+__device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int task, bool pairable) {
   const Shape& s = p.s;
-  const bool ok = wait_tile_rows(sm, p, mt);
+  const int num_g = groups(cdiv(s.F, BF), s.H / BK);
+  const bool ok = wait_tile_rows(sm, p, task, num_g);
+  int mt, g;  // (after PREFIX: its band table)
+  expert_band_order(p.sv.tile_band, task, s.max_mt, num_g, &mt, &g);
   const bool valid = ok && mt < *p.num_tiles;  // (walk_tiles' tiles all hold rows)
   paired_task(sm, pairable, ok, valid, valid ? p.tile_expert[mt] : 0, g, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
@@ -527,9 +553,12 @@ __device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int m
   signal_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt]);
 }
 
-__device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int mt, int g, bool pairable) {
+__device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int task, bool pairable) {
   const Shape& s = p.s;
-  const bool ok = wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(cdiv(s.F, BF), s.H / BK), p.st, 19);
+  int mt, g;  // (after PREFIX: its band table)
+  bool ok = wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19);
+  expert_band_order(p.sv.tile_band, task, s.max_mt, groups(cdiv(s.H, BN), s.F / BK), &mt, &g);
+  ok = ok && wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], groups(cdiv(s.F, BF), s.H / BK), p.st, 19);
   const bool valid = ok && mt < *p.num_tiles;  // (walk_tiles' tiles all hold rows)
   paired_task(sm, pairable, ok, valid, valid ? p.tile_expert[mt] : 0, g, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
@@ -662,9 +691,10 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
   // The phases in ticket order: route, shared1, prefix, dispatch, gemm1, shared2, return,
   // gemm2, combine (kinds 0-5, 8, 6, 7: fwd_order); with pairs the paired phases (gemm1,
   // gemm2) start at an even ticket (one skipped before), so that a cluster's two tickets
-  // are two m-tiles of one column group (kBand and max_mt are even): a pair when both
-  // are the same expert's (pair_agree; walk_tiles). In shared memory: indexed by a
-  // run-time phase, an array in registers would be local memory.
+  // are two m-tiles of one column group (expert_segments: every band starts at an even tile
+  // and holds an even number of tiles): a pair when both are the same expert's
+  // (pair_agree; walk_tiles). In shared memory: indexed by a run-time phase, an array in
+  // registers would be local memory.
   __shared__ int phase_start[kFwdPhases], phase_end[kFwdPhases];
   if (threadIdx.x == 0) {
     const int count[kFwdPhases] = {n_route, n_sh1, 1, s.nd, n_g1, n_sh2, n_g2, s.ns, s.nr};
@@ -686,15 +716,14 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
     profile_start(sm, p.st);
     const int local = task - phase_start[i];
     const bool pairable = paired_phase(kind) && partner_in_phase(sm, phase_start, phase_end, kFwdPhases, task, i);
-    int mt, g;
     switch (kind) {
       case 0: route_task(sm, p, local); break;
       case 1: shared1_task(sm, p, local / nS1, local % nS1); break;
       case 2: prefix_task(sm, p); break;
       case 3: dispatch_task(sm, p, local); break;
-      case 4: band_order(local, s.max_mt, nF1, &mt, &g), gemm1_task(sm, p, mt, g, pairable); break;
+      case 4: gemm1_task(sm, p, local, pairable); break;
       case 5: shared2_task(sm, p, local / nHs, local % nHs); break;
-      case 6: band_order(local, s.max_mt, nH2, &mt, &g), gemm2_task(sm, p, mt, g, pairable); break;
+      case 6: gemm2_task(sm, p, local, pairable); break;
       case 7: combine_task(sm, p, local); break;
       default: return_task(sm, p, local); break;
     }
