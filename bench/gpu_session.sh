@@ -102,7 +102,7 @@ else
     exit 1
   }
 fi
-export MOK_LIBRARY="$PWD/build/libmok.so"
+export MOK_LIBRARY="${MOK_LIBRARY:-$PWD/build/libmok.so}"  # (set: e.g. dram of a build-NAME)
 # libnccl.so.2 for binaries built elsewhere (carried): their build-time NCCL path is the
 # CPU machine's; Python's nvidia-nccl has the library here
 NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)

@@ -45,7 +45,7 @@ struct Operand {
   const CUtensorMap* map;
   int pos[4];
   int k0;
-  int rows;
+  int rows;  // A: the tile's stored rows (rows128; a warpgroup past them skips); B: not read
 };
 
 // Thread 0's TMA load cursor in gemm_tiles: K block kb (of num_kb) of tile `tile`, ring
@@ -110,7 +110,7 @@ static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
 
 // B boxes of a 256-wide column tile starting at n0 (4 consecutive 64-wide boxes).
 __device__ __forceinline__ Operand wide(const CUtensorMap* map, int n0, int k0) {
-  return Operand{map, {n0, n0 + 64, n0 + 128, n0 + 192}, k0, BM};
+  return Operand{map, {n0, n0 + 64, n0 + 128, n0 + 192}, k0};
 }
 // A boxes of a 128-row tile starting at m0, whose first `rows` rows are stored (BM or
 // more: all; rows past them belong to another expert, or to no one).
@@ -423,44 +423,48 @@ __device__ __forceinline__ void walk_tiles(const int32_t* counts, const int32_t*
   if (waiting >= 0) expert(waiting);
 }
 
-// The GEMM phases' bands of m-tiles (band_order, expert_band_order): a band holds kBand
-// tiles, up to kBandMax to keep an expert (or two odd ones side by side) whole.
-// MOK_BAND overrides kBand in measurement builds.
-#ifdef MOK_BAND
-constexpr int kBand = MOK_BAND;
-#else
+// The GEMM phases' bands of m-tiles: band_order's hold kBand tiles; the expert m-tiles'
+// (expert_segments) kExpertBand, up to kExpertBandMax to keep an expert (or two odd
+// ones side by side) whole. MOK_BAND sets kExpertBand in measurement builds.
 constexpr int kBand = 8;
+#ifdef MOK_BAND
+constexpr int kExpertBand = MOK_BAND;
+#else
+constexpr int kExpertBand = kBand;
 #endif
-constexpr int kBandMax = kBand + 2;
-static_assert(kBand % 2 == 0 && kBandMax < 256, "pairs need even bands; tile_band packs the tiles in 8 bits");
+constexpr int kExpertBandMax = kExpertBand + 2;
+static_assert(kBand % 2 == 0 && kExpertBand % 2 == 0 && kExpertBandMax < 256,
+              "pairs need even bands; tile_band packs the tiles in 8 bits");
 
 // PREFIX's thread 0: the expert m-tile bands, from the tile table's runs (walk_tiles'
 // visits: run r holds tiles [run_mt0[r], run_mt0[r + 1]), r < num_runs), as segments:
 // tiles [seg_mt0[k], seg_mt0[k + 1]) for k < the count returned. A run joins the open
-// band while the band stays within kBand tiles; else it starts the next segment (with
-// pairs only at an even tile: two odd experts side by side stay together, and every
-// segment starts even). A segment longer than kBandMax (a large expert) is cut into
-// bands of kBand from its start, the last band taking the rest (segment_band); the
-// open band is what a joining run is measured against. The last segment ends at the
-// tiles' end, made even with pairs.
+// band while the band stays within kExpertBand tiles; else it starts the next segment
+// (with pairs only at an even tile: two odd experts side by side stay together, and
+// every segment starts even). A segment longer than kExpertBandMax (a large expert) is
+// cut into bands of kExpertBand from its start, the last band taking the rest
+// (segment_band); a joining run is measured against that last band. The last segment
+// ends at the tiles' end, made even with pairs.
 __device__ __forceinline__ int expert_segments(const int* run_mt0, int num_runs, bool pairs, int* seg_mt0) {
+  constexpr int band = kExpertBand, most = kExpertBandMax;
   int n = 0, open = 0;
   seg_mt0[n++] = 0;
   for (int r = 0; r < num_runs; r++) {
     const int a = run_mt0[r], b = run_mt0[r + 1];
-    if (a > open && b - open > kBand && !(pairs && (a & 1))) seg_mt0[n++] = open = a;
-    if (b - open > kBandMax) open += (b - open - kBandMax + kBand - 1) / kBand * kBand;
+    if (a > open && b - open > band && !(pairs && (a & 1))) seg_mt0[n++] = open = a;
+    if (b - open > most) open += (b - open - most + band - 1) / band * band;
   }
   seg_mt0[n] = pad_even(run_mt0[num_runs], pairs);
   return n;
 }
-// The band [*first, *end) of tile q in segment [s, t): bands of kBand from s, as few as
-// leave at most kBandMax tiles to the last.
+// The band [*first, *end) of tile q in segment [s, t): bands of kExpertBand from s, as
+// few as leave at most kExpertBandMax tiles to the last.
 __device__ __forceinline__ void segment_band(int s, int t, int q, int* first, int* end) {
-  const int cuts = t - s > kBandMax ? (t - s - kBandMax + kBand - 1) / kBand : 0;
-  const int c = min((q - s) / kBand, cuts);
-  *first = s + c * kBand;
-  *end = c < cuts ? *first + kBand : t;
+  constexpr int band = kExpertBand, most = kExpertBandMax;
+  const int cuts = t - s > most ? (t - s - most + band - 1) / band : 0;
+  const int c = min((q - s) / band, cuts);
+  *first = s + c * band;
+  *end = c < cuts ? *first + band : t;
 }
 
 // The phase of ticket t, given the phases' [start, end) in ticket order; -1 for a ticket
