@@ -72,8 +72,9 @@
 #   dram          ncu's DRAM bytes read and written, L2 hit rate and tensor-pipe share of
 #                 one forward, then of the backward running only dh (MOK_KNOBS 512) and
 #                 only dx (128), for the first shape of SHAPES (DRAM_RUNS: other
-#                 knob:kernel entries, e.g. "64:moe_backward"); set them against each
-#                 tensor's bytes once (docs/PERF.md, nineteenth session)
+#                 knob:kernel entries, e.g. "64:moe_backward"; DRAM_METRICS: more ncu
+#                 metrics, comma-separated); set them against each tensor's bytes once
+#                 (docs/PERF.md, nineteenth session)
 # WARM=S: trace, stalls and kernel-times first run S seconds of back-to-back steps, so
 # that the measured steps run at a sustained run's clock (default 0: from idle).
 # COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
@@ -309,6 +310,7 @@ for part in "$@"; do
       # a few metrics, so each run is one short replay
       M=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
       M=$M,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg
+      M=$M${DRAM_METRICS:+,$DRAM_METRICS}  # (more metrics, comma-separated: more replays)
       for run in ${DRAM_RUNS:-0:moe_forward 512:moe_backward 128:moe_backward}; do
         knob=${run%%:*} kernel=${run#*:}
         echo "== MOK_KNOBS=$knob $kernel"
