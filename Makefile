@@ -44,6 +44,7 @@ endif
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(if $(NVCC),$(CU_SRC:%.cu=$(BUILD)/%.cu.o))
 TOOL_OBJ := $(TOOL_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
+MICRO    := $(if $(NVCC),$(patsubst bench/micro/%.cu,$(BUILD)/micro/%,$(wildcard bench/micro/*.cu)))
 
 .PHONY: all test test-gpu run test-asan clean info micro
 all: info $(BUILD)/libmok.a $(BUILD)/libmok.so $(BUILD)/mok $(BUILD)/mok_tests $(MICRO)
@@ -102,8 +103,8 @@ $(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(GPU_TEST_OBJ) $(BUILD)/tes
 	$(CC) -o $@ $^ $(LDLIBS)
 
 # Microbenchmarks of the GPU itself (bench/micro/*.cu, run on an H200 by hand or by
-# bench/gpu_session.sh micro); built with everything else when nvcc is found.
-MICRO := $(if $(NVCC),$(patsubst bench/micro/%.cu,$(BUILD)/micro/%,$(wildcard bench/micro/*.cu)))
+# bench/gpu_session.sh micro); built with everything else when nvcc is found (MICRO is
+# defined above `all`, whose prerequisites make expands where it reads them).
 micro: $(MICRO)
 $(BUILD)/micro/%: bench/micro/%.cu $(wildcard src/cuda/*.h src/cuda/*.cuh)
 	@mkdir -p $(dir $@)

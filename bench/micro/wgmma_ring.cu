@@ -6,7 +6,10 @@
 // stage kStages - 1 blocks ahead with 48 KB bulk copies from an L2-resident buffer
 // behind full/empty mbarriers, as gemm_tiles does with TMA (a linear copy: the same
 // bytes, not the same banks). Prints SM cycles a K block: 1024 is the peak (docs/PERF.md,
-// seventh session). The operands are arbitrary bf16 bits; only the time is read.
+// seventh session). With one warpgroup (no loads) the second only waits: its cycles a K
+// block show whether one warpgroup's wgmmas alone fill the tensor pipe (512: they do),
+// which staggered warpgroups (one's epilogue beside the other's wgmmas) would need
+// (twentieth session). The operands are arbitrary bf16 bits; only the time is read.
 //   make micro && build/micro/wgmma_ring
 #include <cstdint>
 #include <cstdio>
@@ -19,14 +22,7 @@ constexpr int kCtas = 132;
 constexpr int kBlocks = 2048;      // K blocks a CTA
 constexpr int kSourceStages = 64;  // the loads' source: 3 MB, L2-resident
 
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-
-template <int TA, int TB, bool kLoads>
+template <int TA, int TB, bool kLoads, int kWgs = 2>
 __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* sink, long long* cycles) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* stages = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -58,8 +54,10 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
     if (kLoads)
       while (!mbar_try_wait(&full[b % kStages], (b / kStages) & 1)) {
       }
-    mma_block<TA, TB, BK / 16>(acc, stages + (b % kStages) * kStageBytes, wg);
-    wgmma_wait<1>();
+    if (wg < kWgs) {
+      mma_block<TA, TB, BK / 16>(acc, stages + (b % kStages) * kStageBytes, wg);
+      wgmma_wait<1>();
+    }
     if (kLoads) {
       if (b > 0 && tid % 128 == 0) mbar_arrive(&empty[(b - 1) % kStages]);
       if (tid == 0 && b + kStages - 1 < kBlocks) load(b + kStages - 1);
@@ -74,17 +72,18 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
   if (tid == 0) cycles[blockIdx.x] = t1 - t0;
 }
 
-template <int TA, int TB, bool kLoads>
+template <int TA, int TB, bool kLoads, int kWgs = 2>
 static void run(const uint8_t* src, float* sink, long long* cycles) {
+  static_assert(kWgs == 2 || !kLoads, "with loads both warpgroups release the stages");
   const int smem = kStages * kStageBytes + 1024;
-  cudaFuncSetAttribute(ring<TA, TB, kLoads>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  for (int rep = 0; rep < 2; rep++) ring<TA, TB, kLoads><<<kCtas, kThreads, smem>>>(src, sink, cycles);
+  cudaFuncSetAttribute(ring<TA, TB, kLoads, kWgs>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  for (int rep = 0; rep < 2; rep++) ring<TA, TB, kLoads, kWgs><<<kCtas, kThreads, smem>>>(src, sink, cycles);
   long long h[kCtas];
   cudaMemcpy(h, cycles, sizeof h, cudaMemcpyDeviceToHost);
   double mean = 0;
   for (long long c : h) mean += (double)c / kCtas;
-  printf("%-8s A %-8s B %-8s %7.1f SM cycles a K block\n", kLoads ? "loads" : "no loads", TA ? "MN-major" : "K-major",
-         TB ? "MN-major" : "K-major", mean / kBlocks);
+  printf("%-8s A %-8s B %-8s %7.1f SM cycles a K block%s\n", kLoads ? "loads" : "no loads", TA ? "MN-major" : "K-major",
+         TB ? "MN-major" : "K-major", mean / kBlocks, kWgs == 1 ? " (one warpgroup: its 64 rows)" : "");
 }
 
 int main() {
@@ -100,6 +99,7 @@ int main() {
   cudaMemset(src, 0x11, (size_t)kSourceStages * kStageBytes);
   run<0, 0, false>(src, sink, cycles);
   run<1, 1, false>(src, sink, cycles);
+  run<0, 0, false, 1>(src, sink, cycles);
   run<0, 0, true>(src, sink, cycles);
   run<0, 1, true>(src, sink, cycles);
   run<1, 0, true>(src, sink, cycles);
