@@ -149,8 +149,8 @@ struct Plan {
 };
 
 struct SavedPlan {
-  size_t header, idx, g, pos, logits, counts, expert_off, tile_band, sorted, loc_off, loc_shift, x_rows, a_rows, h_rows, o_rows,
-      sa, sh, total;
+  size_t header, idx, g, pos, logits, counts, expert_off, tile_band, sorted, loc_off, loc_shift, x_rows, a_rows,
+      h_rows, o_rows, sa, sh, total;
 };
 static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   const int64_t R = recv_rows(c, T), Rx = c.W == 1 ? R : 0;  // (W > 1: x_rows, o_rows in the window)

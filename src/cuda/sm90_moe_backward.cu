@@ -734,8 +734,8 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   // skipped before), so that a cluster's two tickets are two row tiles of one column
   // group (expert_segments: even bands from even tiles; kBand is even, and an odd number
   // of weight-gradient row tiles makes that band's last pair straddle two groups): a
-  // pair when both are the same expert's (pair_agree; walk_tiles puts two odd experts'
-  // last m-tiles side by side, unpaired).
+  // pair when both are the same expert's (pair_agree; walk_tiles puts two odd experts
+  // side by side, their meeting tiles unpaired).
   __shared__ int phase_start[kBwdPhases], phase_end[kBwdPhases], phase_cols[kBwdPhases], wgrad_mt[2];  // (by place)
   if (threadIdx.x == 0) {
     wgrad_mt[0] = cdivb(s.H, BM);  // dw2's row tiles

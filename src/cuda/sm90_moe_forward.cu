@@ -338,9 +338,8 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   }
   __syncthreads();
   // the tile table and the band table (sv.tile_band, every m-tile slot up to max_mt: the
-  // backward reads it too), from the runs
-  // the last of n sorted starts at or before mt
-  auto last_start = [](const int* start, int n, int mt) {
+  // backward reads it too), from the runs and the segments
+  auto last_start = [](const int* start, int n, int mt) {  // the last of n sorted starts <= mt
     int lo = 0, hi = n - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
