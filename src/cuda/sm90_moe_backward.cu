@@ -435,10 +435,13 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
                    (which != 2 || !p.recompute ||  // (and h_rows)
                     wait_counter(sm, &p.st.sync->counter[B_RG_ALL], s.max_mt * rg_groups(s), p.st, 20)));
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
-  const bool paired = pair_agree(sm, pairable, ok, pair_key(true, e, g));
-  if (!ok) return;
   const int eg = s.rank * s.e_loc + e;  // (e: this rank's expert, as the gradients are)
   const int off = p.sv.expert_off[eg], n = p.sv.counts[eg], nk = cdivb(n, BK);
+  // An expert of at most kArBlocks K blocks runs alone with its A resident (below): 32 KB
+  // of B a K block, the L2 bytes a CTA of a pair (16 of A, 16 of B), without a pair's
+  // lockstep. Larger ones pair. (Both CTAs of a cluster see the same count: no key, no pair.)
+  const bool paired = pair_agree(sm, pairable, ok, pair_key(nk > kArBlocks, e, g));
+  if (!ok) return;
   const int valid_last = n - (nk - 1) * BK;  // rows of the last K block
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
   const int size = wgrad_group(s), n0 = g * size;  // column tiles n0 + nt
