@@ -45,7 +45,7 @@ struct Operand {
   const CUtensorMap* map;
   int pos[4];
   int k0;
-  int rows;  // A: the tile's stored rows (rows128; a warpgroup past them skips); B: not read
+  int rows;  // (A only, above; B's is not read)
 };
 
 // Thread 0's TMA load cursor in gemm_tiles: K block kb (of num_kb) of tile `tile`, ring
@@ -366,8 +366,9 @@ __device__ __forceinline__ void release_stages_from_stores(Smem& sm) {
 }
 
 // pair_agree's key of a task on expert e's column group g (fewer than 4096 groups), or
-// -1 when the task has no rows to multiply.
-__device__ __forceinline__ int pair_key(bool has_rows, int e, int g) { return has_rows ? e * 4096 + g : -1; }
+// -1 when the task shares nothing with a partner: no rows to multiply, or a task that
+// runs alone by choice (a small expert's weight gradients, A resident: wgrad_task).
+__device__ __forceinline__ int pair_key(bool shares, int e, int g) { return shares ? e * 4096 + g : -1; }
 
 // Whether this CTA and its partner run their GEMM tasks as a pair (each loads half of
 // B, multicast to both): both tasks pairable (the same GEMM phase, decided from the two

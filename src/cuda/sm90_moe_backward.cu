@@ -439,7 +439,8 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   const int off = p.sv.expert_off[eg], n = p.sv.counts[eg], nk = cdivb(n, BK);
   // An expert of at most kArBlocks K blocks runs alone with its A resident (below): 32 KB
   // of B a K block, the L2 bytes a CTA of a pair (16 of A, 16 of B), without a pair's
-  // lockstep. Larger ones pair. (Both CTAs of a cluster see the same count: no key, no pair.)
+  // lockstep. Larger ones pair. (pair_agree is still called, as both CTAs of a cluster
+  // must; a key of -1 makes both run alone.)
   const bool paired = pair_agree(sm, pairable, ok, pair_key(nk > kArBlocks, e, g));
   if (!ok) return;
   const int valid_last = n - (nk - 1) * BK;  // rows of the last K block
