@@ -286,6 +286,7 @@ def gpu_profile(label, step, steps, in_order=False, warm=0.0):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = time_isolated_ms(step, steps, warmup=0)
     gpu = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    back_to_back_gaps(label, step, steps)
     by_name = {}
     for e in gpu:
         by_name.setdefault(e.name, []).append(e.device_time_total / 1e3)  # us -> ms
@@ -300,6 +301,39 @@ def gpu_profile(label, step, steps, in_order=False, warm=0.0):
         print(f"  one step in launch order ({per_step} kernels):")
         for e in first:
             print(f"    {e.device_time_total / 1e3:8.3f} ms  {e.name[:100]}")
+
+
+def back_to_back_gaps(label, step, steps):
+    """`steps` calls of step back to back (as time_ms runs them) under torch.profiler:
+    the wall time a step (CUDA events), the host's time to issue a step, the GPU's
+    kernel time a step, and where on the GPU's timeline it sat idle (the gaps between
+    one kernel's end and the next's start, summed a step by the pair of names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        host = (time.perf_counter() - t0) * 1e3 / steps
+        b.record()
+        b.synchronize()
+    wall = a.elapsed_time(b) / steps
+    gpu = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    busy = sum(e.device_time_total for e in gpu) / 1e3 / steps
+    gaps, end, prev = {}, None, None
+    for e in gpu:
+        if end is not None and e.time_range.start > end:
+            key = (prev[:40], e.name[:40])
+            gaps[key] = gaps.get(key, 0.0) + (e.time_range.start - end) / 1e3 / steps
+        if end is None or e.time_range.end > end:
+            end, prev = e.time_range.end, e.name
+    print(f"{label} back to back ({steps} steps): {wall:.3f} ms a step (CUDA events); host issues a step in "
+          f"{host:.3f} ms; GPU busy {busy:.3f} ms a step; idle between kernels {sum(gaps.values()):.3f} ms a step")
+    for (p, n), g in sorted(gaps.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  {g:8.3f} ms a step idle between  {p}  ->  {n}")
 
 
 def kernel_times(name, steps=5, warm=0.0):

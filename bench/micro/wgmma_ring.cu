@@ -14,6 +14,22 @@
 // (L2-resident) or a 1 GiB one (DRAM), every CTA at other coordinates: whether TMA box
 // loads with kStages - 1 blocks ahead keep up with the wgmmas (twentieth session: the
 // weight gradients' mainloop waits for its stages though L2 hits 93% of their sectors).
+// Twenty-first session: the TMA cases also run in clusters, B (or A and B) multicast as a
+// cluster's CTAs would share them: `pair B` (2 CTAs, two m-tiles sharing B: each loads
+// its A and half of B, as gemm_tiles' PAIRED; 32 KB a CTA a K block), `2x2` (4 CTAs, two
+// m-tiles by two column tiles: each loads one A box for its row pair and two B boxes for
+// its column pair; 24 KB), `quad B` (4 CTAs, four m-tiles sharing B; 24 KB); a stage is
+// refilled once every CTA of the cluster has consumed it. Clusters of 4 run 120 CTAs
+// (30 fit: cluster_fit), so each line also gives the machine's rate, CTAs / 132 x 1024 /
+// cycles. The matrices: 8 MB with a row pitch of 4096 bytes (L2) or 4224 (the same,
+// pitch not a power of two), and 128 MB (more than L2 holds), boxes at scattered
+// coordinates. `tma walk` loads as a GEMM does: a tile's 64 K blocks in order, then the
+// next tile, A from 64 m-tiles and B from 32 column tiles of a 128 MB matrix (both
+// reused, mostly L2 hits); `tma strm` the same with B from 480 column tiles of a 1 GiB
+// matrix, none reused while in L2 (an expert's weights read once, deepseek-v3's case).
+// Variants of the pairs: a ring of 2 or 3 stages instead of 4 (how the rate depends on
+// the bytes in flight), and B also prefetched into L2 (cp.async.bulk.prefetch.tensor)
+// 4-32 blocks ahead of its load.
 // The operands are arbitrary bf16 bits; only the time is read.
 //   make micro && build/micro/wgmma_ring
 #include <cudaTypedefs.h>
@@ -28,60 +44,127 @@ using namespace mok;
 constexpr int kCtas = 132;
 constexpr int kBlocks = 2048;      // K blocks a CTA
 constexpr int kSourceStages = 64;  // the loads' source: 3 MB, L2-resident
-enum { kNoLoads, kBulk, kTmaL2, kTmaDram };
-const char* const kLoadNames[] = {"no loads", "loads", "tma L2", "tma DRAM"};
+// A hint: bring the 2-D box at (c0 inner, c1 outer) into L2 (no shared memory, no
+// barrier), so that a later load of it hits L2. (Here only: it made the mainloop slower.)
+__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1)
+               : "memory");
+}
 
-template <int TA, int TB, int kLoads, int kWgs = 2>
+enum { kNoLoads, kBulk, kTmaL2, kTmaDram, kTmaWalk, kTmaStream };
+const char* const kLoadNames[] = {"no loads", "loads", "tma L2", "tma DRAM", "tma walk", "tma strm"};
+constexpr int kWalkKb = 64;  // tma walk: K blocks a tile (K = 4096)
+enum { kAlone, kPairB, kQuad2x2, kQuadB };  // how a cluster's CTAs share the TMA loads
+__host__ __device__ constexpr int cluster_ctas(int share) { return share == kAlone ? 1 : share == kPairB ? 2 : 4; }
+const char* const kShareNames[] = {"alone", "pair B", "2x2", "quad B"};
+
+template <int TA, int TB, int kLoads, int kWgs = 2, int kShare = kAlone, int kPrefetch = 0, int kRing = kStages>
 __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* sink, long long* cycles,
                                                     const __grid_constant__ CUtensorMap map, int rows64, int cols64) {
+  constexpr int kCl = cluster_ctas(kShare);
   extern __shared__ uint8_t smem_raw[];
   uint8_t* stages = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
-  __shared__ uint64_t full[kStages], empty[kStages];
-  for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += kThreads)
+  __shared__ uint64_t full[kRing], empty[kRing];
+  for (int i = threadIdx.x; i < kRing * kStageBytes / 4; i += kThreads)
     reinterpret_cast<uint32_t*>(stages)[i] = 0x3c003c00u ^ ((i * 2654435761u) & 0x00ff00ffu);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 2);
+    // a stage is free once both warpgroups of every CTA that its loads write have read it
+    for (int s = 0; s < kRing; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], 2 * kCl);
     fence_mbar_init();
   }
   __syncthreads();
+  if (kCl > 1) cluster_sync();  // every CTA's barriers exist before a remote arrival or multicast
   const int tid = threadIdx.x, wg = tid / 128;
-  auto load = [&](int b) {  // thread 0: block b into its stage, once both warpgroups freed it
-    const int s = b % kStages;
-    if (b >= kStages)
-      while (!mbar_try_wait(&empty[s], ((b / kStages) & 1) ^ 1)) {
+  const int rank = kCl > 1 ? (int)cluster_ctarank() : 0, cl = (int)blockIdx.x / kCl;
+  const int row = rank >> 1, col = rank & 1;  // 2x2: the CTA's m-tile and column tile
+  // tma walk: as a GEMM's tiles, the K blocks of one 128 x 256 tile in order, then the next
+  // tile; A's rows are the matrix's first half (64 m-tiles), B's the second (32 column
+  // tiles); the CTAs that share a box have the same m-tile (A) or column tile (B)
+  const int ctas = (int)gridDim.x, clusters = ctas / kCl;
+  auto m_tile = [&](int t) {
+    return kShare == kQuad2x2 ? (2 * cl + row + 2 * clusters * t) % 64 : ((int)blockIdx.x + ctas * t) % 64;
+  };
+  const int n_tiles = kLoads == kTmaStream ? (rows64 / 4 - 32) : 32;  // tma strm: B from DRAM
+  auto n_tile = [&](int t) {
+    return kShare == kQuad2x2 ? (2 * cl + col + 2 * clusters * t) % n_tiles
+                              : ((int)blockIdx.x / (kCl == 1 ? 2 : kCl) + clusters * t) % n_tiles;
+  };
+  // box i of block b: 64 x 64 at coordinates that depend on who shares it (key)
+  auto box = [&](int b, int i, int key, uint8_t* dst, uint64_t* bar, uint16_t mask) {
+    int c0 = 64 * ((b + i + key) % cols64), c1 = 64 * ((b * 7 + i * 3 + key * 5) % rows64);
+    if (kLoads == kTmaWalk || kLoads == kTmaStream) {
+      const int t = b / kWalkKb;
+      c0 = 64 * (b % kWalkKb);
+      c1 = i < 2 ? 128 * m_tile(t) + 64 * i : 32 * 256 + 256 * n_tile(t) + 64 * (i - 2);
+    }
+    if (mask) tma_load_2d_multicast(dst, &map, bar, c0, c1, mask);
+    else tma_load_2d(dst, &map, bar, c0, c1);
+  };
+  auto load = [&](int b) {  // thread 0: block b into its stage, once every sharer freed it
+    const int s = b % kRing;
+    if (b >= kRing)
+      while (!mbar_try_wait(&empty[s], ((b / kRing) & 1) ^ 1)) {
       }
     mbar_arrive_expect_tx(&full[s], kStageBytes);
-    if (kLoads == kBulk) {
-      bulk_load(stages + s * kStageBytes, src + (size_t)((b * 7 + blockIdx.x) % kSourceStages) * kStageBytes,
-                kStageBytes, &full[s]);
+    uint8_t* const dst = stages + s * kStageBytes;
+    if constexpr (kLoads == kBulk) {
+      bulk_load(dst, src + (size_t)((b * 7 + blockIdx.x) % kSourceStages) * kStageBytes, kStageBytes, &full[s]);
     } else {
 #pragma unroll
-      for (int i = 0; i < 6; i++)  // A boxes 0-1, B boxes 2-5
-        tma_load_2d(stages + s * kStageBytes + i * kBoxBytes, &map, &full[s],
-                    64 * ((b + i + (int)blockIdx.x) % cols64), 64 * ((b * 7 + i * 3 + (int)blockIdx.x * 5) % rows64));
+      for (int i = 0; i < 6; i++) {  // A boxes 0-1, B boxes 2-5
+        uint8_t* const d = dst + i * kBoxBytes;
+        if (kShare == kAlone) {
+          box(b, i, (int)blockIdx.x, d, &full[s], 0);
+        } else if (kShare == kPairB) {
+          if (i < 2) box(b, i, (int)blockIdx.x, d, &full[s], 0);
+          else if ((i - 2) / 2 == rank) box(b, i, cl, d, &full[s], 0x3);
+        } else if (kShare == kQuad2x2) {
+          if (i < 2 && i == col) box(b, i, 2 * cl + row, d, &full[s], (uint16_t)(0x3 << (2 * row)));
+          if (i >= 2 && (i - 2) / 2 == row) box(b, i, 2 * cl + col + 7, d, &full[s], (uint16_t)(0x5 << col));
+        } else {  // kQuadB
+          if (i < 2) box(b, i, (int)blockIdx.x, d, &full[s], 0);
+          else if (i - 2 == rank) box(b, i, cl, d, &full[s], 0xf);
+        }
+      }
+      // tma strm: the B boxes this CTA loads, kPrefetch blocks ahead, into L2
+      if (kPrefetch && kLoads == kTmaStream && b + kPrefetch < kBlocks) {
+        const int pb = b + kPrefetch, t = pb / kWalkKb;
+#pragma unroll
+        for (int i = 2; i < 6; i++)
+          if (kShare == kAlone || (i - 2) / 2 == rank)
+            tma_prefetch_2d(&map, 64 * (pb % kWalkKb), 32 * 256 + 256 * n_tile(t) + 64 * (i - 2));
+      }
     }
   };
+  auto release = [&](int s) {  // a warpgroup's arrival at every sharer's empty barrier
+#pragma unroll
+    for (int c = 0; c < kCl; c++)
+      if (c == rank) mbar_arrive(&empty[s]);
+      else mbar_arrive_remote_n(mapa_shared(smem_addr(&empty[s]), (uint32_t)c), 1);
+  };
   if (kLoads && tid == 0)
-    for (int b = 0; b < kStages - 1; b++) load(b);
+    for (int b = 0; b < kRing - 1; b++) load(b);
   float acc[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
   const long long t0 = clock64();
   for (int b = 0; b < kBlocks; b++) {
     if (kLoads)
-      while (!mbar_try_wait(&full[b % kStages], (b / kStages) & 1)) {
+      while (!mbar_try_wait(&full[b % kRing], (b / kRing) & 1)) {
       }
     if (wg < kWgs) {
-      mma_block<TA, TB, BK / 16>(acc, stages + (b % kStages) * kStageBytes, wg);
+      mma_block<TA, TB, BK / 16>(acc, stages + (b % kRing) * kStageBytes, wg);
       wgmma_wait<1>();
     }
     if (kLoads) {
-      if (b > 0 && tid % 128 == 0) mbar_arrive(&empty[(b - 1) % kStages]);
-      if (tid == 0 && b + kStages - 1 < kBlocks) load(b + kStages - 1);
+      if (b > 0 && tid % 128 == 0) release((b - 1) % kRing);
+      if (tid == 0 && b + kRing - 1 < kBlocks) load(b + kRing - 1);
     }
   }
   wgmma_wait<0>();
   const long long t1 = clock64();
+  if (kCl > 1) cluster_sync();  // no CTA leaves while a sharer may still write or arrive at it
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < kAcc; i++) s += acc[i];
@@ -89,20 +172,39 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
   if (tid == 0) cycles[blockIdx.x] = t1 - t0;
 }
 
-template <int TA, int TB, int kLoads, int kWgs = 2>
+template <int TA, int TB, int kLoads, int kWgs = 2, int kShare = kAlone, int kPrefetch = 0, int kRing = kStages>
 static void run(const uint8_t* src, float* sink, long long* cycles, const CUtensorMap& map = CUtensorMap{},
-                int rows = 64, int cols = 64) {
+                int rows = 64, int cols = 64, const char* matrix = "") {
   static_assert(kWgs == 2 || !kLoads, "with loads both warpgroups release the stages");
+  constexpr int kCl = cluster_ctas(kShare);
+  const int ctas = kCl == 4 ? 120 : kCtas;  // (30 clusters of 4 fit: cluster_fit)
   const int smem = kStages * kStageBytes + 1024;
-  cudaFuncSetAttribute(ring<TA, TB, kLoads, kWgs>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  auto kernel = ring<TA, TB, kLoads, kWgs, kShare, kPrefetch, kRing>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = kCl, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(ctas), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = smem;
+  lc.attrs = &attr, lc.numAttrs = 1;
   for (int rep = 0; rep < 2; rep++)
-    ring<TA, TB, kLoads, kWgs><<<kCtas, kThreads, smem>>>(src, sink, cycles, map, rows / 64, cols / 64);
+    cudaLaunchKernelEx(&lc, kernel, src, sink, cycles, map, rows / 64, cols / 64);
   long long h[kCtas];
-  cudaMemcpy(h, cycles, sizeof h, cudaMemcpyDeviceToHost);
+  if (cudaMemcpy(h, cycles, sizeof(long long) * ctas, cudaMemcpyDeviceToHost) != cudaSuccess) {
+    printf("%s %s: %s\n", kLoadNames[kLoads], kShareNames[kShare], cudaGetErrorString(cudaGetLastError()));
+    return;
+  }
   double mean = 0;
-  for (long long c : h) mean += (double)c / kCtas;
-  printf("%-8s A %-8s B %-8s %7.1f SM cycles a K block%s\n", kLoadNames[kLoads], TA ? "MN-major" : "K-major",
-         TB ? "MN-major" : "K-major", mean / kBlocks, kWgs == 1 ? " (one warpgroup: its 64 rows)" : "");
+  for (int i = 0; i < ctas; i++) mean += (double)h[i] / ctas;
+  const double per_block = mean / kBlocks;
+  printf("%-8s A %-8s B %-8s %7.1f SM cycles a K block", kLoadNames[kLoads], TA ? "MN-major" : "K-major",
+         TB ? "MN-major" : "K-major", per_block);
+  if (kLoads >= kTmaL2)
+    printf("  %-6s %3d CTAs, machine %5.1f%% of peak, %s", kShareNames[kShare], ctas,
+           100.0 * ctas / kCtas * 1024.0 / per_block, matrix);
+  if (kPrefetch) printf(", B into L2 %d blocks ahead", kPrefetch);
+  if (kRing != kStages) printf(", a ring of %d stages", kRing);
+  printf("%s\n", kWgs == 1 ? " (one warpgroup: its 64 rows)" : "");
 }
 
 int main() {
@@ -132,8 +234,17 @@ int main() {
     return 1;
   }
   const auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  for (int dram = 0; dram < 2; dram++) {
-    const int rows = dram ? 65536 : 2048, cols = dram ? 8192 : 2048;  // 1 GiB or 8 MB
+  struct Matrix {
+    int rows, cols, loads;
+    const char* name;
+  };
+  const Matrix matrices[] = {{2048, 2048, kTmaL2, "8 MB, pitch 4096 B"},
+                             {2048, 2112, kTmaL2, "8 MB, pitch 4224 B"},
+                             {16384, 4096, kTmaDram, "128 MB, pitch 8192 B"},
+                             {16384, 4096, kTmaWalk, "128 MB, tiles of 64 K blocks in order"},
+                             {131072, 4096, kTmaStream, "1 GiB, B streamed from DRAM"}};
+  for (const Matrix& mx : matrices) {
+    const int rows = mx.rows, cols = mx.cols;
     void* m = nullptr;
     if (cudaMalloc(&m, (size_t)rows * cols * 2) != cudaSuccess) {
       fprintf(stderr, "wgmma_ring: no GPU memory for the TMA matrix\n");
@@ -149,12 +260,33 @@ int main() {
       fprintf(stderr, "wgmma_ring: cuTensorMapEncodeTiled failed\n");
       return 1;
     }
-    if (dram) {
-      run<0, 0, kTmaDram>(src, sink, cycles, map, rows, cols);
-      run<1, 1, kTmaDram>(src, sink, cycles, map, rows, cols);
+    if (mx.loads == kTmaStream) {
+      run<0, 0, kTmaStream>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaStream, 2, kPairB, 0, 2>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaStream, 2, kPairB, 0, 3>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaStream, 2, kPairB>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaStream, 2, kPairB, 4>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaStream, 2, kPairB, 8>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaStream, 2, kPairB, 16>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaStream, 2, kPairB, 32>(src, sink, cycles, map, rows, cols, mx.name);
+    } else if (mx.loads == kTmaWalk) {
+      run<0, 0, kTmaWalk>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaWalk, 2, kPairB, 0, 2>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaWalk, 2, kPairB, 0, 3>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaWalk, 2, kPairB>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaWalk, 2, kQuad2x2>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaWalk, 2, kQuadB>(src, sink, cycles, map, rows, cols, mx.name);
+    } else if (mx.loads == kTmaDram) {
+      run<0, 0, kTmaDram>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaDram, 2, kPairB>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaDram, 2, kQuad2x2>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaDram, 2, kQuadB>(src, sink, cycles, map, rows, cols, mx.name);
     } else {
-      run<0, 0, kTmaL2>(src, sink, cycles, map, rows, cols);
-      run<1, 1, kTmaL2>(src, sink, cycles, map, rows, cols);
+      run<0, 0, kTmaL2>(src, sink, cycles, map, rows, cols, mx.name);
+      run<1, 1, kTmaL2>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaL2, 2, kPairB>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaL2, 2, kQuad2x2>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kTmaL2, 2, kQuadB>(src, sink, cycles, map, rows, cols, mx.name);
     }
     cudaDeviceSynchronize();
     cudaFree(m);
