@@ -172,6 +172,58 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
   if (tid == 0) cycles[blockIdx.x] = t1 - t0;
 }
 
+// D[64 x 128] (+)= A[64 x 16] * B[16 x 128]: the first half of ptx.cuh's
+// wgmma_m64n256k16 tile (64 accumulators a thread, d[4i + 2h + x] as there, i < 16).
+#define MOK_F8(i)                                                                                \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
+      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
+      "%62, %63}, %64, %65, p, 1, 1, %67, %68;\n}"
+      : MOK_F8(0), MOK_F8(8), MOK_F8(16), MOK_F8(24), MOK_F8(32), MOK_F8(40), MOK_F8(48), MOK_F8(56)
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TA), "n"(TB));
+}
+#undef MOK_F8
+
+// The tensor rate of m64n128k16 (both warpgroups, A box wg and B boxes 2-3 of a stage,
+// both from shared memory, no loads): a 128 x 128 tile reads A from shared memory once
+// per 128 columns instead of 256, 24 KB a MFLOP against 20: whether shared memory's
+// bandwidth holds the tensor pipe below its peak (512 cycles a K block here).
+__global__ void __launch_bounds__(kThreads, 1) ring128(float* sink, long long* cycles) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* stages = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += kThreads)
+    reinterpret_cast<uint32_t*>(stages)[i] = 0x3c003c00u ^ ((i * 2654435761u) & 0x00ff00ffu);
+  __syncthreads();
+  const int tid = threadIdx.x, wg = tid / 128;
+  float acc[kAcc / 2];
+#pragma unroll
+  for (int i = 0; i < kAcc / 2; i++) acc[i] = 0.f;
+  const long long t0 = clock64();
+  for (int b = 0; b < kBlocks; b++) {
+    uint64_t da, db;
+    stage_descs<0, 0>(stages + (b % kStages) * kStageBytes, wg, da, db);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ks++) wgmma_m64n128k16<0, 0>(acc, da + ks * 2, db + ks * 2, 1);
+    wgmma_commit();
+    wgmma_wait<1>();
+  }
+  wgmma_wait<0>();
+  const long long t1 = clock64();
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < kAcc / 2; i++) s += acc[i];
+  sink[blockIdx.x * kThreads + tid] = s;
+  if (tid == 0) cycles[blockIdx.x] = t1 - t0;
+}
+
 template <int TA, int TB, int kLoads, int kWgs = 2, int kShare = kAlone, int kPrefetch = 0, int kRing = kStages>
 static void run(const uint8_t* src, float* sink, long long* cycles, const CUtensorMap& map = CUtensorMap{},
                 int rows = 64, int cols = 64, const char* matrix = "") {
@@ -221,6 +273,17 @@ int main() {
   run<0, 0, kNoLoads>(src, sink, cycles);
   run<1, 1, kNoLoads>(src, sink, cycles);
   run<0, 0, kNoLoads, 1>(src, sink, cycles);
+  {
+    const int smem = kStages * kStageBytes + 1024;
+    cudaFuncSetAttribute(ring128, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    for (int rep = 0; rep < 2; rep++) ring128<<<kCtas, kThreads, smem>>>(sink, cycles);
+    long long h[kCtas];
+    cudaMemcpy(h, cycles, sizeof h, cudaMemcpyDeviceToHost);
+    double mean = 0;
+    for (long long c : h) mean += (double)c / kCtas;
+    printf("no loads A K-major  B K-major  %7.1f SM cycles a K block (m64n128k16: 128 x 128 tiles, peak 512)\n",
+           mean / kBlocks);
+  }
   run<0, 0, kBulk>(src, sink, cycles);
   run<0, 1, kBulk>(src, sink, cycles);
   run<1, 0, kBulk>(src, sink, cycles);
