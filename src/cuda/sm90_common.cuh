@@ -776,10 +776,15 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
 __device__ __forceinline__ void cut_maps(Smem& sm, CUtensorMap* dst, const CUtensorMap* a, const bf16* a_base,
                                          int64_t a_ld, const CUtensorMap* b, const bf16* b_base, int64_t b_ld,
                                          int64_t row0, int n) {
-  const int tid = threadIdx.x, maps = b ? 2 : 1;
+  const int tid = tid_here(), maps = b ? 2 : 1;
   if (tid >= 32) return;
-  if (tid < 8 * maps)  // 16 bytes a lane: lanes 0-7 copy a, 8-15 b
-    reinterpret_cast<uint4*>(sm.maps[tid / 8])[tid % 8] = reinterpret_cast<const uint4*>(tid < 8 ? a : b)[tid % 8];
+  if (tid < 8 * maps) {  // 16 bytes a lane: lanes 0-7 copy a, 8-15 b (maps[0], maps[1])
+    // (the address made here, opaque: made once at the kernel's start it held a register
+    // through every task, which swiglu_bwd_store's loop needs)
+    uint32_t at = smem_addr(sm.maps[0]) + 16 * tid;
+    asm volatile("" : "+r"(at));
+    st_shared_v4(at, reinterpret_cast<const uint4*>(tid < 8 ? a : b)[tid % 8]);
+  }
   __syncwarp();
   if (tid < maps) {
     const uint32_t m = smem_addr(sm.maps[tid]);
@@ -1395,8 +1400,8 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
   if (tid == 0) load(0), load(1);
   const int r = acc_row(wg, w, l, 0), sw = r % 8;  // rows r and r + 8: same swizzle
   bool tail = false;  // threads read rows past the last whole 16-row box (the same each quarter)
-#pragma unroll
-  for (int q = 0; q < 4; q++) {
+  // quarter q, its dh values from dh_at(i), i = 4 j + 2 h + x: accumulator 32 q + i
+  auto quarter = [&](int q, auto dh_at) {
     uint8_t* buf = q % 2 ? sm.epi : spare;
     MOK_STALL_FROM(kStallEpiLoads);
     while (!mbar_try_wait(&sm.epi_full[q % 2], q / 2)) {
@@ -1415,7 +1420,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
           for (int x = 0; x < 2; x++) {
             const float gate = x ? bf16_hi(g2) : bf16_lo(g2);
             const float up = x ? bf16_hi(u2) : bf16_lo(u2);
-            const float dh = acc[4 * (8 * q + j) + 2 * h + x];
+            const float dh = dh_at(4 * j + 2 * h + x);
             const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
             const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
             dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
@@ -1448,7 +1453,16 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
         load(q + 2);
       }
     }
-  }
+  };
+  // The first quarter unrolled (its accumulators then die), the other three one loop
+  // body taking theirs by selects among constant indices: the four quarters unrolled
+  // were 2400 instructions a tile that missed the instruction cache (docs/PERF.md,
+  // seventeenth session); one loop over all four keeps all 128 accumulators live through
+  // it and spilled (twenty-first session).
+  quarter(0, [&](int i) { return acc[i]; });
+#pragma unroll 1
+  for (int q = 1; q < 4; q++)
+    quarter(q, [&](int i) { return q == 1 ? acc[32 + i] : q == 2 ? acc[64 + i] : acc[96 + i]; });
   if (tail) __syncthreads();
   // no quarter 3 (the last tile of an F that is not a multiple of 256): the last group
   // came from the spare, so it must be read before gemm_tiles refills the spare
