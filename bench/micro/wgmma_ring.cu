@@ -60,8 +60,9 @@ __host__ __device__ constexpr int cluster_ctas(int share) { return share == kAlo
 const char* const kShareNames[] = {"alone", "pair B", "2x2", "quad B"};
 
 template <int TA, int TB, int kLoads, int kWgs = 2, int kShare = kAlone, int kPrefetch = 0, int kRing = kStages>
-__global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* sink, long long* cycles,
-                                                    const __grid_constant__ CUtensorMap map, int rows64, int cols64) {
+__global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* sink,
+                                                    const __grid_constant__ CUtensorMap map, int rows64, int cols64,
+                                                    long long* cycles) {
   constexpr int kCl = cluster_ctas(kShare);
   extern __shared__ uint8_t smem_raw[];
   uint8_t* stages = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
@@ -224,31 +225,38 @@ __global__ void __launch_bounds__(kThreads, 1) ring128(float* sink, long long* c
   if (tid == 0) cycles[blockIdx.x] = t1 - t0;
 }
 
+// SM cycles a K block, the CTAs' mean over the second of two launches of `kernel` (ctas
+// CTAs in clusters of cl, the ring's shared memory); negative on a launch error.
+template <class Kernel, class... Args>
+static double cycles_per_block(Kernel kernel, int ctas, int cl, long long* cycles, Args... args) {
+  const int smem = kStages * kStageBytes + 1024;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cl, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(ctas), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = smem;
+  lc.attrs = &attr, lc.numAttrs = 1;
+  for (int rep = 0; rep < 2; rep++) cudaLaunchKernelEx(&lc, kernel, args..., cycles);
+  long long h[kCtas];
+  if (cudaMemcpy(h, cycles, sizeof(long long) * ctas, cudaMemcpyDeviceToHost) != cudaSuccess) return -1;
+  double mean = 0;
+  for (int i = 0; i < ctas; i++) mean += (double)h[i] / ctas;
+  return mean / kBlocks;
+}
+
 template <int TA, int TB, int kLoads, int kWgs = 2, int kShare = kAlone, int kPrefetch = 0, int kRing = kStages>
 static void run(const uint8_t* src, float* sink, long long* cycles, const CUtensorMap& map = CUtensorMap{},
                 int rows = 64, int cols = 64, const char* matrix = "") {
   static_assert(kWgs == 2 || !kLoads, "with loads both warpgroups release the stages");
   constexpr int kCl = cluster_ctas(kShare);
   const int ctas = kCl == 4 ? 120 : kCtas;  // (30 clusters of 4 fit: cluster_fit)
-  const int smem = kStages * kStageBytes + 1024;
-  auto kernel = ring<TA, TB, kLoads, kWgs, kShare, kPrefetch, kRing>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = kCl, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(ctas), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = smem;
-  lc.attrs = &attr, lc.numAttrs = 1;
-  for (int rep = 0; rep < 2; rep++)
-    cudaLaunchKernelEx(&lc, kernel, src, sink, cycles, map, rows / 64, cols / 64);
-  long long h[kCtas];
-  if (cudaMemcpy(h, cycles, sizeof(long long) * ctas, cudaMemcpyDeviceToHost) != cudaSuccess) {
+  const double per_block = cycles_per_block(ring<TA, TB, kLoads, kWgs, kShare, kPrefetch, kRing>, ctas, kCl, cycles,
+                                            src, sink, map, rows / 64, cols / 64);
+  if (per_block < 0) {
     printf("%s %s: %s\n", kLoadNames[kLoads], kShareNames[kShare], cudaGetErrorString(cudaGetLastError()));
     return;
   }
-  double mean = 0;
-  for (int i = 0; i < ctas; i++) mean += (double)h[i] / ctas;
-  const double per_block = mean / kBlocks;
   printf("%-8s A %-8s B %-8s %7.1f SM cycles a K block", kLoadNames[kLoads], TA ? "MN-major" : "K-major",
          TB ? "MN-major" : "K-major", per_block);
   if (kLoads >= kTmaL2)
@@ -273,17 +281,8 @@ int main() {
   run<0, 0, kNoLoads>(src, sink, cycles);
   run<1, 1, kNoLoads>(src, sink, cycles);
   run<0, 0, kNoLoads, 1>(src, sink, cycles);
-  {
-    const int smem = kStages * kStageBytes + 1024;
-    cudaFuncSetAttribute(ring128, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    for (int rep = 0; rep < 2; rep++) ring128<<<kCtas, kThreads, smem>>>(sink, cycles);
-    long long h[kCtas];
-    cudaMemcpy(h, cycles, sizeof h, cudaMemcpyDeviceToHost);
-    double mean = 0;
-    for (long long c : h) mean += (double)c / kCtas;
-    printf("no loads A K-major  B K-major  %7.1f SM cycles a K block (m64n128k16: 128 x 128 tiles, peak 512)\n",
-           mean / kBlocks);
-  }
+  printf("no loads A K-major  B K-major  %7.1f SM cycles a K block (m64n128k16: 128 x 128 tiles, peak 512)\n",
+         cycles_per_block(ring128, kCtas, 1, cycles, sink));
   run<0, 0, kBulk>(src, sink, cycles);
   run<0, 1, kBulk>(src, sink, cycles);
   run<1, 0, kBulk>(src, sink, cycles);
