@@ -106,6 +106,15 @@ typedef enum {
                                 writes gate|up where d_a goes) */
 } mok_gate_up_t;
 
+typedef enum {
+  MOK_SAVED_KEEP = 0,  /* backward only reads saved: it may run again on the same forward */
+  MOK_SAVED_REUSE = 1  /* backward writes its own scratch over parts of saved it has read
+                          (the gradient rows over the expert outputs o, d_a over the kept
+                          gate|up), so the workspace is smaller by up to 2H + 4F bytes a
+                          routed row and 4Fs a token; the same bits. saved is then used up:
+                          a second backward on it returns MOK_STATUS_INVALID_SAVED */
+} mok_saved_use_t;
+
 typedef struct mok_cpu_comm mok_cpu_comm_t; /* in-process communicator for W CPU ranks */
 typedef struct mok_context mok_context_t;
 
@@ -147,6 +156,7 @@ typedef struct {
                                  (which also need the same T and capacity: the exchange
                                  windows are symmetric) */
   mok_gate_up_t gate_up;     /* keep gate|up for backward, or recompute it there */
+  mok_saved_use_t saved_use; /* backward leaves saved as it is, or reuses it as scratch */
 } mok_config_t;
 
 #define MOK_CONFIG_INIT                                                              \
@@ -154,7 +164,7 @@ typedef struct {
     sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
         MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, MOK_WGRAD_BF16,                \
         MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0, MOK_CTA_PAIRS_AUTO,  \
-        NULL, MOK_GATE_UP_SAVE                                                       \
+        NULL, MOK_GATE_UP_SAVE, MOK_SAVED_KEEP                                       \
   }
 
 /* Tensors of one forward call. bf16 tensors are uint16_t bit patterns (double in
@@ -194,7 +204,8 @@ typedef struct {
   const void* dy;            /* [T, H] bf16, gradient of y */
   const float* d_aux_loss;   /* [1] gradient of aux_loss; NULL means 1 */
   const float* d_z_loss;     /* [1] gradient of z_loss; NULL means 1 */
-  const void* saved;         /* written by mok_forward on this context */
+  const void* saved;         /* written by mok_forward on this context (and by this call
+                                when cfg.saved_use = MOK_SAVED_REUSE) */
   size_t saved_bytes;
   void* dx;                  /* [T, H] bf16 out */
   float* d_topk_weight;      /* [T, K] fp32 out, replay routing */

@@ -33,7 +33,9 @@ const char* mok_status_string(mok_status_t s) {
     case MOK_STATUS_INDEX_OUT_OF_RANGE: return "MOK_STATUS_INDEX_OUT_OF_RANGE: an expert index outside [0, E)";
     case MOK_STATUS_DUPLICATE_INDEX: return "MOK_STATUS_DUPLICATE_INDEX: a token names one expert twice";
     case MOK_STATUS_WORKSPACE_TOO_SMALL: return "MOK_STATUS_WORKSPACE_TOO_SMALL: workspace or saved buffer too small";
-    case MOK_STATUS_INVALID_SAVED: return "MOK_STATUS_INVALID_SAVED: saved buffer not from this context's forward";
+    case MOK_STATUS_INVALID_SAVED:
+      return "MOK_STATUS_INVALID_SAVED: saved buffer not from this context's forward, or used up by a backward "
+             "(cfg.saved_use = MOK_SAVED_REUSE)";
     case MOK_STATUS_CAPACITY_EXCEEDED: return "MOK_STATUS_CAPACITY_EXCEEDED: a rank would receive more rows than its capacity";
     case MOK_STATUS_COMM_TIMEOUT: return "MOK_STATUS_COMM_TIMEOUT: a peer did not arrive in time";
     case MOK_STATUS_COMM_ERROR: return "MOK_STATUS_COMM_ERROR: communicator error";
@@ -186,6 +188,8 @@ static mok_status_t validate_config(const mok_config_t* c) {
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.cta_pairs = %d is not a mok_cta_pairs_t", (int)c->cta_pairs);
   if ((unsigned)c->gate_up > MOK_GATE_UP_RECOMPUTE)
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.gate_up = %d is not a mok_gate_up_t", (int)c->gate_up);
+  if ((unsigned)c->saved_use > MOK_SAVED_REUSE)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.saved_use = %d is not a mok_saved_use_t", (int)c->saved_use);
   if (c->backend == MOK_BACKEND_CUDA) {
 #ifndef MOK_HAVE_CUDA
     return CFG_ERR(MOK_STATUS_BACKEND_UNAVAILABLE,
@@ -509,7 +513,12 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
 #ifdef MOK_HAVE_CUDA
   if (ctx->gpu) return mok_cuda_backward(ctx, a); /* the saved header is checked on the device */
 #endif
-  const mok_saved_header_t* h = a->saved;
+  mok_saved_header_t* h = (mok_saved_header_t*)a->saved; /* (MOK_SAVED_REUSE: marked used up below) */
+  if (h->magic == MOK_SAVED_USED && h->context_id == (uint64_t)(uintptr_t)ctx)
+    return MOK_ERR(ctx, MOK_STATUS_INVALID_SAVED,
+                   "%s: args->saved was used up by an earlier mok_backward (cfg.saved_use = MOK_SAVED_REUSE); "
+                   "run mok_forward again, or keep it with MOK_SAVED_KEEP",
+                   fn);
   if (h->magic != MOK_SAVED_MAGIC || h->context_id != (uint64_t)(uintptr_t)ctx)
     return MOK_ERR(ctx, MOK_STATUS_INVALID_SAVED,
                    "%s: args->saved was not written by mok_forward on this context", fn);
@@ -517,7 +526,10 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
     return MOK_ERR(ctx, MOK_STATUS_INVALID_SAVED,
                    "%s: args->num_tokens = %lld, but the forward that wrote args->saved had %lld",
                    fn, (long long)T, (long long)h->T);
-  return mok_cpu_backward(ctx, a);
+  s = mok_cpu_backward(ctx, a);
+  /* the CPU backward writes nothing into saved, but keeps the contract: used up */
+  if (s == MOK_STATUS_SUCCESS && ctx->cfg.saved_use == MOK_SAVED_REUSE) h->magic = MOK_SAVED_USED;
+  return s;
 }
 
 mok_status_t mok_context_sync(mok_context_t* ctx) {

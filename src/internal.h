@@ -77,13 +77,14 @@ static inline uint16_t mok_f32_to_bf16(float f) {
  * every piece 256-byte aligned. With cfg.gate_up = MOK_GATE_UP_RECOMPUTE, shared_a,
  * shared_h, a_rows and h_rows are empty here and live in the workspace instead. */
 typedef struct {
-  uint64_t magic;          /* MOK_SAVED_MAGIC */
+  uint64_t magic;          /* MOK_SAVED_MAGIC (MOK_SAVED_USED once a reusing backward ran) */
   uint64_t context_id;     /* address of the writing context, as an integer */
   uint64_t serial;         /* forward_serial of the writing forward */
   int64_t T;               /* num_tokens of that forward */
   int64_t T_all[MOK_MAX_RANKS]; /* num_tokens of every rank in that step */
 } mok_saved_header_t;
 #define MOK_SAVED_MAGIC 0x6d6f6b2d73617664ull
+#define MOK_SAVED_USED 0x6d6f6b2d75736564ull /* magic after a MOK_SAVED_REUSE backward */
 
 typedef struct {
   size_t counts_all, topk_idx, slot_pos, topk_weight, logits, o_slots, shared_a, shared_h,

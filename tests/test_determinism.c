@@ -173,6 +173,37 @@ static int gate_up_recompute(void) {
   return bad;
 }
 
+/* cfg.saved_use = MOK_SAVED_REUSE against MOK_SAVED_KEEP: the same bits, and saved used
+ * up: a second backward on it returns MOK_STATUS_INVALID_SAVED with a message naming the
+ * rule, every output as the steps left it; kept, the second backward runs (and, with
+ * bf16 gradients written, writes the same bits again). */
+static int saved_reuse(void) {
+  mok_config_t c = layer();
+  mok_config_t r = c;
+  r.saved_use = MOK_SAVED_REUSE;
+  mok_problem_t* pk = test_problem(&c, 256, test_case_seed());
+  mok_problem_t* pr = test_problem(&r, 256, test_case_seed());
+  TEST_ASSERT(pk && pr, "problems");
+  test_outputs_t keep, reuse, after;
+  mok_run_opts_t o = opts(1, 2, 1);
+  TEST_ASSERT(!test_run(pk, &o), "keeping saved");
+  test_snapshot(pk, 1, &keep);
+  TEST_ASSERT(!test_run(pr, &o), "reusing saved");
+  test_snapshot(pr, 1, &reuse);
+  int bad = test_same_bits(&reuse, &keep, NULL, "reuse vs keep") != 0;
+  o.backward_again = 1;
+  char err[512] = "";
+  mok_status_t s = mok_problem_run(pr, &o, err, sizeof err);
+  printf("    a second backward on used-up saved: %s: %s\n", mok_status_string(s), err);
+  TEST_ASSERT(s == MOK_STATUS_INVALID_SAVED && strstr(err, "used up"), "want MOK_STATUS_INVALID_SAVED, used up");
+  test_snapshot(pr, 1, &after);
+  bad += test_same_bits(&after, &keep, NULL, "outputs after the refused backward") != 0;
+  TEST_ASSERT(!mok_problem_run(pk, &o, err, sizeof err), "kept saved: a second backward: %s", err);
+  test_snapshot(pk, 1, &after);
+  bad += test_same_bits(&after, &keep, NULL, "kept: after the second backward") != 0;
+  return bad;
+}
+
 /* The weights (and bias) of src in dst, a problem of the same layer, bf16 numerics. */
 static void copy_weights(mok_problem_t* dst, const mok_problem_t* src) {
   const mok_config_t* c = &src->cfg;
@@ -277,6 +308,7 @@ const test_case_t suite_determinism[] = {
     {"ep_replay", ep_replay},
     {"ep_fp32_accum", ep_fp32_accum},
     {"gate_up_recompute", gate_up_recompute},
+    {"saved_reuse", saved_reuse},
     {"batch_invariance", batch_invariance},
     {"reduce_tree", reduce_tree},
     TEST_END,

@@ -295,6 +295,7 @@ static int create_argument(void) {
   RULE(c.backend = (mok_backend_t)7, "backend");
   RULE(c.num_threads = -1, "num_threads");
   RULE(c.gate_up = (mok_gate_up_t)2, "gate_up");
+  RULE(c.saved_use = (mok_saved_use_t)2, "saved_use");
 #undef RULE
   mok_cpu_comm_t* none = NULL;
   TEST_ASSERT(mok_cpu_comm_create(0, &none) == A && none == NULL, "cpu_comm_create(0)");

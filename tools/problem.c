@@ -280,6 +280,8 @@ static void* rank_main(void* arg) {
     j->fwd_s = t_mid - t_start;
     j->bwd_s = now_s() - t_mid;
   }
+  const mok_status_t again = o->backward && o->backward_again ? mok_backward(ctx, &ba) : MOK_STATUS_SUCCESS;
+  if (again) j->status = again, snprintf(j->err, sizeof j->err, "%s", mok_context_last_error(ctx));
   /* gather this rank's slices into the global outputs */
   memcpy((char*)p->y + t0 * H * a, y, T * H * a);
   memcpy((char*)p->out_topk_idx + t0 * K * 4, idx, T * K * 4);
@@ -644,6 +646,11 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
     cudaEventElapsedTime(&ms_f, ev[0], ev[1]);
     cudaEventElapsedTime(&ms_b, ev[1], ev[2]);
     if (rep) p->seconds_forward = ms_f * 1e-3, p->seconds_backward = ms_b * 1e-3;
+  }
+  if (o->backward && o->backward_again) {  /* (its status is the run's; the outputs are the steps') */
+    status = mok_backward(ctx, &ba);
+    if (!status) status = mok_context_sync(ctx);
+    if (status && err) snprintf(err, err_len, "%s", mok_context_last_error(ctx));
   }
   for (int i = 0; i < NBUF; i++)
     if (b[i].output == 1 && b[i].host && b[i].bytes &&

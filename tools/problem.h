@@ -84,8 +84,11 @@ typedef struct {
                          makes no CUDA call of its own (no context current on it); 2 one
                          whose current device is the last visible GPU, which the calls must
                          leave current */
+  int backward_again; /* W = 1, with backward: after the last step, mok_backward once more
+                         on its saved; the run's status is that call's (MOK_SAVED_REUSE:
+                         MOK_STATUS_INVALID_SAVED), the outputs those of the steps */
 } mok_run_opts_t;
-#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0, MOK_CTA_PAIRS_AUTO, -1, 0}
+#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0, MOK_CTA_PAIRS_AUTO, -1, 0, 0}
 
 /* Runs the problem; returns the first failing rank's status. The message of the first
  * failure is copied to err (size err_len) when err is not NULL. Gradient outputs in

@@ -45,6 +45,7 @@ class Config:
     num_threads: int = 0
     capacity: int = 0  # rows this rank can receive; 0 = the library's safe default
     recompute_gate_up: bool = False  # backward recomputes gate|up instead of forward saving it
+    reuse_saved: bool = False  # backward writes its scratch over saved (used up: one backward)
     # expert parallelism (CUDA backend, a GPU per rank): this rank of world_size, which
     # holds experts rank * E / W .. + E / W; comm_id, the ranks' NCCL unique id as hex
     # (mok.comm_unique_id() on one rank, the same string on every rank)
@@ -95,7 +96,7 @@ class Config:
             if v != v or v in (float("inf"), float("-inf")):
                 raise ValueError(f"mok: {name} = {v} must be finite")
             object.__setattr__(self, name, float(v))
-        for name in ("normalize", "bias_select", "wgrad_fp32_accum", "exact", "recompute_gate_up"):
+        for name in ("normalize", "bias_select", "wgrad_fp32_accum", "exact", "recompute_gate_up", "reuse_saved"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         if self.routing == "replay" and (self.aux_loss_coef or self.z_loss_coef or self.bias_select):
             raise ValueError("mok: aux_loss_coef, z_loss_coef and bias_select apply to routing='fused' only")
@@ -163,6 +164,7 @@ class Config:
         c.capacity = self.capacity
         c.num_threads = self.num_threads
         c.gate_up = _lib.MOK_GATE_UP_RECOMPUTE if self.recompute_gate_up else _lib.MOK_GATE_UP_SAVE
+        c.saved_use = _lib.MOK_SAVED_REUSE if self.reuse_saved else _lib.MOK_SAVED_KEEP
         return c
 
 

@@ -53,6 +53,7 @@ MOK_ROUTING_FUSED, MOK_ROUTING_REPLAY = 0, 1
 MOK_WGRAD_BF16, MOK_WGRAD_FP32_ACCUM = 0, 1
 MOK_NUMERICS_BF16, MOK_NUMERICS_EXACT = 0, 1
 MOK_GATE_UP_SAVE, MOK_GATE_UP_RECOMPUTE = 0, 1
+MOK_SAVED_KEEP, MOK_SAVED_REUSE = 0, 1
 
 ALIGN_TENSOR = 16       # every tensor pointer
 ALIGN_WORKSPACE = 256   # workspace and saved buffers
@@ -95,6 +96,7 @@ class MokConfig(ctypes.Structure):
         ("cta_pairs", _c_enum),
         ("comm_unique_id", ctypes.c_void_p),
         ("gate_up", _c_enum),
+        ("saved_use", _c_enum),
     ]
 
     @classmethod
@@ -125,6 +127,7 @@ class MokConfig(ctypes.Structure):
         c.cta_pairs = 0  # MOK_CTA_PAIRS_AUTO
         c.comm_unique_id = None
         c.gate_up = MOK_GATE_UP_SAVE
+        c.saved_use = MOK_SAVED_KEEP
         return c
 
 

@@ -45,6 +45,11 @@ class MoE(nn.Module):
             SwiGLU output again instead of the forward keeping them for it: the same
             bits, and the saved tensor 6 F bytes smaller a routed row (6 Fs a token for
             the shared expert).
+        reuse_saved: backward writes its own scratch (the gradient rows, d_a) over the
+            parts of the saved tensor it has finished reading, so a step needs up to
+            2 H + 4 F bytes a routed row less memory; the same bits. The saved tensor is
+            then used up: a second backward through the same forward (retain_graph)
+            raises mok's MOK_STATUS_INVALID_SAVED.
         process_group: expert parallelism over this torch.distributed group (NCCL, a
             GPU per rank, CUDA backend): each rank holds experts rank * E / W .. + E / W
             (w13, w2 hold those) and its own tokens; the ranks' NCCL unique id goes
@@ -83,6 +88,7 @@ class MoE(nn.Module):
         num_threads: int = 0,
         capacity: int = 0,
         recompute_gate_up: bool = False,
+        reuse_saved: bool = False,
         process_group=None,
         device=None,
     ):
@@ -115,6 +121,7 @@ class MoE(nn.Module):
             num_threads=num_threads,
             capacity=capacity,
             recompute_gate_up=recompute_gate_up,
+            reuse_saved=reuse_saved,
             world_size=world_size,
             rank=rank,
             comm_id=comm_id,

@@ -188,7 +188,10 @@ def _moe_backward_op(
     """Returns (dx, d_w_router, d_w13, d_w2, d_ws13, d_ws2, d_topk_weight); a gradient
     this configuration does not have is an empty tensor. With wgrad_fp32_accum the
     weight gradients are added into grad_acc = [router, w13, w2, ws13, ws2] (fp32) and
-    the returned ones are empty."""
+    the returned ones are empty. With reuse_saved libmok also writes into `saved`: an
+    opaque buffer that only this op reads, and that libmok refuses once a backward has
+    used it up, so it is not declared among the mutated arguments (functionalization
+    would copy it, the memory reuse_saved is for)."""
     cfg = Config.from_key(config)
     T, H, F, E, K, Fs = x.shape[0], cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.shared_ffn
     El = cfg.local_experts

@@ -69,17 +69,25 @@ def test_cuda_matches_cpu(kw):
     assert all(e <= TOL for e in errs.values()), errs
 
 
+def same_bits_as_kept(**variant):
+    """On the GPU: a layer with `variant` options and one without (the same weights),
+    one step of each, every output and gradient the same bits. Returns (variant, x, dy,
+    outputs)."""
+    kw = dict(aux_loss_coef=1e-2, z_loss_coef=1e-3, shared_ffn=FS, max_tokens=T)
+    keep = mok.MoE(H, F, E, K, **kw).cuda()
+    other = mok.MoE(H, F, E, K, **variant, **kw).cuda()
+    other.load_state_dict(keep.state_dict())
+    x, dy, _, _ = inputs("cuda")
+    a, b = step(keep, x, dy), step(other, x, dy)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    return other, x, dy, a
+
+
 def test_cuda_recompute_gate_up_gives_the_same_bits():
     """recompute_gate_up on the GPU: every output and gradient equal to keeping gate|up,
     also with another call between forward and backward (it reuses the workspace)."""
-    kw = dict(aux_loss_coef=1e-2, z_loss_coef=1e-3, shared_ffn=FS, max_tokens=T)
-    keep = mok.MoE(H, F, E, K, **kw).cuda()
-    redo = mok.MoE(H, F, E, K, recompute_gate_up=True, **kw).cuda()
-    redo.load_state_dict(keep.state_dict())
-    x, dy, _, _ = inputs("cuda")
-    a, b = step(keep, x, dy), step(redo, x, dy)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    redo, x, dy, a = same_bits_as_kept(recompute_gate_up=True)
     redo.zero_grad(set_to_none=True)
     xr = x.detach().clone().requires_grad_(True)
     y = redo(xr)
@@ -91,6 +99,21 @@ def test_cuda_recompute_gate_up_gives_the_same_bits():
     assert torch.equal(y, a["y"]) and torch.equal(xr.grad, a["dx"])
     for name in ("w_router", "w13", "w2", "ws13", "ws2"):
         assert torch.equal(getattr(redo, name).grad, a["d_" + name]), name
+
+
+def test_cuda_reuse_saved_gives_the_same_bits_and_one_backward():
+    """reuse_saved on the GPU: every output and gradient equal to keeping saved; a
+    second backward through the same forward is refused on the device (the error comes
+    with mok.synchronize)."""
+    reuse, x, dy, _ = same_bits_as_kept(reuse_saved=True)
+    mok.synchronize()
+    xr = x.detach().clone().requires_grad_(True)
+    y = reuse(xr)
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)
+    with pytest.raises(mok.MokError, match="INVALID_SAVED"):
+        mok.synchronize()
+    mok.synchronize()  # (the error is reported once)
 
 
 def test_cuda_replay_matches_cpu():

@@ -362,19 +362,26 @@ def test_two_runs_are_bitwise_equal():
         assert torch.equal(a[k], c[k]), k
 
 
-def test_recompute_gate_up_gives_the_same_bits():
-    """recompute_gate_up: every output and gradient equal to keeping gate|up, with a
-    saved tensor smaller by 6 F bytes a routed row and 6 Fs a token (each piece
-    256-byte aligned)."""
+def same_bits_as_kept(**variant):
+    """A layer with `variant` options and one without (the same weights): one step of
+    each, every output and gradient the same bits. Returns (kept, variant, x, dy, outputs)."""
     kw = dict(shared_ffn=FS, aux_loss_coef=1e-2, z_loss_coef=1e-3, max_tokens=T)
     m = mok.MoE(H, F, E, K, **kw)
-    r = mok.MoE(H, F, E, K, recompute_gate_up=True, **kw)
+    r = mok.MoE(H, F, E, K, **variant, **kw)
     r.load_state_dict(m.state_dict())
     x, dy, _, _ = make_inputs(T, H, E, K)
     a, b = run(m, x, dy), run(r, x, dy)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    return m, r, x, dy, a
+
+
+def test_recompute_gate_up_gives_the_same_bits():
+    """recompute_gate_up: every output and gradient equal to keeping gate|up, with a
+    saved tensor smaller by 6 F bytes a routed row and 6 Fs a token (each piece
+    256-byte aligned)."""
+    m, r, x, dy, a = same_bits_as_kept(recompute_gate_up=True)
     # another call between forward and backward, which reuses the context's workspace
     # (where forward left gate|up): backward recomputes it, so the bits stay
     r.zero_grad(set_to_none=True)
@@ -395,6 +402,20 @@ def test_recompute_gate_up_gives_the_same_bits():
     rows = T * K  # the default capacity
     pieces = [rows * 2 * F * 2, rows * F * 2, T * 2 * FS * 2, T * FS * 2]  # a, h; shared a, h (bf16)
     assert kept - less == sum(-(-n // 256) * 256 for n in pieces), (kept, less)
+
+
+def test_reuse_saved_gives_the_same_bits_and_one_backward():
+    """reuse_saved: every output and gradient equal to keeping saved; a second backward
+    through the same forward (retain_graph) is refused: the saved tensor is used up."""
+    m, r, x, dy, _ = same_bits_as_kept(reuse_saved=True)
+    xr = x.detach().clone().requires_grad_(True)
+    y = r(xr)
+    y.backward(dy, retain_graph=True)
+    with pytest.raises(mok.MokError, match="used up"):
+        y.backward(dy)
+    y = m(xr)  # kept: a second backward runs
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)
 
 
 def test_forward_is_batch_invariant():

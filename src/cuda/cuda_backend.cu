@@ -239,6 +239,16 @@ struct BwdWsPlan {
   bool partials_in_dy_rows;  // (then partials is unused: they go where dy_rows are)
   GateUpPlan gate_up;
 };
+// MOK_SAVED_REUSE: the backward writes its scratch over pieces of saved it has finished
+// reading, the same layout in place. DG reads each o row before it stores that row's dy_j
+// at the same place (a lane its own chunks; at W > 1 o_rows and dy_rows are in the
+// windows, so only W = 1). A DH (DHS) epilogue reads each 64-column quarter of its tile's
+// gate|up before it stores that quarter's d_a, no two tasks' quarters overlap, and nothing
+// reads gate|up after DH: the recompute's arrangement (plan_gate_up), here over saved.
+static bool bwd_reuse_o(const mok_config_t& c) { return c.saved_use == MOK_SAVED_REUSE && c.W == 1; }
+static bool bwd_reuse_gate_up(const mok_config_t& c) {
+  return c.saved_use == MOK_SAVED_REUSE && c.gate_up == MOK_GATE_UP_SAVE;
+}
 static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t R = recv_rows(c, T), chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
   Plan p;
@@ -246,12 +256,15 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   w.partial_len = c.E * c.H + 3 * c.Fs * c.H;
   w.dg = p.take(T * c.K * 4);
   const int64_t Rx = c.W == 1 ? R : 0;  // (W > 1: dy_rows, dx_rows in the window)
-  w.dy_rows = p.take(Rx * c.H * 2);
-  w.d_a = p.take(R * 2 * c.F * 2);
+  // cfg.saved_use = MOK_SAVED_REUSE (bwd_reuse): dy_rows where saved's o_rows are (W = 1),
+  // d_a and d_a_s where its gate|up are (kept, not recomputed)
+  const int64_t own_dy = !bwd_reuse_o(c), own_da = !bwd_reuse_gate_up(c);
+  w.dy_rows = p.take(own_dy * Rx * c.H * 2);
+  w.d_a = p.take(own_da * R * 2 * c.F * 2);
   w.dx_rows = p.take(Rx * c.H * 2);
   const int64_t fused = c.routing == MOK_ROUTING_FUSED, shared = c.Fs > 0;  // (else unused)
   w.dlogits = p.take(fused * T * c.E * 2);
-  w.d_a_s = p.take(T * 2 * c.Fs * 2);
+  w.d_a_s = p.take(own_da * T * 2 * c.Fs * 2);
   w.dx_router = p.take(fused * T * c.H * 4);
   w.dx_shared = p.take(shared * T * c.H * 4);
   // The replicated gradients' chunk partials [chunks, partial_len] fp32 go where dy_rows
@@ -788,6 +801,9 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.dx_router = reinterpret_cast<float*>(ws + wp.dx_router);
   p.dx_shared = reinterpret_cast<float*>(ws + wp.dx_shared);
   if (p.recompute) p.sv.a_rows = p.d_a, p.sv.sa = p.d_a_s;  // (plan_gate_up: DH reads a where it writes d_a)
+  p.reuse = c.saved_use == MOK_SAVED_REUSE;
+  if (bwd_reuse_gate_up(c)) p.d_a = p.sv.a_rows, p.d_a_s = p.sv.sa;  // (bwd_reuse_*: in place over saved)
+  if (bwd_reuse_o(c)) p.dy_rows = p.sv.o_rows;
   p.partial_len = wp.partial_len;
   p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
   if (c.W > 1) {  // expert rows in the windows: peers write dy_rows and read o_rows, dx_rows

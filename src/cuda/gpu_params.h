@@ -20,6 +20,7 @@ constexpr int kSubTokens = 32;  // tokens per DISPATCH, COMBINE, DG and DXSUM ta
 // of its data is used, and the sums keep their order (chunks in increasing v, slots in
 // increasing j).
 constexpr uint64_t MOK_SAVED_MAGIC_GPU = 0x6d6f6b2d67707573ull;  // header[0] of a saved buffer
+constexpr uint64_t MOK_SAVED_USED_GPU = 0x6d6f6b2d67757364ull;   // and once a MOK_SAVED_REUSE backward ran
 
 // Sync words of a step, zeroed by the last CTA of every launch (sm90_common.cuh).
 struct GpuSync {
@@ -318,6 +319,7 @@ struct BwdParams {
   uint64_t context_id;
   int wgrad_fp32;       // add into fp32 buffers instead of writing bf16
   int recompute;        // gate|up: computed again here (the RG and RGS tasks), not kept
+  int reuse;            // cfg.saved_use = MOK_SAVED_REUSE: the last CTA marks saved used up
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
   const bf16* o_kept;     // W > 1: [T K, H], other ranks' o rows of this rank's slots (the forward's RETURN)
   PeerRows peer_dy_rows;  // dispatch target of dy_j

@@ -485,7 +485,9 @@ __device__ __forceinline__ bool partner_in_phase(const Smem& sm, const int* star
 
 // The last CTA to leave publishes the step's status and zeroes the counters for the
 // next launch (so a launch needs no memset before it and a CUDA graph can replay it).
-static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
+// used_up (a backward with MOK_SAVED_REUSE: saved's header[0]) is marked used up unless
+// the step stopped at the header's own check, before anything was written.
+static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st, uint64_t* used_up = nullptr) {
   __syncthreads();
   if (sm.cluster > 1) cluster_sync();  // no CTA leaves while its partner may still write it
   if (threadIdx.x == 0) {
@@ -497,7 +499,9 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st) {
   if (!sm.last_cta) return;
   __threadfence();
   // the first error since mok_context_sync last read it stays
-  if (threadIdx.x == 0 && *st.status == 0) *st.status = *(volatile uint32_t*)&st.sync->error;
+  const uint32_t error = *(volatile uint32_t*)&st.sync->error;
+  if (threadIdx.x == 0 && *st.status == 0) *st.status = error;
+  if (threadIdx.x == 0 && used_up && error != MOK_STATUS_INVALID_SAVED) *used_up = MOK_SAVED_USED_GPU;
   uint32_t* words = st.sync->counter;
   for (uint32_t i = threadIdx.x; i < st.num_counters; i += blockDim.x) words[i] = 0;
   __syncthreads();

@@ -812,7 +812,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     }
     profile_task(sm, p.st, k < 11 ? 8 + k : 10 + k);
   }
-  finish_step(sm, p.st);
+  finish_step(sm, p.st, p.reuse ? &p.sv.header[0] : nullptr);
 }
 
 }  // namespace mok

@@ -77,9 +77,10 @@ static mok_config_t shape_config(const gpu_shape_t* s) {
   return c;
 }
 
-static mok_problem_t* shape_problem_gate_up(const gpu_shape_t* s, uint64_t seed, mok_gate_up_t gate_up) {
+static mok_problem_t* shape_problem_as(const gpu_shape_t* s, uint64_t seed, mok_gate_up_t gate_up,
+                                       mok_saved_use_t saved_use) {
   mok_config_t c = shape_config(s);
-  c.gate_up = gate_up;
+  c.gate_up = gate_up, c.saved_use = saved_use;
   mok_problem_t* p = test_problem(&c, s->T, seed);
   if (p && s->nan_token >= 0) ((uint16_t*)p->x)[s->nan_token * s->H + 3] = 0x7fc0;
   for (int e = 0; p && e < s->hot; e++) {
@@ -89,7 +90,7 @@ static mok_problem_t* shape_problem_gate_up(const gpu_shape_t* s, uint64_t seed,
   return p;
 }
 static mok_problem_t* shape_problem(const gpu_shape_t* s, uint64_t seed) {
-  return shape_problem_gate_up(s, seed, MOK_GATE_UP_SAVE);
+  return shape_problem_as(s, seed, MOK_GATE_UP_SAVE, MOK_SAVED_KEEP);
 }
 
 static mok_status_t run_cuda(mok_problem_t* p, const mok_run_opts_t* o) {
@@ -272,8 +273,34 @@ static int step_thread(void) {
  * of NaNs, so a backward that read forward's gate|up there instead would fail. */
 static size_t aligned256(int64_t bytes) { return (size_t)(bytes + 255) / 256 * 256; }
 
+/* The shapes a variant of the kernels (gate_up_recompute, saved_reuse) is checked on:
+ * shared experts (with tails), fp32 accumulation over two steps, replay, skewed routing
+ * with empty experts; the variant runs the first in a CUDA graph (3 steps), the second
+ * on 17 CTAs. */
+static const int variant_shapes[] = {9, 10, 12, 15, 17, 21, 25};
+enum { kVariantShapes = sizeof variant_shapes / sizeof variant_shapes[0] };
+
+/* Case i of variant_shapes: the problem kept as it is (keep) and the variant (other) run
+ * (options *o and *r), keep's outputs in *a, other's compared with them bit for bit
+ * (label names the variant). Returns failures. */
+static int variant_vs_keep(size_t i, mok_problem_t* keep, mok_problem_t* other, const char* label, mok_run_opts_t* o,
+                           mok_run_opts_t* r, test_outputs_t* a) {
+  const gpu_shape_t* s = &shapes[variant_shapes[i]];
+  TEST_ASSERT(keep && other, "%s: problems", s->name);
+  *o = *r = (mok_run_opts_t)MOK_RUN_OPTS_INIT;
+  o->steps = r->steps = s->wgrad == ACCUM ? 2 : 1;
+  if (i == 1) r->num_ctas = 17;
+  if (i == 0) r->graph = 1, r->steps = 3;
+  if (run_cuda(keep, o) || run_cuda(other, r)) return 1;
+  test_outputs_t b;
+  test_snapshot(keep, 1, a);
+  test_snapshot(other, 1, &b);
+  char what[64];
+  snprintf(what, sizeof what, "%s: %s vs keep", s->name, label);
+  return test_same_bits(&b, a, NULL, what) != 0;
+}
+
 static int gate_up_recompute(void) {
-  static const int which[] = {9, 10, 12, 15, 17, 21, 25};
   int bad = 0;
   {  // sizes: saved smaller by the four pieces; the workspace larger, by less (d_a's place)
     const gpu_shape_t* s = &shapes[21];
@@ -293,22 +320,59 @@ static int gate_up_recompute(void) {
     TEST_ASSERT(sk - sr == pieces, "saved %zu less, want %zu", sk - sr, pieces);
     TEST_ASSERT(wr >= wk && wr - wk < pieces, "workspace %zu more, want less than %zu", wr - wk, pieces);
   }
-  for (size_t i = 0; i < sizeof which / sizeof which[0]; i++) {
-    const gpu_shape_t* s = &shapes[which[i]];
-    mok_problem_t* keep = shape_problem_gate_up(s, test_case_seed() + i, MOK_GATE_UP_SAVE);
-    mok_problem_t* redo = shape_problem_gate_up(s, test_case_seed() + i, MOK_GATE_UP_RECOMPUTE);
-    TEST_ASSERT(keep && redo, "problems");
-    mok_run_opts_t o = MOK_RUN_OPTS_INIT, r = MOK_RUN_OPTS_INIT;
-    o.steps = r.steps = s->wgrad == ACCUM ? 2 : 1;
-    if (i == 1) r.num_ctas = 17;
-    if (i == 0) r.graph = 1, r.steps = 3;
+  for (size_t i = 0; i < kVariantShapes; i++) {
+    const gpu_shape_t* s = &shapes[variant_shapes[i]];
+    mok_run_opts_t o, r;
+    test_outputs_t a;
+    bad += variant_vs_keep(i, shape_problem_as(s, test_case_seed() + i, MOK_GATE_UP_SAVE, MOK_SAVED_KEEP),
+                           shape_problem_as(s, test_case_seed() + i, MOK_GATE_UP_RECOMPUTE, MOK_SAVED_KEEP),
+                           "recompute", &o, &r, &a);
+  }
+  return bad;
+}
+
+/* cfg.saved_use = MOK_SAVED_REUSE: the backward's dy rows go where saved's o rows are and
+ * d_a (d_a_s) where its gate|up are, so the workspace is smaller and every output and
+ * gradient has the bits of keeping saved: shared experts (with tails), fp32 accumulation
+ * over two steps, replay, skewed routing with empty experts, 17 CTAs, a CUDA graph, and
+ * with the gate|up recompute (then only the o rows are reused). A second backward on the
+ * used-up saved is refused on the device (MOK_STATUS_INVALID_SAVED, every output as the
+ * steps left it); a kept saved takes it and writes the same bits again. */
+static int saved_reuse(void) {
+  int bad = 0;
+  {  // sizes: saved the same; the workspace smaller (the backward's plan is the larger here)
+    const gpu_shape_t* s = &shapes[21];
+    mok_config_t c = shape_config(s);
+    c.T = s->T, c.backend = MOK_BACKEND_CUDA;
+    mok_config_t r = c;
+    r.saved_use = MOK_SAVED_REUSE;
+    mok_context_t *ck = test_context(&c, NULL), *cr = test_context(&r, NULL);
+    TEST_ASSERT(ck && cr, "contexts");
+    size_t sk = 0, sr = 0, wk = 0, wr = 0;
+    TEST_ASSERT(!mok_saved_size(ck, &sk) && !mok_saved_size(cr, &sr), "mok_saved_size");
+    TEST_ASSERT(!mok_workspace_size(ck, &wk) && !mok_workspace_size(cr, &wr), "mok_workspace_size");
+    printf("    %s: saved %zu and %zu bytes, workspace %zu -> %zu\n", s->name, sk, sr, wk, wr);
+    TEST_ASSERT(sk == sr && wr < wk, "saved the same, the workspace smaller");
+  }
+  for (size_t i = 0; i < kVariantShapes; i++) {
+    const gpu_shape_t* s = &shapes[variant_shapes[i]];
+    const mok_gate_up_t gate_up = i == 2 ? MOK_GATE_UP_RECOMPUTE : MOK_GATE_UP_SAVE;
+    mok_problem_t* keep = shape_problem_as(s, test_case_seed() + i, MOK_GATE_UP_SAVE, MOK_SAVED_KEEP);
+    mok_problem_t* reuse = shape_problem_as(s, test_case_seed() + i, gate_up, MOK_SAVED_REUSE);
+    mok_run_opts_t o, r;
     test_outputs_t a, b;
-    if (run_cuda(keep, &o) || run_cuda(redo, &r)) return 1;
-    test_snapshot(keep, 1, &a);
-    test_snapshot(redo, 1, &b);
-    char what[64];
-    snprintf(what, sizeof what, "%s: recompute vs keep", s->name);
-    bad += test_same_bits(&b, &a, NULL, what) != 0;
+    bad += variant_vs_keep(i, keep, reuse, "reuse", &o, &r, &a);
+    if (i != 5) continue;  // (shape wide)
+    r.backward_again = o.backward_again = 1;  // (bf16 gradients: written, not added to)
+    char err[512] = "";
+    const mok_status_t st = mok_problem_run_cuda(reuse, &r, err, sizeof err);
+    printf("    %s: a second backward on used-up saved: %s\n", s->name, err);
+    TEST_ASSERT(st == MOK_STATUS_INVALID_SAVED, "want MOK_STATUS_INVALID_SAVED, got %s", mok_status_string(st));
+    test_snapshot(reuse, 1, &b);
+    bad += test_same_bits(&b, &a, NULL, "outputs after the refused backward") != 0;
+    if (run_cuda(keep, &o)) return 1;
+    test_snapshot(keep, 1, &b);
+    bad += test_same_bits(&b, &a, NULL, "kept: after a second backward") != 0;
   }
   return bad;
 }
@@ -381,6 +445,7 @@ const test_case_t suite_gpu[] = {
     {"graph_capture", graph_capture},
     {"step_thread", step_thread},
     {"gate_up_recompute", gate_up_recompute},
+    {"saved_reuse", saved_reuse},
     {"device_errors", device_errors},
     {"sanitizer_small", sanitizer_small},
     {"memcheck", memcheck},
