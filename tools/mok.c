@@ -66,6 +66,8 @@ static void usage(FILE* out) {
           "      --threads N           threads per rank (default cores / W, at least 1)\n"
           "      --gate-up keep|recompute  backward reads gate|up kept by forward (default),\n"
           "                            or computes it again (cfg.gate_up)\n"
+          "      --saved keep|reuse    backward leaves saved as it is (default), or writes\n"
+          "                            its scratch over it (cfg.saved_use)\n"
           "  bench [options]           time forward, backward and step; the CPU GEMM alone\n"
           "      --backend cpu|cuda    backend (default cpu)\n"
           "      --shape NAME          named shape (default tiny)\n"
@@ -74,6 +76,7 @@ static void usage(FILE* out) {
           "      --threads N           threads per rank (default cores / W, at least 1)\n"
           "      --seed N              random inputs (default 1)\n"
           "      --gate-up keep|recompute  as for check\n"
+          "      --saved keep|reuse    as for check\n"
           "      --json FILE           also write the figures as JSON\n"
           "  help                      this text\n"
           "\n"
@@ -175,6 +178,7 @@ typedef struct {
   const char* ranks;
   const char* json;
   mok_gate_up_t gate_up;
+  mok_saved_use_t saved_use;
   int64_t seed, steps, threads;
   int has_seed, has_steps, has_threads;
 } options_t;
@@ -215,6 +219,13 @@ static int parse_options(int argc, char** argv, const char* allowed, options_t* 
         o->gate_up = MOK_GATE_UP_RECOMPUTE;
       else
         return usage_error("--gate-up needs keep or recompute, not '%s'", value);
+    } else if (strcmp(name, "saved") == 0) {
+      if (strcmp(value, "keep") == 0)
+        o->saved_use = MOK_SAVED_KEEP;
+      else if (strcmp(value, "reuse") == 0)
+        o->saved_use = MOK_SAVED_REUSE;
+      else
+        return usage_error("--saved needs keep or reuse, not '%s'", value);
     } else if (strcmp(name, "seed") == 0) {
       if (!parse_i64(value, 0, INT64_MAX, &o->seed))
         return usage_error("--seed needs a non-negative integer, not '%s'", value);
@@ -315,7 +326,7 @@ static int resolve_backend(const options_t* o, const char* command, backend_t* b
 }
 
 /* The layer every command runs: fused softmax routing, normalised, both router losses;
- * o's --gate-up (said when not the default). */
+ * o's --gate-up and --saved (said when not the default). */
 static mok_config_t layer_config(const shape_t* s, const options_t* o) {
   mok_config_t cfg = MOK_CONFIG_INIT;
   cfg.H = s->H;
@@ -331,6 +342,8 @@ static mok_config_t layer_config(const shape_t* s, const options_t* o) {
   cfg.backend = MOK_BACKEND_CPU;
   cfg.gate_up = o->gate_up;
   if (cfg.gate_up == MOK_GATE_UP_RECOMPUTE) printf("gate|up: computed again in backward (--gate-up recompute)\n");
+  cfg.saved_use = o->saved_use;
+  if (cfg.saved_use == MOK_SAVED_REUSE) printf("saved: the backward's scratch goes over it (--saved reuse)\n");
   return cfg;
 }
 
@@ -576,7 +589,7 @@ static int outputs_sane(const snapshot_t* s, char* detail, size_t len) {
 
 static int cmd_check(int argc, char** argv) {
   options_t o = {0};
-  int rc = parse_options(argc, argv, " backend shape ranks seed threads gate-up ", &o);
+  int rc = parse_options(argc, argv, " backend shape ranks seed threads gate-up saved ", &o);
   if (rc) return rc;
   const shape_t* shape = find_shape(o.shape ? o.shape : "tiny");
   if (!shape) return unknown_shape(o.shape);
@@ -802,7 +815,7 @@ static int bench_gemm(gemm_result_t* g) {
 
 static int cmd_bench(int argc, char** argv) {
   options_t o = {0};
-  int rc = parse_options(argc, argv, " backend shape ranks steps threads seed json gate-up ", &o);
+  int rc = parse_options(argc, argv, " backend shape ranks steps threads seed json gate-up saved ", &o);
   if (rc) return rc;
   const shape_t* shape = find_shape(o.shape ? o.shape : "tiny");
   if (!shape) return unknown_shape(o.shape);
