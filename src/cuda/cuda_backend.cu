@@ -256,8 +256,8 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   w.partial_len = c.E * c.H + 3 * c.Fs * c.H;
   w.dg = p.take(T * c.K * 4);
   const int64_t Rx = c.W == 1 ? R : 0;  // (W > 1: dy_rows, dx_rows in the window)
-  // cfg.saved_use = MOK_SAVED_REUSE (bwd_reuse): dy_rows where saved's o_rows are (W = 1),
-  // d_a and d_a_s where its gate|up are (kept, not recomputed)
+  // MOK_SAVED_REUSE (bwd_reuse_o, bwd_reuse_gate_up): dy_rows where saved's o_rows are
+  // (W = 1), d_a and d_a_s where its gate|up are (kept, not recomputed)
   const int64_t own_dy = !bwd_reuse_o(c), own_da = !bwd_reuse_gate_up(c);
   w.dy_rows = p.take(own_dy * Rx * c.H * 2);
   w.d_a = p.take(own_da * R * 2 * c.F * 2);
