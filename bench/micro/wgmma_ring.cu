@@ -52,8 +52,16 @@ __device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int c0, 
                : "memory");
 }
 
-enum { kNoLoads, kBulk, kTmaL2, kTmaDram, kTmaWalk, kTmaStream };
-const char* const kLoadNames[] = {"no loads", "loads", "tma L2", "tma DRAM", "tma walk", "tma strm"};
+enum { kNoLoads, kBulk, kTmaL2, kTmaDram, kTmaWalk, kTmaStream, kGatherA };
+const char* const kLoadNames[] = {"no loads", "loads", "tma L2", "tma DRAM", "tma walk", "tma strm", "gather A"};
+// gather A (twenty-second session): B as `tma walk`, A's 128 rows picked one by one from
+// a [kGatherRows, 4096] bf16 matrix (x) through a table of random row indices (a
+// token's row for each expert row), each warpgroup copying its own 64-row box with
+// cp.async (four 16-byte chunks a thread a K block, into the 128-byte swizzle) kStages - 1
+// blocks ahead, as GEMM1 would read x instead of DISPATCH's copy of it
+constexpr int kGatherRows = 16384;
+__device__ const uint8_t* g_gather_x;
+__device__ const int* g_gather_rows;
 constexpr int kWalkKb = 64;  // tma walk: K blocks a tile (K = 4096)
 enum { kAlone, kPairB, kQuad2x2, kQuadB };  // how a cluster's CTAs share the TMA loads
 __host__ __device__ constexpr int cluster_ctas(int share) { return share == kAlone ? 1 : share == kPairB ? 2 : 4; }
@@ -94,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
   // box i of block b: 64 x 64 at coordinates that depend on who shares it (key)
   auto box = [&](int b, int i, int key, uint8_t* dst, uint64_t* bar, uint16_t mask) {
     int c0 = 64 * ((b + i + key) % cols64), c1 = 64 * ((b * 7 + i * 3 + key * 5) % rows64);
-    if (kLoads == kTmaWalk || kLoads == kTmaStream) {
+    if (kLoads == kTmaWalk || kLoads == kTmaStream || kLoads == kGatherA) {
       const int t = b / kWalkKb;
       c0 = 64 * (b % kWalkKb);
       c1 = i < 2 ? 128 * m_tile(t) + 64 * i : 32 * 256 + 256 * n_tile(t) + 64 * (i - 2);
@@ -107,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
     if (b >= kRing)
       while (!mbar_try_wait(&empty[s], ((b / kRing) & 1) ^ 1)) {
       }
-    mbar_arrive_expect_tx(&full[s], kStageBytes);
+    mbar_arrive_expect_tx(&full[s], kLoads == kGatherA ? 4 * kBoxBytes : kStageBytes);
     uint8_t* const dst = stages + s * kStageBytes;
     if constexpr (kLoads == kBulk) {
       bulk_load(dst, src + (size_t)((b * 7 + blockIdx.x) % kSourceStages) * kStageBytes, kStageBytes, &full[s]);
@@ -115,6 +123,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
 #pragma unroll
       for (int i = 0; i < 6; i++) {  // A boxes 0-1, B boxes 2-5
         uint8_t* const d = dst + i * kBoxBytes;
+        if (kLoads == kGatherA && i < 2) continue;  // (A: the warpgroups' gathers)
         if (kShare == kAlone) {
           box(b, i, (int)blockIdx.x, d, &full[s], 0);
         } else if (kShare == kPairB) {
@@ -144,8 +153,25 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
       if (c == rank) mbar_arrive(&empty[s]);
       else mbar_arrive_remote_n(mapa_shared(smem_addr(&empty[s]), (uint32_t)c), 1);
   };
+  // gather A: this warpgroup's box of block b (its 64 rows of m-tile b / kWalkKb, K block
+  // b % kWalkKb), chunk j = tid % 128 + 128 q: row j / 8, 16-byte chunk j % 8 at j % 8 ^ row % 8
+  auto gather = [&](int b) {
+    if constexpr (kLoads == kGatherA) {
+      const uint32_t box = smem_addr(stages + (b % kRing) * kStageBytes + wg * kBoxBytes);
+      const int t = b / kWalkKb, k0 = 64 * (b % kWalkKb);
+#pragma unroll
+      for (int q = 0; q < 4; q++) {
+        const int j = tid % 128 + 128 * q, r = j / 8, c = j % 8;
+        const int row = g_gather_rows[(128 * m_tile(t) + 64 * wg + r) % kGatherRows];
+        cp_async_16(box + r * 128 + ((c ^ (r % 8)) * 16), g_gather_x + ((size_t)row * 4096 + k0 + 8 * c) * 2);
+      }
+      cp_async_commit();
+    }
+  };
   if (kLoads && tid == 0)
     for (int b = 0; b < kRing - 1; b++) load(b);
+  if (kLoads == kGatherA)
+    for (int b = 0; b < kRing - 1; b++) gather(b);
   float acc[kAcc];
 #pragma unroll
   for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
@@ -154,9 +180,19 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
     if (kLoads)
       while (!mbar_try_wait(&full[b % kRing], (b / kRing) & 1)) {
       }
+    if (kLoads == kGatherA) {  // this warpgroup's gathers of block b landed, seen by the tensor core
+      cp_async_wait_group<kRing - 2>();
+      fence_proxy_async_smem();
+      asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+    }
     if (wg < kWgs) {
       mma_block<TA, TB, BK / 16>(acc, stages + (b % kRing) * kStageBytes, wg);
       wgmma_wait<1>();
+    }
+    // block b - 1's wgmmas are done: this warpgroup's box of its stage takes block b + kRing - 1
+    if (kLoads == kGatherA) {
+      if (b + kRing - 1 < kBlocks) gather(b + kRing - 1);
+      else cp_async_commit();  // (an empty group: the wait above counts groups)
     }
     if (kLoads) {
       if (b > 0 && tid % 128 == 0) release((b - 1) % kRing);
@@ -278,6 +314,23 @@ int main() {
     return 1;
   }
   cudaMemset(src, 0x11, (size_t)kSourceStages * kStageBytes);
+  // gather A's x and its row table (rows in a scattered order, as tokens reach an expert)
+  uint8_t* gx;
+  int* grows;
+  if (cudaMalloc(&gx, (size_t)kGatherRows * 4096 * 2) != cudaSuccess ||
+      cudaMalloc(&grows, sizeof(int) * kGatherRows) != cudaSuccess) {
+    fprintf(stderr, "wgmma_ring: no GPU memory for gather A\n");
+    return 1;
+  }
+  cudaMemset(gx, 0x11, (size_t)kGatherRows * 4096 * 2);
+  {
+    int* h = new int[kGatherRows];
+    for (int i = 0; i < kGatherRows; i++) h[i] = (int)(((uint32_t)i * 2654435761u) % kGatherRows);
+    cudaMemcpy(grows, h, sizeof(int) * kGatherRows, cudaMemcpyHostToDevice);
+    delete[] h;
+  }
+  cudaMemcpyToSymbol(g_gather_x, &gx, sizeof gx);
+  cudaMemcpyToSymbol(g_gather_rows, &grows, sizeof grows);
   run<0, 0, kNoLoads>(src, sink, cycles);
   run<1, 1, kNoLoads>(src, sink, cycles);
   run<0, 0, kNoLoads, 1>(src, sink, cycles);
@@ -338,6 +391,8 @@ int main() {
       run<0, 0, kTmaWalk, 2, kPairB>(src, sink, cycles, map, rows, cols, mx.name);
       run<0, 0, kTmaWalk, 2, kQuad2x2>(src, sink, cycles, map, rows, cols, mx.name);
       run<0, 0, kTmaWalk, 2, kQuadB>(src, sink, cycles, map, rows, cols, mx.name);
+      run<0, 0, kGatherA>(src, sink, cycles, map, rows, cols, "B as tma walk, A gathered from 128 MB by row");
+      run<0, 0, kGatherA, 2, kPairB>(src, sink, cycles, map, rows, cols, "B as tma walk, A gathered from 128 MB by row");
     } else if (mx.loads == kTmaDram) {
       run<0, 0, kTmaDram>(src, sink, cycles, map, rows, cols, mx.name);
       run<0, 0, kTmaDram, 2, kPairB>(src, sink, cycles, map, rows, cols, mx.name);
