@@ -261,7 +261,7 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t own_dy = !bwd_reuse_o(c), own_da = !bwd_reuse_gate_up(c);
   w.dy_rows = p.take(own_dy * Rx * c.H * 2);
   w.d_a = p.take(own_da * R * 2 * c.F * 2);
-  w.dx_rows = p.take(Rx * c.H * 2);
+  w.dx_rows = p.take(own_dy * Rx * c.H * 2);  // (reused: where dy_rows are, after every WG2)
   const int64_t fused = c.routing == MOK_ROUTING_FUSED, shared = c.Fs > 0;  // (else unused)
   w.dlogits = p.take(fused * T * c.E * 2);
   w.d_a_s = p.take(own_da * T * 2 * c.Fs * 2);
@@ -803,7 +803,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   if (p.recompute) p.sv.a_rows = p.d_a, p.sv.sa = p.d_a_s;  // (plan_gate_up: DH reads a where it writes d_a)
   p.reuse = c.saved_use == MOK_SAVED_REUSE;
   if (bwd_reuse_gate_up(c)) p.d_a = p.sv.a_rows, p.d_a_s = p.sv.sa;  // (bwd_reuse_*: in place over saved)
-  if (bwd_reuse_o(c)) p.dy_rows = p.sv.o_rows;
+  if (bwd_reuse_o(c)) p.dy_rows = p.dx_rows = p.sv.o_rows, p.dx_late = 1;
   p.partial_len = wp.partial_len;
   p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
   if (c.W > 1) {  // expert rows in the windows: peers write dy_rows and read o_rows, dx_rows

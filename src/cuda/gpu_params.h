@@ -215,7 +215,7 @@ struct Shape {
 // backward's kBwdFixedCounters (B_*) then four: dh and rg an m-tile, dhs and rgs a
 // shared m-tile. The kernels assert their enums against these; the context allocates
 // the larger count.
-constexpr int kFwdFixedCounters = 6, kBwdFixedCounters = 11;
+constexpr int kFwdFixedCounters = 6, kBwdFixedCounters = 12;
 __host__ __device__ inline uint32_t fwd_num_counters(const Shape& s) {
   return (uint32_t)(kFwdFixedCounters + s.max_mt + s.smt);
 }
@@ -320,6 +320,9 @@ struct BwdParams {
   int wgrad_fp32;       // add into fp32 buffers instead of writing bf16
   int recompute;        // gate|up: computed again here (the RG and RGS tasks), not kept
   int reuse;            // cfg.saved_use = MOK_SAVED_REUSE: the last CTA marks saved used up
+  int dx_late;          // and at W = 1: dx_rows where dy_rows are (over saved's o rows), so
+                        // WG2 comes before DX (bwd_order), DX after every WG2, RW after
+                        // every DXSUM (RW's partials go there too)
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
   const bf16* o_kept;     // W > 1: [T K, H], other ranks' o rows of this rank's slots (the forward's RETURN)
   PeerRows peer_dy_rows;  // dispatch target of dy_j

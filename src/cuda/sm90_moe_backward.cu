@@ -22,7 +22,9 @@
 
 namespace mok {
 
-enum : int { B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_TREE, B_RG_ALL, B_RGS_ALL, B_WG2_ALL, B_FIXED };
+enum : int {
+  B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_TREE, B_RG_ALL, B_RGS_ALL, B_WG2_ALL, B_DXSUM, B_FIXED
+};
 // then dh[max_mt], dhs[smt], rg[max_mt], rgs[smt] (gpu_params.h's bwd_num_counters)
 static_assert(B_FIXED == kBwdFixedCounters, "gpu_params.h's bwd_num_counters");
 __device__ __forceinline__ int c_rg(const Shape& s, int mt) { return B_FIXED + s.max_mt + s.smt + mt; }
@@ -371,10 +373,14 @@ __device__ __forceinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, i
   signal_counter(sm, &p.st.sync->counter[B_DXS]);
 }
 
-__device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g, bool pairable) {
+// wg2_total: the WG2 tasks, every one of which a dx_late DX waits for (its dx_rows go
+// where WG2 reads dy_rows).
+__device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g, bool pairable,
+                                        uint32_t wg2_total) {
   const Shape& s = p.s;
   const bool ok = (p.st.knobs & kKnobOnlyDx) ||
-                  wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN), s.H / BK), p.st, 20);
+                  (wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN), s.H / BK), p.st, 20) &&
+                   (!p.dx_late || wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20)));
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
@@ -497,6 +503,7 @@ __device__ __noinline__ bool dy_rows_free(Smem& sm, const BwdParams& p, uint32_t
 __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uint32_t wg2_total) {
   const Shape& s = p.s;
   if (!dy_rows_free(sm, p, wg2_total)) return;
+  if (p.dx_late && !wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20)) return;  // (dx_rows there too)
   const int nH = cdivb(s.H, BN), nFs = cdivb(s.Fs, BN);
   const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
   const int t2 = s.Fs ? cdivb(s.H, BM) * nFs : 0;  // dws2 [H, Fs]: H / 128 row tiles
@@ -692,7 +699,7 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
           store_bf16x8(p.dx + (int64_t)t * H + v * 8, acc);
         });
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
-  __syncthreads();
+  signal_counter(sm, &p.st.sync->counter[B_DXSUM]);  // (its reads of dx_rows are done: dx_late's RW)
 }
 
 // The MOK_KNOBS bit that runs phase k alone (0: none does).
@@ -706,7 +713,8 @@ __device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 ||
 
 // Phases (k): 0 dg, 1 dhs, 2 dh, 3 dxr, 4 dxs, 5 dx, 6 wgrad2, 7 wgrad13, 8 rw, 9 tree,
 // 10 dxsum, 11 rg, 12 rgs (profile kinds 8 + k, and 21, 22 for rg, rgs). Ticket order:
-// dg, rg, rgs, dhs, dh, dxr, dxs, dx, wgrad2, dxsum, rw, wgrad13, tree. rg and rgs come
+// dg, rg, rgs, dhs, dh, dxr, dxs, dx, wgrad2, dxsum, rw, wgrad13, tree; with dx_late
+// (BwdParams) wgrad2 right after dh, before dxr, dxs and dx. rg and rgs come
 // right after dg: dg is memory-bound and short, and at W > 1 the peers' dh waits for
 // this rank's dg. The memory-bound dxsum and rw go between the weight gradients, whose
 // GEMMs hide them, each after what it waits for has long finished (dxsum: every dx; rw:
@@ -715,11 +723,16 @@ __device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 ||
 constexpr int kBwdPhases = 13;
 // (nibble i: the phase at place i, and the inverse; an array indexed at run time would
 // live in local memory)
-__host__ __device__ constexpr int bwd_order(int i) { return (int)(0x978a654321cb0ull >> (4 * i) & 15); }
-__host__ __device__ constexpr int bwd_place(int k) { return (int)(0x219cab8765430ull >> (4 * k) & 15); }
+__host__ __device__ constexpr int bwd_order(int i, bool late) {
+  return (int)((late ? 0x978a543621cb0ull : 0x978a654321cb0ull) >> (4 * i) & 15);
+}
+__host__ __device__ constexpr int bwd_place(int k, bool late) {
+  return (int)((late ? 0x219cab5876430ull : 0x219cab8765430ull) >> (4 * k) & 15);
+}
 constexpr bool bwd_place_inverts_order() {
-  for (int i = 0; i < kBwdPhases; i++)
-    if (bwd_place(bwd_order(i)) != i) return false;
+  for (int late = 0; late < 2; late++)
+    for (int i = 0; i < kBwdPhases; i++)
+      if (bwd_place(bwd_order(i, late), late) != i) return false;
   return true;
 }
 static_assert(bwd_place_inverts_order(), "bwd_place is bwd_order's inverse");
@@ -741,6 +754,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   // pair when both are the same expert's (pair_agree; walk_tiles puts two odd experts
   // side by side, their meeting tiles unpaired).
   __shared__ int phase_start[kBwdPhases], phase_end[kBwdPhases], phase_cols[kBwdPhases], wgrad_mt[2];  // (by place)
+  __shared__ int phase_kind[kBwdPhases];  // (by place: bwd_order's)
   if (threadIdx.x == 0) {
     wgrad_mt[0] = cdivb(s.H, BM);  // dw2's row tiles
     wgrad_mt[1] = cdivb(2 * s.F, BM);
@@ -757,19 +771,24 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
     int t = 0;
 #pragma unroll
     for (int i = 0; i < kBwdPhases; i++) {  // (unrolled: rows and cols stay in registers)
-      const int k = bwd_order(i);
+      // (either order's kind a constant: an index chosen at run time would put rows and
+      // cols in local memory)
+      const int k0 = bwd_order(i, false), k1 = bwd_order(i, true), k = p.dx_late ? k1 : k0;
+      const int n = p.dx_late ? rows[k1] * cols[k1] : rows[k0] * cols[k0];
+      const int c = p.dx_late ? cols[k1] : cols[k0];
       t = pad_even(t, s.pairs && paired_phase(k));
-      phase_start[i] = t, phase_end[i] = t += rows[k] * cols[k], phase_cols[i] = cols[k] > 0 ? cols[k] : 1;
+      phase_start[i] = t, phase_end[i] = t += n, phase_cols[i] = c > 0 ? c : 1, phase_kind[i] = k;
     }
   }
   __syncthreads();
   const int num_tasks = phase_end[kBwdPhases - 1];
+  auto phase_size = [&](int place) { return (uint32_t)(phase_end[place] - phase_start[place]); };
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
     if (task >= num_tasks) continue;  // a cluster's second ticket past the last task
     const int i = ticket_phase(phase_start, phase_end, kBwdPhases, task);
     if (i < 0) continue;
-    const int k = bwd_order(i);
+    const int k = phase_kind[i];
     profile_start(sm, p.st);
     const int local = task - phase_start[i];
     int row = local / phase_cols[i], col = local % phase_cols[i];
@@ -789,7 +808,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
       case 4: dxs_task(sm, p, row, col); break;
       case 5:
         expert_band_order(p.sv.tile_band, local, s.max_mt, phase_cols[i], &row, &col);
-        dx_task(sm, p, row, col, pairable);
+        dx_task(sm, p, row, col, pairable, phase_size(bwd_place(6, p.dx_late)));
         break;
       case 6:
       case 7: {  // row = expert; col: its (row tile, column group) in band order
@@ -799,9 +818,9 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
         if (k == 6) wgrad2_done(sm, p);
         break;
       }
-      case 8: rw_task(sm, p, local, (uint32_t)(phase_end[bwd_place(6)] - phase_start[bwd_place(6)])); break;
+      case 8: rw_task(sm, p, local, phase_size(bwd_place(6, p.dx_late))); break;
       case 9: {
-        const uint32_t rw_total = (uint32_t)(phase_end[bwd_place(8)] - phase_start[bwd_place(8)]);
+        const uint32_t rw_total = phase_size(bwd_place(8, p.dx_late));
         const int slices = (phase_end[i] - phase_start[i]) / (s.W > 1 ? 2 : 1);  // (W > 1: two rounds)
         tree_task(sm, p, local, rw_total, slices);
         break;
