@@ -47,7 +47,7 @@ class MoE(nn.Module):
             the shared expert).
         reuse_saved: backward writes its own scratch (the gradient rows, d_a) over the
             parts of the saved tensor it has finished reading, so a step needs up to
-            2 H + 4 F bytes a routed row less memory; the same bits. The saved tensor is
+            4 H + 4 F bytes a routed row less memory; the same bits. The saved tensor is
             then used up: a second backward through the same forward (retain_graph)
             raises mok's MOK_STATUS_INVALID_SAVED.
         process_group: expert parallelism over this torch.distributed group (NCCL, a
