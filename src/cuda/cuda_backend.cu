@@ -120,15 +120,11 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
 // The forward's DISPATCH tasks (Shape::nd). W = 1: one per token block. W > 1: the
 // stream tasks, which meet at a barrier, so all run at once: at most the grid;
 // MOK_DISPATCH_STREAMS (a measurement knob) sets how many.
-// At W = 1, MOK_DISPATCH_STREAMS > 0 runs them as stream tasks too (GEMM1's groups start
-// while later ones are copied; an even count with clusters).
-static int dispatch_tasks(Shape* s, const mok_config_t& c, int grid, bool clusters) {
+static int dispatch_tasks(const Shape& s, const mok_config_t& c, int grid) {
+  if (c.W == 1) return s.ns;
   const char* v = getenv("MOK_DISPATCH_STREAMS");
-  s->streamed = c.W > 1 || (v && atoi(v) > 0);
-  if (!s->streamed) return s->ns;
   const int n = v ? atoi(v) : 32;  // (qwen3-30b-a3b and deepseek-v3 at W = 2: 16 slower than 32)
-  const int most = std::min(kMaxStreams, grid) / (clusters ? 2 : 1) * (clusters ? 2 : 1);
-  return std::max(1, std::min(clusters ? pad_even(n, true) : n, most));
+  return std::max(1, std::min(std::min(n, kMaxStreams), grid));
 }
 
 // The forward's RETURN tasks at W > 1: they poll GEMM2's tiles while the rest of the
@@ -214,7 +210,7 @@ static void place_gate_up(const mok_config_t& c, const GateUpPlan& g, char* ws, 
 // Forward and backward scratch share the workspace (a call uses one of them).
 struct FwdWsPlan {
   size_t scores, lse, rank, block_counts, block_off, tile_expert, tile_row0, tile_row_end, num_tiles, chunk_stats,
-      shared_o, cta_maps, sorted, loc_off, loc_shift, total;
+      shared_o, cta_maps, total;
   GateUpPlan gate_up;
 };
 static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
@@ -233,10 +229,6 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   w.chunk_stats = p.take((int64_t)s.nb * 2 * (c.E + 1) * 4);
   w.shared_o = p.take(T * c.H * 2);
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
-  const int64_t w1 = c.W == 1;  // (W = 1 streamed DISPATCH: its stream order here; W > 1: in saved)
-  w.sorted = p.take(w1 * T * c.K * 4);
-  w.loc_off = p.take(w1 * (c.E + 1) * 4);
-  w.loc_shift = p.take(w1 * c.E * 4);
   w.gate_up = plan_gate_up(c, T, p, true);
   w.total = p.at;
   return w;
@@ -723,7 +715,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   FwdParams p;
   memset(&p, 0, sizeof p);
   p.s = make_shape(c, T, gpu(ctx)->clusters);
-  p.s.nd = dispatch_tasks(&p.s, c, gpu(ctx)->grid, gpu(ctx)->clusters);
+  p.s.nd = dispatch_tasks(p.s, c, gpu(ctx)->grid);
   p.s.nr = return_tasks(c, gpu(ctx)->grid, gpu(ctx)->clusters);
   p.st = make_step(ctx);
   p.context_id = (uint64_t)(uintptr_t)ctx;
@@ -777,11 +769,6 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.num_tiles = reinterpret_cast<int32_t*>(ws + wp.num_tiles);
   p.chunk_stats = reinterpret_cast<float*>(ws + wp.chunk_stats);
   p.shared_o = reinterpret_cast<bf16*>(ws + wp.shared_o);
-  if (c.W == 1) {
-    p.sv.sorted = reinterpret_cast<int32_t*>(ws + wp.sorted);
-    p.sv.loc_off = reinterpret_cast<int32_t*>(ws + wp.loc_off);
-    p.sv.loc_shift = reinterpret_cast<int32_t*>(ws + wp.loc_shift);
-  }
   MAP_TRY(make_store_map(ctx, &p.st_shared_o, Fs ? p.shared_o : nullptr, T, H, "shared_o"));
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
   CUDA_TRY(ctx, launch(ctx, sm90_moe_forward_kernel, p, stream));

@@ -199,7 +199,6 @@ struct Shape {
   int nb;       // token blocks of 128 (routing, shared-expert m-tiles)
   int ns;       // token blocks of kSubTokens (memory-bound token tasks: more of them)
   int nd;       // the forward's DISPATCH tasks: W = 1 ns, W > 1 the stream tasks (kMaxStreams)
-  int streamed; // DISPATCH as nd stream tasks: W > 1, or W = 1 with MOK_DISPATCH_STREAMS
   int nr;       // the forward's RETURN tasks: W = 1 none, W > 1 the return streams
   int max_mt;   // expert m-tiles at most: ceil(T*K / 128) + E (pairs: rounded up to even)
   int smt;      // shared-expert m-tiles: nb
@@ -216,7 +215,7 @@ struct Shape {
 // backward's kBwdFixedCounters (B_*) then four: dh and rg an m-tile, dhs and rgs a
 // shared m-tile. The kernels assert their enums against these; the context allocates
 // the larger count.
-constexpr int kFwdFixedCounters = 6 + kArriveGroups, kBwdFixedCounters = 12;
+constexpr int kFwdFixedCounters = 6, kBwdFixedCounters = 12;
 __host__ __device__ inline uint32_t fwd_num_counters(const Shape& s) {
   return (uint32_t)(kFwdFixedCounters + s.max_mt + s.smt);
 }

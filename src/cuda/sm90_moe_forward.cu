@@ -26,8 +26,7 @@
 namespace mok {
 
 // then mt1[max_mt] (W > 1: GEMM2's groups count there too, after GEMM1's), smt1[smt]
-// C_ARRIVE + g (streamed at W = 1): the stream tasks that have copied expert group g's rows
-enum : int { C_ROUTE, C_PREFIX, C_DISPATCH, C_G2, C_S2, C_RET, C_ARRIVE, C_FIXED = C_ARRIVE + kArriveGroups };
+enum : int { C_ROUTE, C_PREFIX, C_DISPATCH, C_G2, C_S2, C_RET, C_FIXED };
 static_assert(C_FIXED == kFwdFixedCounters, "gpu_params.h's fwd_num_counters");
 
 __device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -224,7 +223,6 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       for (int k = 0; k < 8; k++)
         if (b0 + k < s.nb) p.block_off[(int64_t)(b0 + k) * E + e] = before, before += n[k];
     }
-    if (s.W == 1) sh_loc_off[e] = tot, sh_loc_shift[e] = 0;  // (a streamed DISPATCH's order)
     p.sv.counts[e] = sh_counts[e] = tot;
   }
   MOK_STALL_ADD(kStallPrefixSums);
@@ -310,7 +308,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     run_mt0[r] = mt, num_runs = r;
     *p.num_tiles = mt;
     num_segs = expert_segments(run_mt0, r, s.pairs, seg_mt0);
-    if (s.streamed) {  // this rank's rows in stream order (by expert, then owner row: j = pos + loc_shift[e])
+    if (s.W > 1) {  // this rank's rows in stream order (by expert, then owner row: j = pos + loc_shift[e])
       int j = 0;
       for (int e = 0; e < E; e++) {
         const int mine = sh_loc_off[e], owner_row = sh_off[e] + sh_loc_shift[e];
@@ -419,7 +417,7 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
 #pragma unroll
           for (int k = 0; k < kCopyRows; k++) {
             const int j = min(j0 + k * step, j1 - 1), i = p.sv.sorted[j];
-            if (lane == 0 && s.W > 1) p.ret.row_src[r][j - shift] = (int64_t)s.rank << 32 | (uint32_t)i;  // (RETURN's way back)
+            if (lane == 0) p.ret.row_src[r][j - shift] = (int64_t)s.rank << 32 | (uint32_t)i;  // (RETURN's way back)
             src[k] = p.x + (int64_t)(i / K) * H, dst[k] = rows + (int64_t)(j - shift) * H;
           }
           copy_rows_smem(buf, src, dst, min(kCopyRows, (j1 - 1 - j0) / step + 1), H, lane);
@@ -427,8 +425,7 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
       }
     __threadfence_system();  // (each thread's stores into the owners' rows)
     __syncthreads();
-    if (s.W == 1 && threadIdx.x == 0) red_release_add(&p.st.sync->counter[C_ARRIVE + g], 1);
-    if (s.W > 1 && threadIdx.x < s.W) {  // (flag_release_sys: a system-scope fence, then the serial)
+    if (threadIdx.x < s.W) {  // (flag_release_sys: a system-scope fence, then the serial)
       uint64_t* flag = p.px.arrive[threadIdx.x] + ((int64_t)s.rank * kMaxStreams + d) * kArriveGroups + g;
       flag_release_sys(flag, sm.peer_serial);
     }
@@ -439,7 +436,7 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
 // ---- DISPATCH: W = 1 block sb of kSubTokens tokens; W > 1 stream task sb ----
 __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb) {
   const Shape& s = p.s;
-  if (s.streamed) return dispatch_stream_task(sm, p, sb);
+  if (s.W > 1) return dispatch_stream_task(sm, p, sb);
   if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), b = t0 / 128, K = s.K, H = s.H;
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (the positions and rows go there)
@@ -482,26 +479,23 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
 }
 
-// GEMM1 of m-tile mt may read its rows. W = 1: every DISPATCH task is done. Streamed:
+// GEMM1 of m-tile mt may read its rows. W = 1: every DISPATCH task is done. W > 1:
 // PREFIX is (the tile table), then, when mt is a tile, every rank's every stream task
-// has sent its rows of the tile's expert group: lanes of warp 0 poll the W x nd flags
-// (W = 1: thread 0 the group's counter, C_ARRIVE).
+// has sent its rows of the tile's expert group: lanes of warp 0 poll the W x nd flags.
 // MOK_PROFILE / MOK_TRACE count the wait, as wait_counter's.
 static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p, int task, int num_g) {
   const Shape& s = p.s;
-  const uint32_t* counter = &p.st.sync->counter[s.streamed ? C_PREFIX : C_DISPATCH];
-  const uint32_t target = s.streamed ? 1 : s.ns;
+  const uint32_t* counter = &p.st.sync->counter[s.W == 1 ? C_DISPATCH : C_PREFIX];
+  const uint32_t target = s.W == 1 ? s.ns : 1;
   if (threadIdx.x < 32) {
     const uint64_t t0 = globaltimer_ns();
     if (threadIdx.x == 0) poll(sm, p.st, [&] { return ld_acquire(counter) >= target; });
     __syncwarp();
     int mt = 0, col = 0;  // (after PREFIX: its band table)
-    if (s.streamed) expert_band_order(p.sv.tile_band, task, s.max_mt, num_g, &mt, &col);
-    if (s.streamed && sm.abort == 0 && mt < *(volatile const int*)p.num_tiles) {
+    if (s.W > 1) expert_band_order(p.sv.tile_band, task, s.max_mt, num_g, &mt, &col);
+    if (s.W > 1 && sm.abort == 0 && mt < *(volatile const int*)p.num_tiles) {
       const int g = p.tile_expert[mt] / cdiv(s.e_loc, kArriveGroups);
-      const uint32_t* arrived = &p.st.sync->counter[C_ARRIVE + g];  // (W = 1)
-      if (s.W == 1 && threadIdx.x == 0) poll(sm, p.st, [&] { return ld_acquire(arrived) >= (uint32_t)s.nd; });
-      for (int k = threadIdx.x; k < s.W * s.nd && s.W > 1 && sm.abort == 0; k += 32) {
+      for (int k = threadIdx.x; k < s.W * s.nd && sm.abort == 0; k += 32) {
         const uint64_t* f = p.px.arrive[s.rank] + ((k / s.nd) * kMaxStreams + k % s.nd) * kArriveGroups + g;
         poll(sm, p.st, [&] { return flag_acquire_sys(f) >= sm.peer_serial; });
       }
