@@ -87,9 +87,10 @@ struct alignas(1024) Smem {
   int cluster;        // CTAs in this CTA's cluster: 1, or 2 (pairs)
   int rank;           // this CTA's rank in it
   int pair_ok, pair_key;  // written by the partner in pair_agree
-  int ticket[2];          // a round's ticket (a pair's first), by round parity (next_task)
+  int pair_task[2];       // the pair's first ticket, by round parity (written by rank 0)
   uint32_t round;         // next_task calls so far
   LoadCursor load;
+  int task;
   int abort;
   // W > 1: this rank's flags, the step's serial and W (set_peers), for wait_counter's
   // peer_kind
@@ -329,34 +330,32 @@ __device__ __forceinline__ void raise_error(const GpuStep& st, mok_status_t s) {
 // 2 takes two consecutive tickets at once, rank r running base + r (which may be past
 // the last task: the caller skips it), and the two leave only together (an error seen
 // by rank 0 ends both), so that they pass the same cluster barriers.
-// A round's ticket is taken during the round before, by warp 1 while the task starts
-// (its first loads in flight), so that no CTA waits for the ticket counter's atomic
-// between tasks; only the first round's is taken here, by thread 0 (which also sees its
-// own raise_error of the header check). Taking the next ticket before this task ends
-// cannot deadlock: every task waits only for smaller tickets, so the CTA with the
-// smallest running task waits only for finished ones. Two slots by round parity: the
-// taker writes the next round's while the CTA (and the partner) still read this one.
-// (The atomic's error check: a CTA may run one task more after an error, whose waits
-// give up.)
 __device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_tasks, int* task) {
   __syncthreads();
-  const uint32_t round = sm.round;
-  const int slot = round & 1, per = sm.cluster;
-  const bool taker = sm.cluster == 1 || sm.rank == 0;
-  auto take = [&](int s) {  // the round's ticket into slot s (clusters: the partner's too)
-    int t = (int)atomicAdd(&st.sync->ticket, (uint32_t)per);
+  if (sm.cluster == 1) {
+    if (threadIdx.x == 0) {
+      int t = (int)atomicAdd(&st.sync->ticket, 1u);
+      if (*(volatile uint32_t*)&st.sync->error != 0) t = num_tasks;
+      sm.task = t;
+    }
+    __syncthreads();
+    *task = sm.task;
+    return sm.task < num_tasks && sm.abort == 0;
+  }
+  // two slots by round parity: rank 0 may write the next round's base while the
+  // partner's threads still read this one (never two rounds ahead: each has a barrier)
+  const int slot = sm.round & 1;
+  if (threadIdx.x == 0 && sm.rank == 0) {
+    int t = (int)atomicAdd(&st.sync->ticket, 2u);
     if (*(volatile uint32_t*)&st.sync->error != 0) t = num_tasks;
-    sm.ticket[s] = t;
-    if (per > 1) st_remote_u32(mapa_shared(smem_addr(&sm.ticket[s]), 1), (uint32_t)t);
-  };
-  if (round == 0 && taker && threadIdx.x == 0) take(slot);
-  if (per > 1) cluster_sync();
-  else __syncthreads();
-  const int base = sm.ticket[slot];
-  if (threadIdx.x == 0) sm.round = round + 1;  // (every thread read the round before the barrier)
-  if (base < num_tasks && taker && threadIdx.x == 32) take(slot ^ 1);
+    sm.pair_task[slot] = t;
+    st_remote_u32(mapa_shared(smem_addr(&sm.pair_task[slot]), 1), (uint32_t)t);
+  }
+  cluster_sync();
+  const int base = sm.pair_task[slot];
+  if (threadIdx.x == 0) sm.round++;  // (every thread read the round before the barrier)
   *task = base + sm.rank;
-  return base < num_tasks && (per > 1 || sm.abort == 0);
+  return base < num_tasks;
 }
 
 // Thread 0: every TMA store has read shared memory, so no stage is held as a spare (the
