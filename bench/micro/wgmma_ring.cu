@@ -52,16 +52,21 @@ __device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int c0, 
                : "memory");
 }
 
-enum { kNoLoads, kBulk, kTmaL2, kTmaDram, kTmaWalk, kTmaStream, kGatherA };
-const char* const kLoadNames[] = {"no loads", "loads", "tma L2", "tma DRAM", "tma walk", "tma strm", "gather A"};
+enum { kNoLoads, kBulk, kTmaL2, kTmaDram, kTmaWalk, kTmaStream, kGatherA, kGatherTma };
+const char* const kLoadNames[] = {"no loads", "loads",    "tma L2",   "tma DRAM",
+                                  "tma walk", "tma strm", "gather A", "gather T"};
 // gather A (twenty-second session): B as `tma walk`, A's 128 rows picked one by one from
 // a [kGatherRows, 4096] bf16 matrix (x) through a table of random row indices (a
 // token's row for each expert row), each warpgroup copying its own 64-row box with
 // cp.async (four 16-byte chunks a thread a K block, into the 128-byte swizzle) kStages - 1
 // blocks ahead, as GEMM1 would read x instead of DISPATCH's copy of it
+// gather T: the same rows as 128 one-row TMA boxes (64 x 1, 128-byte swizzle: a row's
+// place in the 8-row pattern comes from its shared-memory address), 4 a lane of warp 0,
+// with the stage's B boxes, behind the stage's full barrier as gemm_tiles' loads
 constexpr int kGatherRows = 16384;
 __device__ const uint8_t* g_gather_x;
 __device__ const int* g_gather_rows;
+__device__ CUtensorMap g_gather_map;  // x [kGatherRows, 4096], boxes of 64 x 1
 constexpr int kWalkKb = 64;  // tma walk: K blocks a tile (K = 4096)
 enum { kAlone, kPairB, kQuad2x2, kQuadB };  // how a cluster's CTAs share the TMA loads
 __host__ __device__ constexpr int cluster_ctas(int share) { return share == kAlone ? 1 : share == kPairB ? 2 : 4; }
@@ -102,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
   // box i of block b: 64 x 64 at coordinates that depend on who shares it (key)
   auto box = [&](int b, int i, int key, uint8_t* dst, uint64_t* bar, uint16_t mask) {
     int c0 = 64 * ((b + i + key) % cols64), c1 = 64 * ((b * 7 + i * 3 + key * 5) % rows64);
-    if (kLoads == kTmaWalk || kLoads == kTmaStream || kLoads == kGatherA) {
+    if (kLoads == kTmaWalk || kLoads == kTmaStream || kLoads == kGatherA || kLoads == kGatherTma) {
       const int t = b / kWalkKb;
       c0 = 64 * (b % kWalkKb);
       c1 = i < 2 ? 128 * m_tile(t) + 64 * i : 32 * 256 + 256 * n_tile(t) + 64 * (i - 2);
@@ -110,20 +115,32 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
     if (mask) tma_load_2d_multicast(dst, &map, bar, c0, c1, mask);
     else tma_load_2d(dst, &map, bar, c0, c1);
   };
-  auto load = [&](int b) {  // thread 0: block b into its stage, once every sharer freed it
+  auto load = [&](int b) {  // thread 0 (gather T: warp 0): block b into its stage, once every sharer freed it
     const int s = b % kRing;
     if (b >= kRing)
       while (!mbar_try_wait(&empty[s], ((b / kRing) & 1) ^ 1)) {
       }
-    mbar_arrive_expect_tx(&full[s], kLoads == kGatherA ? 4 * kBoxBytes : kStageBytes);
     uint8_t* const dst = stages + s * kStageBytes;
+    if constexpr (kLoads == kGatherTma) {
+      const int lane = tid % 32, t = b / kWalkKb, k0 = 64 * (b % kWalkKb);
+      if (lane == 0) mbar_arrive_expect_tx(&full[s], kStageBytes);
+      __syncwarp();
+#pragma unroll
+      for (int q = 0; q < 4; q++) {
+        const int r = lane + 32 * q, row = g_gather_rows[(128 * m_tile(t) + r) % kGatherRows];
+        tma_load_2d(dst + (r / 64) * kBoxBytes + (r % 64) * 128, &g_gather_map, &full[s], k0, row);
+      }
+      if (lane != 0) return;
+    } else {
+      mbar_arrive_expect_tx(&full[s], kLoads == kGatherA ? 4 * kBoxBytes : kStageBytes);
+    }
     if constexpr (kLoads == kBulk) {
       bulk_load(dst, src + (size_t)((b * 7 + blockIdx.x) % kSourceStages) * kStageBytes, kStageBytes, &full[s]);
     } else {
 #pragma unroll
       for (int i = 0; i < 6; i++) {  // A boxes 0-1, B boxes 2-5
         uint8_t* const d = dst + i * kBoxBytes;
-        if (kLoads == kGatherA && i < 2) continue;  // (A: the warpgroups' gathers)
+        if ((kLoads == kGatherA || kLoads == kGatherTma) && i < 2) continue;  // (A: gathered)
         if (kShare == kAlone) {
           box(b, i, (int)blockIdx.x, d, &full[s], 0);
         } else if (kShare == kPairB) {
@@ -168,7 +185,8 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
       cp_async_commit();
     }
   };
-  if (kLoads && tid == 0)
+  const bool loader = kLoads == kGatherTma ? tid < 32 : tid == 0;
+  if (kLoads && loader)
     for (int b = 0; b < kRing - 1; b++) load(b);
   if (kLoads == kGatherA)
     for (int b = 0; b < kRing - 1; b++) gather(b);
@@ -196,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
     }
     if (kLoads) {
       if (b > 0 && tid % 128 == 0) release((b - 1) % kRing);
-      if (tid == 0 && b + kRing - 1 < kBlocks) load(b + kRing - 1);
+      if (loader && b + kRing - 1 < kBlocks) load(b + kRing - 1);
     }
   }
   wgmma_wait<0>();
@@ -331,6 +349,26 @@ int main() {
   }
   cudaMemcpyToSymbol(g_gather_x, &gx, sizeof gx);
   cudaMemcpyToSymbol(g_gather_rows, &grows, sizeof grows);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      !fn) {
+    fprintf(stderr, "wgmma_ring: no cuTensorMapEncodeTiled\n");
+    return 1;
+  }
+  const auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  {
+    CUtensorMap gm;
+    const cuuint64_t dims[2] = {4096, kGatherRows}, strides[1] = {4096 * 2};
+    const cuuint32_t box[2] = {64, 1}, elem[2] = {1, 1};
+    if (encode(&gm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, gx, dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+      fprintf(stderr, "wgmma_ring: cuTensorMapEncodeTiled (gather T) failed\n");
+      return 1;
+    }
+    cudaMemcpyToSymbol(g_gather_map, &gm, sizeof gm);
+  }
   run<0, 0, kNoLoads>(src, sink, cycles);
   run<1, 1, kNoLoads>(src, sink, cycles);
   run<0, 0, kNoLoads, 1>(src, sink, cycles);
@@ -341,14 +379,6 @@ int main() {
   run<1, 0, kBulk>(src, sink, cycles);
   run<1, 1, kBulk>(src, sink, cycles);
   // TMA boxes: an [rows, cols] bf16 matrix, 64 x 64 boxes, as the library's maps
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-      !fn) {
-    fprintf(stderr, "wgmma_ring: no cuTensorMapEncodeTiled\n");
-    return 1;
-  }
-  const auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   struct Matrix {
     int rows, cols, loads;
     const char* name;
@@ -393,6 +423,8 @@ int main() {
       run<0, 0, kTmaWalk, 2, kQuadB>(src, sink, cycles, map, rows, cols, mx.name);
       run<0, 0, kGatherA>(src, sink, cycles, map, rows, cols, "B as tma walk, A gathered from 128 MB by row");
       run<0, 0, kGatherA, 2, kPairB>(src, sink, cycles, map, rows, cols, "B as tma walk, A gathered from 128 MB by row");
+      run<0, 0, kGatherTma>(src, sink, cycles, map, rows, cols, "B as tma walk, A as one-row TMA boxes from 128 MB");
+      run<0, 0, kGatherTma, 2, kPairB>(src, sink, cycles, map, rows, cols, "B as tma walk, A as one-row TMA boxes from 128 MB");
     } else if (mx.loads == kTmaDram) {
       run<0, 0, kTmaDram>(src, sink, cycles, map, rows, cols, mx.name);
       run<0, 0, kTmaDram, 2, kPairB>(src, sink, cycles, map, rows, cols, mx.name);
