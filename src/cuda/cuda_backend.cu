@@ -249,6 +249,12 @@ static bool bwd_reuse_o(const mok_config_t& c) { return c.saved_use == MOK_SAVED
 static bool bwd_reuse_gate_up(const mok_config_t& c) {
   return c.saved_use == MOK_SAVED_REUSE && c.gate_up == MOK_GATE_UP_SAVE;
 }
+// With bwd_reuse_o, WG2 (h_rows' last reader) comes before DXR, so the router path's fp32
+// dx_router [T, H] can go where h_rows [T K, F] are (saved's, or the recompute's in the
+// workspace) when it fits: 4H <= 2 K F bytes a token (every benchmark shape).
+static bool bwd_dx_router_in_h(const mok_config_t& c) {
+  return bwd_reuse_o(c) && c.routing == MOK_ROUTING_FUSED && 4 * c.H <= 2 * c.K * c.F;
+}
 static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t R = recv_rows(c, T), chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
   Plan p;
@@ -265,7 +271,7 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t fused = c.routing == MOK_ROUTING_FUSED, shared = c.Fs > 0;  // (else unused)
   w.dlogits = p.take(fused * T * c.E * 2);
   w.d_a_s = p.take(own_da * T * 2 * c.Fs * 2);
-  w.dx_router = p.take(fused * T * c.H * 4);
+  w.dx_router = p.take(!bwd_dx_router_in_h(c) * fused * T * c.H * 4);
   w.dx_shared = p.take(shared * T * c.H * 4);
   // The replicated gradients' chunk partials [chunks, partial_len] fp32 go where dy_rows
   // are (this rank's window at W > 1) when they fit: RW writes them after every reader
@@ -804,6 +810,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.reuse = c.saved_use == MOK_SAVED_REUSE;
   if (bwd_reuse_gate_up(c)) p.d_a = p.sv.a_rows, p.d_a_s = p.sv.sa;  // (bwd_reuse_*: in place over saved)
   if (bwd_reuse_o(c)) p.dy_rows = p.dx_rows = p.sv.o_rows, p.dx_late = 1;
+  if (bwd_dx_router_in_h(c)) p.dx_router = reinterpret_cast<float*>(p.sv.h_rows);
   p.partial_len = wp.partial_len;
   p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
   if (c.W > 1) {  // expert rows in the windows: peers write dy_rows and read o_rows, dx_rows

@@ -322,7 +322,8 @@ struct BwdParams {
   int reuse;            // cfg.saved_use = MOK_SAVED_REUSE: the last CTA marks saved used up
   int dx_late;          // and at W = 1: dx_rows where dy_rows are (over saved's o rows), so
                         // WG2 comes before DX (bwd_order), DX after every WG2, RW after
-                        // every DXSUM (RW's partials go there too)
+                        // every DXSUM (RW's partials go there too); DXR after every WG2
+                        // too (dx_router where h_rows are, when it fits)
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
   const bf16* o_kept;     // W > 1: [T K, H], other ranks' o rows of this rank's slots (the forward's RETURN)
   PeerRows peer_dy_rows;  // dispatch target of dy_j

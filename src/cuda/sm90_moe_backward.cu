@@ -341,9 +341,11 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
 }
 
-__device__ __forceinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int g) {
+// wg2_total: as dx_task's (dx_late: dx_router may be where h_rows are).
+__device__ __forceinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int g, uint32_t wg2_total) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
+  if (p.dx_late && !wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20)) return;
   const int t0 = b * BM;
   gemm_group<0, 1>(
       sm, g, cdivb(s.H, BN), cdivb(s.E, BK),
@@ -804,7 +806,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
         expert_band_order(p.sv.tile_band, local, s.max_mt, phase_cols[i], &row, &col);
         dh_task(sm, p, row, col, pairable);
         break;
-      case 3: dxr_task(sm, p, row, col); break;
+      case 3: dxr_task(sm, p, row, col, phase_size(bwd_place(6, p.dx_late))); break;
       case 4: dxs_task(sm, p, row, col); break;
       case 5:
         expert_band_order(p.sv.tile_band, local, s.max_mt, phase_cols[i], &row, &col);
