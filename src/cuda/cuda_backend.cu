@@ -227,7 +227,7 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   w.tile_row_end = p.take((int64_t)s.max_mt * 4);
   w.num_tiles = p.take(4);
   w.chunk_stats = p.take((int64_t)s.nb * 2 * (c.E + 1) * 4);
-  w.shared_o = p.take(T * c.H * 2);
+  w.shared_o = p.take((c.Fs > 0) * T * c.H * 2);  // (the shared expert's output: none without one)
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
   w.gate_up = plan_gate_up(c, T, p, true);
   w.total = p.at;
