@@ -110,10 +110,11 @@ typedef enum {
   MOK_SAVED_KEEP = 0,  /* backward only reads saved: it may run again on the same forward */
   MOK_SAVED_REUSE = 1  /* backward writes its own scratch over parts of saved it has read
                           (d_a over the kept gate|up; with W = 1 the gradient rows dy_j,
-                          then dx_j, over the expert outputs o), so the workspace is
-                          smaller by up to 4H + 4F bytes a routed row and 4Fs a token;
-                          the same bits. saved is then used up: a second backward on it
-                          returns MOK_STATUS_INVALID_SAVED */
+                          then dx_j, over the expert outputs o, and the router path's
+                          fp32 dx over h), so the workspace is smaller by up to 4H + 4F
+                          bytes a routed row and 4H + 4Fs a token; the same bits. saved
+                          is then used up: a second backward on it returns
+                          MOK_STATUS_INVALID_SAVED */
 } mok_saved_use_t;
 
 typedef struct mok_cpu_comm mok_cpu_comm_t; /* in-process communicator for W CPU ranks */
