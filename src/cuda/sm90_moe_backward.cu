@@ -785,6 +785,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   __syncthreads();
   const int num_tasks = phase_end[kBwdPhases - 1];
   auto phase_size = [&](int place) { return (uint32_t)(phase_end[place] - phase_start[place]); };
+  auto wg2_total = [&] { return phase_size(bwd_place(6, p.dx_late)); };  // (read where used: no register held)
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
     if (task >= num_tasks) continue;  // a cluster's second ticket past the last task
@@ -806,11 +807,11 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
         expert_band_order(p.sv.tile_band, local, s.max_mt, phase_cols[i], &row, &col);
         dh_task(sm, p, row, col, pairable);
         break;
-      case 3: dxr_task(sm, p, row, col, phase_size(bwd_place(6, p.dx_late))); break;
+      case 3: dxr_task(sm, p, row, col, wg2_total()); break;
       case 4: dxs_task(sm, p, row, col); break;
       case 5:
         expert_band_order(p.sv.tile_band, local, s.max_mt, phase_cols[i], &row, &col);
-        dx_task(sm, p, row, col, pairable, phase_size(bwd_place(6, p.dx_late)));
+        dx_task(sm, p, row, col, pairable, wg2_total());
         break;
       case 6:
       case 7: {  // row = expert; col: its (row tile, column group) in band order
@@ -820,7 +821,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
         if (k == 6) wgrad2_done(sm, p);
         break;
       }
-      case 8: rw_task(sm, p, local, phase_size(bwd_place(6, p.dx_late))); break;
+      case 8: rw_task(sm, p, local, wg2_total()); break;
       case 9: {
         const uint32_t rw_total = phase_size(bwd_place(8, p.dx_late));
         const int slices = (phase_end[i] - phase_start[i]) / (s.W > 1 ? 2 : 1);  // (W > 1: two rounds)
