@@ -331,13 +331,15 @@ static int gate_up_recompute(void) {
   return bad;
 }
 
-/* cfg.saved_use = MOK_SAVED_REUSE: the backward's dy rows go where saved's o rows are and
- * d_a (d_a_s) where its gate|up are, so the workspace is smaller and every output and
- * gradient has the bits of keeping saved: shared experts (with tails), fp32 accumulation
- * over two steps, replay, skewed routing with empty experts, 17 CTAs, a CUDA graph, and
- * with the gate|up recompute (then only the o rows are reused). A second backward on the
- * used-up saved is refused on the device (MOK_STATUS_INVALID_SAVED, every output as the
- * steps left it); a kept saved takes it and writes the same bits again. */
+/* cfg.saved_use = MOK_SAVED_REUSE: the backward's dy rows, then its dx rows, go where
+ * saved's o rows are, d_a (d_a_s) where its gate|up are, and the router path's dx where
+ * h is when it fits (e128_k8, wide, skewed_groups; not the others), so the workspace is
+ * smaller and every output and gradient has the bits of keeping saved: shared experts
+ * (with tails), fp32 accumulation over two steps, replay, skewed routing with empty
+ * experts, 17 CTAs, a CUDA graph, and with the gate|up recompute (then gate|up and h are
+ * the workspace's). A second backward on the used-up saved is refused on the device
+ * (MOK_STATUS_INVALID_SAVED, every output as the steps left it); a kept saved takes it
+ * and writes the same bits again. */
 static int saved_reuse(void) {
   int bad = 0;
   {  // sizes: saved the same; the workspace smaller (the backward's plan is the larger here)
