@@ -43,8 +43,8 @@ import mok  # noqa: E402
 from ep_peer import route  # noqa: E402  (bench/ is this script's directory)
 from shapes import SHAPES, hot_experts, step_flops  # noqa: E402
 
-RECOMPUTE_GATE_UP = False  # --recompute-gate-up
-REUSE_SAVED = False  # --reuse-saved
+# mok.MoE's memory options, set from --recompute-gate-up and --reuse-saved
+LAYER_OPTIONS = {"recompute_gate_up": False, "reuse_saved": False}
 
 
 def time_ms(fn, steps, warmup=3, before_run=None):
@@ -214,7 +214,7 @@ class Problem:
         torch.manual_seed(0)
         self.K = K
         self.layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda",
-                             recompute_gate_up=RECOMPUTE_GATE_UP, reuse_saved=REUSE_SAVED)
+                             **LAYER_OPTIONS)
         with torch.no_grad():
             self.layer.bias_select.zero_()
             if skewed:
@@ -448,9 +448,7 @@ def main():
                     help="--profile, --kernel-times: seconds of back-to-back steps before the measured one(s), "
                     "so that they run at a sustained run's clock (default 0: from idle, near full clock)")
     args = ap.parse_args()
-    global RECOMPUTE_GATE_UP, REUSE_SAVED
-    RECOMPUTE_GATE_UP = args.recompute_gate_up
-    REUSE_SAVED = args.reuse_saved
+    LAYER_OPTIONS.update(recompute_gate_up=args.recompute_gate_up, reuse_saved=args.reuse_saved)
     if args.kernel_times:
         for name in args.shapes.split(","):
             kernel_times(name, warm=args.warm)
@@ -469,8 +467,7 @@ def main():
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     # (the ceiling's power is in the JSON only: 10 GEMMs are too short for 50 ms samples)
     print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s"
-          + (", mok with recompute_gate_up" if RECOMPUTE_GATE_UP else "")
-          + (", mok with reuse_saved" if REUSE_SAVED else ""))
+          + "".join(f", mok with {k}" for k, v in LAYER_OPTIONS.items() if v))
     print(f"  (sustained, after 3 s of GEMMs: {sustained:.0f} TFLOP/s at {sustained_power.get('sm_mhz') or 0:.0f} MHz, "
           f"{sustained_power.get('watts') or 0:.0f} W; ceil% below is of the first figure)")
     hdr = (f"{'shape':15} {'routing':8} | {'mok ms':>8} {'iso ms':>7} {'TFLOP/s':>8} {'fwd TF/s':>8} {'ceil%':>6} "
@@ -506,7 +503,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "commit": commit, "ceiling_tflops": ceiling,
                        "ceiling_power": ceiling_power, "ceiling_sustained_tflops": sustained,
-                       "ceiling_sustained_power": sustained_power, "recompute_gate_up": RECOMPUTE_GATE_UP, "reuse_saved": REUSE_SAVED, "rows": rows}, f,
+                       "ceiling_sustained_power": sustained_power, **LAYER_OPTIONS, "rows": rows}, f,
                       indent=1)
     SAMPLER.stop()
 

@@ -183,6 +183,13 @@ typedef struct {
   int has_seed, has_steps, has_threads;
 } options_t;
 
+/* --name's value, one of two words: *second = 1 for the second; else a usage error (2). */
+static int either(const char* name, const char* value, const char* first, const char* second_word, int* second) {
+  *second = strcmp(value, second_word) == 0;
+  if (*second || strcmp(value, first) == 0) return 0;
+  return usage_error("--%s needs %s or %s, not '%s'", name, first, second_word, value);
+}
+
 /* Parses --name value / --name=value; `allowed` lists the option names the command takes. */
 static int parse_options(int argc, char** argv, const char* allowed, options_t* o) {
   for (int i = 0; i < argc; i++) {
@@ -213,19 +220,13 @@ static int parse_options(int argc, char** argv, const char* allowed, options_t* 
     } else if (strcmp(name, "json") == 0) {
       o->json = value;
     } else if (strcmp(name, "gate-up") == 0) {
-      if (strcmp(value, "keep") == 0)
-        o->gate_up = MOK_GATE_UP_SAVE;
-      else if (strcmp(value, "recompute") == 0)
-        o->gate_up = MOK_GATE_UP_RECOMPUTE;
-      else
-        return usage_error("--gate-up needs keep or recompute, not '%s'", value);
+      int second = 0;
+      if (either(name, value, "keep", "recompute", &second)) return 2;
+      o->gate_up = second ? MOK_GATE_UP_RECOMPUTE : MOK_GATE_UP_SAVE;
     } else if (strcmp(name, "saved") == 0) {
-      if (strcmp(value, "keep") == 0)
-        o->saved_use = MOK_SAVED_KEEP;
-      else if (strcmp(value, "reuse") == 0)
-        o->saved_use = MOK_SAVED_REUSE;
-      else
-        return usage_error("--saved needs keep or reuse, not '%s'", value);
+      int second = 0;
+      if (either(name, value, "keep", "reuse", &second)) return 2;
+      o->saved_use = second ? MOK_SAVED_REUSE : MOK_SAVED_KEEP;
     } else if (strcmp(name, "seed") == 0) {
       if (!parse_i64(value, 0, INT64_MAX, &o->seed))
         return usage_error("--seed needs a non-negative integer, not '%s'", value);

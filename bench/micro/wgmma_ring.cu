@@ -357,18 +357,21 @@ int main() {
     return 1;
   }
   const auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  {
-    CUtensorMap gm;
-    const cuuint64_t dims[2] = {4096, kGatherRows}, strides[1] = {4096 * 2};
-    const cuuint32_t box[2] = {64, 1}, elem[2] = {1, 1};
-    if (encode(&gm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, gx, dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-      fprintf(stderr, "wgmma_ring: cuTensorMapEncodeTiled (gather T) failed\n");
-      return 1;
-    }
-    cudaMemcpyToSymbol(g_gather_map, &gm, sizeof gm);
+  // a map of an [rows, cols] bf16 matrix, boxes of 64 columns x box_rows, 128-byte swizzle
+  // (as the library's maps); false when the driver refuses it
+  auto bf16_map = [&](CUtensorMap* map, void* base, int rows, int cols, int box_rows) {
+    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols * 2};
+    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, elem[2] = {1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, elem,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  CUtensorMap gm;
+  if (!bf16_map(&gm, gx, kGatherRows, 4096, 1)) {
+    fprintf(stderr, "wgmma_ring: cuTensorMapEncodeTiled (gather T) failed\n");
+    return 1;
   }
+  cudaMemcpyToSymbol(g_gather_map, &gm, sizeof gm);
   run<0, 0, kNoLoads>(src, sink, cycles);
   run<1, 1, kNoLoads>(src, sink, cycles);
   run<0, 0, kNoLoads, 1>(src, sink, cycles);
@@ -378,7 +381,7 @@ int main() {
   run<0, 1, kBulk>(src, sink, cycles);
   run<1, 0, kBulk>(src, sink, cycles);
   run<1, 1, kBulk>(src, sink, cycles);
-  // TMA boxes: an [rows, cols] bf16 matrix, 64 x 64 boxes, as the library's maps
+  // TMA boxes: an [rows, cols] bf16 matrix, 64 x 64 boxes
   struct Matrix {
     int rows, cols, loads;
     const char* name;
@@ -397,11 +400,7 @@ int main() {
     }
     cudaMemset(m, 0x11, (size_t)rows * cols * 2);
     CUtensorMap map;
-    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols * 2};
-    const cuuint32_t box[2] = {64, 64}, elem[2] = {1, 1};
-    if (encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m, dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    if (!bf16_map(&map, m, rows, cols, 64)) {
       fprintf(stderr, "wgmma_ring: cuTensorMapEncodeTiled failed\n");
       return 1;
     }

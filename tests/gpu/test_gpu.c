@@ -300,22 +300,31 @@ static int variant_vs_keep(size_t i, mok_problem_t* keep, mok_problem_t* other, 
   return test_same_bits(&b, a, NULL, what) != 0;
 }
 
+/* The saved and workspace sizes of shape wide's CUDA context as it is (*sk, *wk) and
+ * with a variant's options (gate_up, saved_use: *sr, *wr). Returns failures. */
+static int variant_sizes(mok_gate_up_t gate_up, mok_saved_use_t saved_use, size_t* sk, size_t* sr, size_t* wk,
+                         size_t* wr) {
+  const gpu_shape_t* s = &shapes[21];
+  mok_config_t c = shape_config(s);
+  c.T = s->T, c.backend = MOK_BACKEND_CUDA;
+  mok_config_t r = c;
+  r.gate_up = gate_up, r.saved_use = saved_use;
+  mok_context_t *ck = test_context(&c, NULL), *cr = test_context(&r, NULL);
+  TEST_ASSERT(ck && cr, "contexts");
+  TEST_ASSERT(!mok_saved_size(ck, sk) && !mok_saved_size(cr, sr), "mok_saved_size");
+  TEST_ASSERT(!mok_workspace_size(ck, wk) && !mok_workspace_size(cr, wr), "mok_workspace_size");
+  return 0;
+}
+
 static int gate_up_recompute(void) {
   int bad = 0;
   {  // sizes: saved smaller by the four pieces; the workspace larger, by less (d_a's place)
     const gpu_shape_t* s = &shapes[21];
-    mok_config_t c = shape_config(s);
-    c.T = s->T, c.backend = MOK_BACKEND_CUDA;
-    mok_config_t r = c;
-    r.gate_up = MOK_GATE_UP_RECOMPUTE;
-    mok_context_t *ck = test_context(&c, NULL), *cr = test_context(&r, NULL);
-    TEST_ASSERT(ck && cr, "contexts");
     size_t sk = 0, sr = 0, wk = 0, wr = 0;
-    TEST_ASSERT(!mok_saved_size(ck, &sk) && !mok_saved_size(cr, &sr), "mok_saved_size");
-    TEST_ASSERT(!mok_workspace_size(ck, &wk) && !mok_workspace_size(cr, &wr), "mok_workspace_size");
-    const int64_t R = c.T * c.K;  // (W = 1: every routed row)
-    const size_t pieces = aligned256(R * 2 * c.F * 2) + aligned256(R * c.F * 2) + aligned256(c.T * 2 * c.Fs * 2) +
-                          aligned256(c.T * c.Fs * 2);
+    if (variant_sizes(MOK_GATE_UP_RECOMPUTE, MOK_SAVED_KEEP, &sk, &sr, &wk, &wr)) return 1;
+    const int64_t R = s->T * s->K;  // (W = 1: every routed row)
+    const size_t pieces = aligned256(R * 2 * s->F * 2) + aligned256(R * s->F * 2) + aligned256(s->T * 2 * s->Fs * 2) +
+                          aligned256(s->T * s->Fs * 2);
     printf("    %s: saved %zu -> %zu bytes, workspace %zu -> %zu\n", s->name, sk, sr, wk, wr);
     TEST_ASSERT(sk - sr == pieces, "saved %zu less, want %zu", sk - sr, pieces);
     TEST_ASSERT(wr >= wk && wr - wk < pieces, "workspace %zu more, want less than %zu", wr - wk, pieces);
@@ -344,15 +353,8 @@ static int saved_reuse(void) {
   int bad = 0;
   {  // sizes: saved the same; the workspace smaller (the backward's plan is the larger here)
     const gpu_shape_t* s = &shapes[21];
-    mok_config_t c = shape_config(s);
-    c.T = s->T, c.backend = MOK_BACKEND_CUDA;
-    mok_config_t r = c;
-    r.saved_use = MOK_SAVED_REUSE;
-    mok_context_t *ck = test_context(&c, NULL), *cr = test_context(&r, NULL);
-    TEST_ASSERT(ck && cr, "contexts");
     size_t sk = 0, sr = 0, wk = 0, wr = 0;
-    TEST_ASSERT(!mok_saved_size(ck, &sk) && !mok_saved_size(cr, &sr), "mok_saved_size");
-    TEST_ASSERT(!mok_workspace_size(ck, &wk) && !mok_workspace_size(cr, &wr), "mok_workspace_size");
+    if (variant_sizes(MOK_GATE_UP_SAVE, MOK_SAVED_REUSE, &sk, &sr, &wk, &wr)) return 1;
     printf("    %s: saved %zu and %zu bytes, workspace %zu -> %zu\n", s->name, sk, sr, wk, wr);
     TEST_ASSERT(sk == sr && wr < wk, "saved the same, the workspace smaller");
   }
