@@ -341,11 +341,16 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
 }
 
-// wg2_total: as dx_task's (dx_late: dx_router may be where h_rows are).
+// dx_late (plan_bwd_ws, W = 1 with reuse): DX's dx_rows go where WG2 reads dy_rows, and
+// DXR's dx_router may go where WG2 reads h_rows; so both wait for every WG2 task
+// (wg2_total of them). True at once without dx_late.
+__device__ __forceinline__ bool dx_late_ready(Smem& sm, const BwdParams& p, uint32_t wg2_total) {
+  return !p.dx_late || wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20);
+}
+
 __device__ __forceinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, int g, uint32_t wg2_total) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
-  if (p.dx_late && !wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20) || !dx_late_ready(sm, p, wg2_total)) return;
   const int t0 = b * BM;
   gemm_group<0, 1>(
       sm, g, cdivb(s.H, BN), cdivb(s.E, BK),
@@ -375,14 +380,12 @@ __device__ __forceinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, i
   signal_counter(sm, &p.st.sync->counter[B_DXS]);
 }
 
-// wg2_total: the WG2 tasks, every one of which a dx_late DX waits for (its dx_rows go
-// where WG2 reads dy_rows).
 __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, int g, bool pairable,
                                         uint32_t wg2_total) {
   const Shape& s = p.s;
   const bool ok = (p.st.knobs & kKnobOnlyDx) ||
                   (wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN), s.H / BK), p.st, 20) &&
-                   (!p.dx_late || wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20)));
+                   dx_late_ready(sm, p, wg2_total));
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
@@ -496,16 +499,17 @@ __device__ __noinline__ void wgrad2_done(Smem& sm, const BwdParams& p) {  // (no
   __syncthreads();
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_WG2_ALL], 1);
 }
+// Under dx_late dx_rows follow dy_rows there, read by DXSUM: so every DXSUM task too.
 __device__ __noinline__ bool dy_rows_free(Smem& sm, const BwdParams& p, uint32_t wg2_total) {
   const Shape& s = p.s;
   const uint32_t dh_total = (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
   return wait_counter(sm, &p.st.sync->counter[B_DH_ALL], dh_total, p.st, 20) &&
-         wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20);
+         wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20) &&
+         (!p.dx_late || wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20));
 }
 __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uint32_t wg2_total) {
   const Shape& s = p.s;
   if (!dy_rows_free(sm, p, wg2_total)) return;
-  if (p.dx_late && !wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20)) return;  // (dx_rows there too)
   const int nH = cdivb(s.H, BN), nFs = cdivb(s.Fs, BN);
   const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
   const int t2 = s.Fs ? cdivb(s.H, BM) * nFs : 0;  // dws2 [H, Fs]: H / 128 row tiles
