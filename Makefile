@@ -106,7 +106,7 @@ $(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(GPU_TEST_OBJ) $(BUILD)/tes
 # bench/gpu_session.sh micro); built with everything else when nvcc is found (MICRO is
 # defined above `all`, whose prerequisites make expands where it reads them).
 micro: $(MICRO)
-$(BUILD)/micro/%: bench/micro/%.cu $(wildcard src/cuda/*.h src/cuda/*.cuh)
+$(BUILD)/micro/%: bench/micro/%.cu $(wildcard bench/micro/*.h src/cuda/*.h src/cuda/*.cuh)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVFLAGS) -o $@ $<
 

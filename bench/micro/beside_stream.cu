@@ -19,11 +19,10 @@
 // read + written per second over the 132 CTAs, and how much faster side by side is than
 // one after the other for the same work.
 //   make micro && build/micro/beside_stream
-#include <cudaTypedefs.h>
-
 #include <cstdint>
 #include <cstdio>
 
+#include "bf16_map.h"
 #include "cuda/sm90_common.cuh"
 
 using namespace mok;
@@ -262,23 +261,8 @@ int main() {
   }
   cudaMemset(m, 0x11, (size_t)rows * cols * 2);
   cudaMemset(src, 0x22, kStreamBytes);
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-      !fn) {
-    fprintf(stderr, "beside_stream: no cuTensorMapEncodeTiled\n");
-    return 1;
-  }
   CUtensorMap map;
-  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols * 2};
-  const cuuint32_t box[2] = {64, 64}, elem[2] = {1, 1};
-  if (reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)(
-          &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, m, dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-    fprintf(stderr, "beside_stream: cuTensorMapEncodeTiled failed\n");
-    return 1;
-  }
+  if (!bf16_map("beside_stream", &map, m, rows, cols, 64)) return 1;
   const uint4* s = static_cast<const uint4*>(src);
   uint4* d = static_cast<uint4*>(dst);
   const Result bulk = run<kMainNone, kStreamBulk>(map, s, d, sink, out);

@@ -32,11 +32,10 @@
 // 4-32 blocks ahead of its load.
 // The operands are arbitrary bf16 bits; only the time is read.
 //   make micro && build/micro/wgmma_ring
-#include <cudaTypedefs.h>
-
 #include <cstdint>
 #include <cstdio>
 
+#include "bf16_map.h"
 #include "cuda/sm90_common.cuh"
 
 using namespace mok;
@@ -349,28 +348,8 @@ int main() {
   }
   cudaMemcpyToSymbol(g_gather_x, &gx, sizeof gx);
   cudaMemcpyToSymbol(g_gather_rows, &grows, sizeof grows);
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-      !fn) {
-    fprintf(stderr, "wgmma_ring: no cuTensorMapEncodeTiled\n");
-    return 1;
-  }
-  const auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  // a map of an [rows, cols] bf16 matrix, boxes of 64 columns x box_rows, 128-byte swizzle
-  // (as the library's maps); false when the driver refuses it
-  auto bf16_map = [&](CUtensorMap* map, void* base, int rows, int cols, int box_rows) {
-    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)cols * 2};
-    const cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, elem[2] = {1, 1};
-    return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, elem,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-  };
   CUtensorMap gm;
-  if (!bf16_map(&gm, gx, kGatherRows, 4096, 1)) {
-    fprintf(stderr, "wgmma_ring: cuTensorMapEncodeTiled (gather T) failed\n");
-    return 1;
-  }
+  if (!bf16_map("wgmma_ring", &gm, gx, kGatherRows, 4096, 1)) return 1;
   cudaMemcpyToSymbol(g_gather_map, &gm, sizeof gm);
   run<0, 0, kNoLoads>(src, sink, cycles);
   run<1, 1, kNoLoads>(src, sink, cycles);
@@ -400,10 +379,7 @@ int main() {
     }
     cudaMemset(m, 0x11, (size_t)rows * cols * 2);
     CUtensorMap map;
-    if (!bf16_map(&map, m, rows, cols, 64)) {
-      fprintf(stderr, "wgmma_ring: cuTensorMapEncodeTiled failed\n");
-      return 1;
-    }
+    if (!bf16_map("wgmma_ring", &map, m, rows, cols, 64)) return 1;
     if (mx.loads == kTmaStream) {
       run<0, 0, kTmaStream>(src, sink, cycles, map, rows, cols, mx.name);
       run<0, 0, kTmaStream, 2, kPairB, 0, 2>(src, sink, cycles, map, rows, cols, mx.name);
