@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "bf16_map.h"
+#include "micro_host.h"
 #include "cuda/sm90_common.cuh"
 
 using namespace mok;
@@ -200,11 +200,7 @@ static Result run(const CUtensorMap& map, const uint4* src, uint4* dst, float* s
   auto kernel = beside<kMain, kStream>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = kMain == kMainPair ? 2 : 1, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(kCtas), lc.blockDim = dim3(kWgThreads), lc.dynamicSmemBytes = smem;
-  lc.attrs = &attr, lc.numAttrs = 1;
+  cudaLaunchConfig_t lc = cluster_config(kCtas, kMain == kMainPair ? 2 : 1, kWgThreads, smem, &attr);
   long long h[4 * kCtas];
   for (int rep = 0; rep < 2; rep++) {  // the second launch is the one read
     cudaMemset(out, 0, sizeof h);

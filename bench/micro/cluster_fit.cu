@@ -7,6 +7,8 @@
 //   make micro && build/micro/cluster_fit
 #include <cstdio>
 
+#include "micro_host.h"
+
 __global__ void one_cta_per_sm(int* out) {
   extern __shared__ int smem[];
   smem[threadIdx.x] = (int)threadIdx.x;
@@ -27,12 +29,8 @@ int main() {
   }
   printf("%d SMs, %d KB of dynamic shared memory a CTA, 256 threads\n", sms, smem / 1024);
   for (int size = 1; size <= 16; size *= 2) {
-    cudaLaunchConfig_t lc = {};
     cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = size, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    lc.gridDim = dim3(size * (sms / size)), lc.blockDim = dim3(256), lc.dynamicSmemBytes = smem;
-    lc.attrs = &attr, lc.numAttrs = 1;
+    cudaLaunchConfig_t lc = cluster_config(size * (sms / size), size, 256, smem, &attr);
     int clusters = 0;
     const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, one_cta_per_sm, &lc);
     if (e != cudaSuccess) {

@@ -35,7 +35,7 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "bf16_map.h"
+#include "micro_host.h"
 #include "cuda/sm90_common.cuh"
 
 using namespace mok;
@@ -285,11 +285,7 @@ static double cycles_per_block(Kernel kernel, int ctas, int cl, long long* cycle
   const int smem = kStages * kStageBytes + 1024;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = cl, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(ctas), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = smem;
-  lc.attrs = &attr, lc.numAttrs = 1;
+  cudaLaunchConfig_t lc = cluster_config(ctas, cl, kThreads, smem, &attr);
   for (int rep = 0; rep < 2; rep++) cudaLaunchKernelEx(&lc, kernel, args..., cycles);
   long long h[kCtas];
   if (cudaMemcpy(h, cycles, sizeof(long long) * ctas, cudaMemcpyDeviceToHost) != cudaSuccess) return -1;

@@ -1,6 +1,7 @@
-// bf16_map.h — the microbenchmarks' tensor maps, encoded as the library's are (2-D bf16,
-// boxes of 64 columns x box_rows, 128-byte swizzle, L2 promotion of 128 bytes), through
-// the driver's cuTensorMapEncodeTiled found at run time (no -lcuda).
+// micro_host.h — the microbenchmarks' host-side helpers: tensor maps encoded as the
+// library's are (2-D bf16, boxes of 64 columns x box_rows, 128-byte swizzle, L2
+// promotion of 128 bytes) through the driver's cuTensorMapEncodeTiled found at run time
+// (no -lcuda), and launch configurations in clusters.
 #pragma once
 #include <cudaTypedefs.h>
 
@@ -31,4 +32,16 @@ static inline bool bf16_map(const char* who, CUtensorMap* map, void* base, int r
     return false;
   }
   return true;
+}
+
+// grid CTAs of `threads` threads and smem bytes of dynamic shared memory, in clusters of
+// cl (1: a cluster of one, as a plain launch). *attr holds the cluster attribute: it must
+// outlive the configuration's use (as cuda_backend.cu's launch_config).
+static inline cudaLaunchConfig_t cluster_config(int grid, int cl, int threads, int smem, cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = cl, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(grid), lc.blockDim = dim3(threads), lc.dynamicSmemBytes = smem;
+  lc.attrs = attr, lc.numAttrs = 1;
+  return lc;
 }
