@@ -50,6 +50,9 @@ extern "C" {
  * this many tokens, combined by one fixed binary tree over the chunks. */
 #define MOK_REDUCE_CHUNK_TOKENS 64
 
+/* The most CPU threads a context may use (cfg.num_threads). */
+#define MOK_MAX_THREADS 1024
+
 typedef enum {
   MOK_STATUS_SUCCESS = 0,
   MOK_STATUS_INVALID_CONTEXT,     /* null, destroyed or foreign context */
@@ -146,7 +149,7 @@ typedef struct {
   mok_numerics_t numerics;
   mok_backend_t backend;
   int64_t capacity;    /* rows this rank can receive; 0 = safe default (all tokens of all ranks) */
-  int num_threads;     /* CPU threads of this context; 0 = all cores */
+  int num_threads;     /* CPU threads of this context, at most MOK_MAX_THREADS; 0 = all cores */
   double comm_timeout_s; /* bound on every wait for a peer; 0 = default (5 s) */
   mok_cpu_comm_t* cpu_comm; /* CPU backend with W > 1: the shared in-process communicator */
   int num_ctas;        /* CUDA: persistent CTAs per launch; 0 = one per SM (bits do not depend on it) */

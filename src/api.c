@@ -168,8 +168,9 @@ static mok_status_t validate_config(const mok_config_t* c) {
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.numerics = %d is not a mok_numerics_t", (int)c->numerics);
   if ((unsigned)c->backend > MOK_BACKEND_CUDA)
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.backend = %d is not a mok_backend_t", (int)c->backend);
-  if (c->num_threads < 0)
-    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.num_threads = %d must be >= 0 (0 = all cores)", c->num_threads);
+  if (c->num_threads < 0 || c->num_threads > MOK_MAX_THREADS)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.num_threads = %d must be in [0, MOK_MAX_THREADS = %d] (0 = all cores)",
+                   c->num_threads, MOK_MAX_THREADS);
   if (!isfinite(c->route_scale))
     return CFG_ERR(MOK_STATUS_NONFINITE_VALUE, "cfg.route_scale = %g must be finite", (double)c->route_scale);
   if (!isfinite(c->aux_loss_coef))
@@ -224,7 +225,19 @@ static mok_status_t validate_config(const mok_config_t* c) {
   if (c->E > MOK_MAX_EXPERTS)
     return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "cfg.E = %lld: the CPU backend runs E <= %d",
                    (long long)c->E, MOK_MAX_EXPERTS);
-  /* sizes must fit: the largest buffer is [W T K, H]; row positions are int32 */
+  /* sizes must fit: every dimension an int32 (row positions and the kernels' indices),
+   * the largest buffers [W T K, H] and the weights below 2^53 elements (so the products
+   * below, in double, are exact enough, and the plans' int64 products cannot wrap) */
+  const int64_t dims[] = {c->T, c->H, c->F, c->Fs, c->capacity};
+  static const char* const dim_names[] = {"cfg.T", "cfg.H", "cfg.F", "cfg.Fs", "cfg.capacity"};
+  for (int i = 0; i < 5; i++)
+    if (dims[i] > INT32_MAX)
+      return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "%s = %lld: must be at most 2^31 - 1 = %d", dim_names[i],
+                     (long long)dims[i], INT32_MAX);
+  if ((double)c->H * ((double)c->E + 2.0 * (double)c->F + 3.0 * (double)c->Fs) >= 9.0e15)
+    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                   "cfg.H = %lld, E = %lld, F = %lld, Fs = %lld: the weights H (E + 2F + 3Fs) would reach 2^53 elements",
+                   (long long)c->H, (long long)c->E, (long long)c->F, (long long)c->Fs);
   const double rows = (double)c->W * (double)c->T * (double)c->K;
   const double width = (double)(c->H > 2 * c->F ? c->H : 2 * c->F) + (double)c->E + 2.0 * (double)c->Fs;
   if (rows >= 2147483647.0 || rows * width >= 9.0e15 || (double)c->H * (double)c->F * (double)c->E >= 9.0e15)
@@ -239,6 +252,35 @@ static mok_status_t validate_config(const mok_config_t* c) {
   if (c->cpu_comm && (c->cpu_comm->magic != MOK_COMM_MAGIC || c->cpu_comm->num_ranks != c->W))
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
                    "cfg.cpu_comm: not a live communicator of W = %d ranks", c->W);
+  return MOK_STATUS_SUCCESS;
+}
+
+/* Context serials: process-unique and never reused (a saved buffer names its writer by
+ * it; an address can come back from malloc after a destroy). */
+static uint64_t next_serial(void) {
+  static uint64_t last;
+  pthread_mutex_lock(&registry_mu);
+  uint64_t s = ++last;
+  pthread_mutex_unlock(&registry_mu);
+  return s;
+}
+
+/* The plans of a created context fit in memory's sizes (plan.c checks each product). */
+static mok_status_t check_plans(mok_context_t* ctx) {
+  mok_saved_plan_t sp;
+  mok_workspace_plan_t wp;
+  mok_plan_saved(ctx, ctx->cfg.T, &sp);
+  mok_plan_workspace(ctx, ctx->cfg.T, &wp);
+  size_t rows_bytes;
+  const int rows_overflow = __builtin_mul_overflow((size_t)ctx->cfg.capacity, (size_t)ctx->cfg.H * (size_t)ctx->act_size,
+                                                   &rows_bytes);
+  if (sp.overflow || wp.overflow || rows_overflow || sp.total > MOK_MAX_BUFFER_BYTES ||
+      wp.total > MOK_MAX_BUFFER_BYTES || rows_bytes > MOK_MAX_BUFFER_BYTES)
+    return MOK_ERR(ctx, MOK_STATUS_UNSUPPORTED_SHAPE,
+                   "mok_context_create: cfg.T = %lld, H = %lld, F = %lld, E = %lld, K = %lld, Fs = %lld, capacity = "
+                   "%lld: the saved buffer, workspace or exchange buffers would exceed 2^48 bytes",
+                   (long long)ctx->cfg.T, (long long)ctx->cfg.H, (long long)ctx->cfg.F, (long long)ctx->cfg.E,
+                   (long long)ctx->cfg.K, (long long)ctx->cfg.Fs, (long long)ctx->cfg.capacity);
   return MOK_STATUS_SUCCESS;
 }
 
@@ -268,6 +310,7 @@ mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** out) {
   mok_context_t* ctx = calloc(1, sizeof *ctx);
   if (!ctx) return CFG_ERR(MOK_STATUS_OUT_OF_MEMORY, "no host memory for the context");
   ctx->magic = MOK_CONTEXT_MAGIC;
+  ctx->serial = next_serial();
   ctx->cfg = *cfg;
   mok_config_t* c = &ctx->cfg;
   if (c->num_threads == 0) c->num_threads = omp_get_max_threads();
@@ -277,7 +320,14 @@ mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** out) {
   ctx->real_size = c->numerics == MOK_NUMERICS_EXACT ? 8 : 4;
 #ifdef MOK_HAVE_CUDA
   if (c->backend == MOK_BACKEND_CUDA) {
-    ctx->T_all[0] = c->T;
+    for (int r = 0; r < c->W; r++) ctx->T_all[r] = c->T; /* (symmetric windows: every rank's T alike) */
+    if (c->capacity > mok_capacity_max(c, ctx->T_all)) {
+      CFG_ERR(MOK_STATUS_INVALID_SHAPE,
+              "cfg.capacity = %lld exceeds the most rows a rank can receive, %lld = W * cfg.T * min(K, E / W)",
+              (long long)c->capacity, (long long)mok_capacity_max(c, ctx->T_all));
+      free(ctx);
+      return MOK_STATUS_INVALID_SHAPE;
+    }
     if (c->W == 1) c->capacity = c->T * c->K; /* every routed row stays here */
     else if (c->capacity == 0) /* safe when every rank's cfg.T is this one's: each of the W T tokens
                                   sends min(K, E/W) rows here; a step beyond it stops everywhere */
@@ -309,10 +359,14 @@ mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** out) {
     context_free(ctx);
     return s;
   }
-  int64_t T_global = 0;
-  for (int r = 0; r < c->W; r++) T_global += ctx->T_all[r];
-  if (c->capacity == 0) /* safe: every token of every rank sends min(K, E/W) rows here */
-    c->capacity = T_global * (c->K < ctx->E_loc ? c->K : ctx->E_loc);
+  if (c->capacity == 0) c->capacity = mok_capacity_max(c, ctx->T_all); /* (attach checked a given one) */
+  s = check_plans(ctx);
+  if (s) {
+    snprintf(create_error, MOK_ERROR_LEN, "%.500s", ctx->last_error);
+    mok_cpu_comm_detach(ctx->comm, ctx);
+    context_free(ctx);
+    return s;
+  }
   const size_t row_bytes = (size_t)c->H * (size_t)ctx->act_size;
   ctx->recv_rows = alloc_aligned((size_t)c->capacity * row_bytes);
   ctx->ret_rows = alloc_aligned((size_t)c->capacity * row_bytes);
@@ -420,6 +474,41 @@ static mok_status_t check_workspace(mok_context_t* ctx, const char* fn, size_t h
   return MOK_STATUS_SUCCESS;
 }
 
+/* A step of no tokens at W = 1 (mok.h): what it leaves is what an empty batch gives,
+ * zero expert counts and losses; its weight gradients are zero, written as such in bf16
+ * and added (nothing) in fp32. Nothing else is read or written, saved included. */
+static mok_status_t zero_output(mok_context_t* ctx, void* dst, size_t bytes, void* stream) {
+  if (!dst) return MOK_STATUS_SUCCESS;
+#ifdef MOK_HAVE_CUDA
+  if (ctx->gpu) return mok_cuda_zero(ctx, dst, bytes, stream);
+#endif
+  (void)ctx, (void)stream;
+  memset(dst, 0, bytes);
+  return MOK_STATUS_SUCCESS;
+}
+
+static mok_status_t forward_no_tokens(mok_context_t* ctx, const mok_forward_args_t* a) {
+  const size_t r = (size_t)ctx->real_size;
+  mok_status_t s = zero_output(ctx, a->tokens_per_expert, (size_t)ctx->cfg.E * 4, a->stream);
+  if (!s) s = zero_output(ctx, a->aux_loss, r, a->stream);
+  if (!s) s = zero_output(ctx, a->z_loss, r, a->stream);
+  return s;
+}
+
+static mok_status_t backward_no_tokens(mok_context_t* ctx, const mok_backward_args_t* a) {
+  const mok_config_t* c = &ctx->cfg;
+  if (c->wgrad == MOK_WGRAD_FP32_ACCUM) return MOK_STATUS_SUCCESS;
+  const size_t g = (size_t)ctx->act_size, H = (size_t)c->H, F = (size_t)c->F, Fs = (size_t)c->Fs;
+  const size_t El = (size_t)ctx->E_loc;
+  mok_status_t s = zero_output(ctx, c->routing == MOK_ROUTING_FUSED ? a->d_w_router : NULL, (size_t)c->E * H * g,
+                               a->stream);
+  if (!s) s = zero_output(ctx, a->d_w13, El * 2 * F * H * g, a->stream);
+  if (!s) s = zero_output(ctx, a->d_w2, El * H * F * g, a->stream);
+  if (!s) s = zero_output(ctx, a->d_ws13, 2 * Fs * H * g, a->stream);
+  if (!s) s = zero_output(ctx, a->d_ws2, H * Fs * g, a->stream);
+  return s;
+}
+
 #define T16 MOK_ALIGN_TENSOR
 #define WS256 MOK_ALIGN_WORKSPACE
 
@@ -431,7 +520,6 @@ mok_status_t mok_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   mok_status_t s = check_tokens(ctx, fn, a->num_tokens);
   if (s) return s;
   const int64_t T = a->num_tokens, K = c->K, E = c->E;
-  if (T == 0 && c->W == 1) return MOK_STATUS_SUCCESS; /* nothing to do, nothing written */
   const int tok = T > 0, fused = c->routing == MOK_ROUTING_FUSED, shared = c->Fs > 0;
   const ptr_rule_t rules[] = {
       {"x", a->x, tok, T16},
@@ -454,6 +542,7 @@ mok_status_t mok_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   if (s) return s;
   s = check_workspace(ctx, fn, a->workspace_bytes, a->saved_bytes);
   if (s) return s;
+  if (T == 0 && c->W == 1) return forward_no_tokens(ctx, a);
 #ifdef MOK_HAVE_CUDA
   if (ctx->gpu) return mok_cuda_forward(ctx, a); /* replay indices are checked on the device */
 #endif
@@ -483,7 +572,6 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
   mok_status_t s = check_tokens(ctx, fn, a->num_tokens);
   if (s) return s;
   const int64_t T = a->num_tokens;
-  if (T == 0 && c->W == 1) return MOK_STATUS_SUCCESS;
   const int tok = T > 0, fused = c->routing == MOK_ROUTING_FUSED, shared = c->Fs > 0;
   const size_t wa = c->wgrad == MOK_WGRAD_FP32_ACCUM ? 4 : T16;
   const ptr_rule_t rules[] = {
@@ -510,25 +598,16 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
   if (s) return s;
   s = check_workspace(ctx, fn, a->workspace_bytes, a->saved_bytes);
   if (s) return s;
+  if (T == 0 && c->W == 1) return backward_no_tokens(ctx, a);
 #ifdef MOK_HAVE_CUDA
   if (ctx->gpu) return mok_cuda_backward(ctx, a); /* the saved header is checked on the device */
 #endif
-  mok_saved_header_t* h = (mok_saved_header_t*)a->saved; /* (MOK_SAVED_REUSE: marked used up below) */
-  if (h->magic == MOK_SAVED_USED && h->context_id == (uint64_t)(uintptr_t)ctx)
-    return MOK_ERR(ctx, MOK_STATUS_INVALID_SAVED,
-                   "%s: args->saved was used up by an earlier mok_backward (cfg.saved_use = MOK_SAVED_REUSE); "
-                   "run mok_forward again, or keep it with MOK_SAVED_KEEP",
-                   fn);
-  if (h->magic != MOK_SAVED_MAGIC || h->context_id != (uint64_t)(uintptr_t)ctx)
-    return MOK_ERR(ctx, MOK_STATUS_INVALID_SAVED,
-                   "%s: args->saved was not written by mok_forward on this context", fn);
-  if (h->T != T)
-    return MOK_ERR(ctx, MOK_STATUS_INVALID_SAVED,
-                   "%s: args->num_tokens = %lld, but the forward that wrote args->saved had %lld",
-                   fn, (long long)T, (long long)h->T);
+  s = mok_cpu_saved_check(ctx, a); /* header and every index, before anything is read or written */
+  if (s) return s;
   s = mok_cpu_backward(ctx, a);
   /* the CPU backward writes nothing into saved, but keeps the contract: used up */
-  if (s == MOK_STATUS_SUCCESS && ctx->cfg.saved_use == MOK_SAVED_REUSE) h->magic = MOK_SAVED_USED;
+  if (s == MOK_STATUS_SUCCESS && ctx->cfg.saved_use == MOK_SAVED_REUSE)
+    ((mok_saved_header_t*)a->saved)->magic = MOK_SAVED_USED;
   return s;
 }
 

@@ -19,6 +19,7 @@ extern "C" {
 #define MOK_MAX_EXPERTS 1024
 #define MOK_ALIGN_TENSOR 16
 #define MOK_ALIGN_WORKSPACE 256
+#define MOK_MAX_BUFFER_BYTES ((size_t)1 << 48) /* any one plan or buffer of a context */
 
 struct mok_context {
   uint64_t magic;          /* MOK_CONTEXT_MAGIC while alive */
@@ -35,10 +36,22 @@ struct mok_context {
   void* ret_rows;          /* [capacity, H] act: expert results, read back by token ranks */
   void* pack;              /* GEMM packing scratch, mok_gemm_pack_bytes() per thread */
   void* gpu;               /* CUDA backend state (src/cuda/cuda_backend.cu), or NULL */
-  uint64_t forward_serial; /* counts forwards; written into saved to tie it to this context */
+  uint64_t serial;         /* process-unique, never reused (mok_context_create's counter):
+                              ties a saved buffer to this context, whatever its address */
+  uint64_t forward_serial; /* counts forwards; written into saved, which a backward checks */
   char last_error[MOK_ERROR_LEN];
 };
 #define MOK_CONTEXT_MAGIC 0x6d6f6b2d63747821ull
+
+/* The most rows a rank can ever receive in a step: every token of every rank (T_all:
+ * each rank's cfg.T) sends min(K, E / W) rows to one owner. cfg.capacity's bound and its
+ * default (mok.h). */
+static inline int64_t mok_capacity_max(const mok_config_t* c, const int64_t* T_all) {
+  int64_t T_global = 0;
+  for (int r = 0; r < c->W; r++) T_global += T_all[r];
+  const int64_t E_loc = c->E / c->W;
+  return T_global * (c->K < E_loc ? c->K : E_loc);
+}
 
 /* Records a status and message (with file:line) in ctx and returns the status. */
 mok_status_t mok_error_at(mok_context_t* ctx, mok_status_t s, const char* file, int line,
@@ -78,9 +91,10 @@ static inline uint16_t mok_f32_to_bf16(float f) {
  * shared_h, a_rows and h_rows are empty here and live in the workspace instead. */
 typedef struct {
   uint64_t magic;          /* MOK_SAVED_MAGIC (MOK_SAVED_USED once a reusing backward ran) */
-  uint64_t context_id;     /* address of the writing context, as an integer */
+  uint64_t context_serial; /* serial of the writing context (never reused in a process) */
   uint64_t serial;         /* forward_serial of the writing forward */
   int64_t T;               /* num_tokens of that forward */
+  int64_t shape[8];        /* the writing context's cfg T, H, F, E, K, Fs, W, rank */
   int64_t T_all[MOK_MAX_RANKS]; /* num_tokens of every rank in that step */
 } mok_saved_header_t;
 #define MOK_SAVED_MAGIC 0x6d6f6b2d73617664ull
@@ -89,6 +103,7 @@ typedef struct {
 typedef struct {
   size_t counts_all, topk_idx, slot_pos, topk_weight, logits, o_slots, shared_a, shared_h,
       x_rows, a_rows, h_rows, total;
+  int overflow;          /* a size did not fit in size_t: the plan is void */
 } mok_saved_plan_t;
 
 /* workspace (scratch of one call), offsets from the workspace start:
@@ -108,6 +123,7 @@ typedef struct {
       a_rows, h_rows, total;
   int64_t tree_len;      /* longest vector reduced by the tree */
   int64_t tree_vectors;  /* node buffers the tree needs */
+  int overflow;          /* a size did not fit in size_t: the plan is void */
 } mok_workspace_plan_t;
 
 #define MOK_ROW_BLOCK 512 /* rows per expert GEMM call on the CPU (bounds the scratch) */
@@ -131,6 +147,10 @@ static inline int64_t mok_tree_mid(int64_t lo, int64_t hi) {
 /* Backend entry points (arguments validated by api.c). */
 mok_status_t mok_cpu_forward(mok_context_t* ctx, const mok_forward_args_t* a);
 mok_status_t mok_cpu_backward(mok_context_t* ctx, const mok_backward_args_t* a);
+/* saved.c: the header a forward writes, and a backward's check of a saved buffer
+ * (MOK_STATUS_INVALID_SAVED; collective with W > 1: every rank gets the same verdict). */
+void mok_saved_header_write(mok_context_t* ctx, mok_saved_header_t* h, int64_t T, const int64_t* T_all);
+mok_status_t mok_cpu_saved_check(mok_context_t* ctx, const mok_backward_args_t* a);
 #ifdef __cplusplus
 }
 #endif

@@ -99,19 +99,30 @@ mok_status_t mok_cpu_comm_attach(mok_cpu_comm_t* comm, mok_context_t* ctx) {
     mok_cpu_comm_detach(comm, ctx);
     return s;
   }
-  /* every rank now reads every config; all come to the same verdict */
-  for (int p = 0; p < comm->num_ranks; p++) {
+  /* every rank now reads every config; all come to the same verdict, and leave only
+   * after the second barrier, when nobody reads another's config any more */
+  mok_status_t verdict = MOK_STATUS_SUCCESS;
+  for (int p = 0; p < comm->num_ranks && !verdict; p++) {
     const mok_config_t* pc = &comm->rank[p].ctx->cfg;
-    if (!same_layer(&ctx->cfg, pc)) {
-      mok_cpu_comm_detach(comm, ctx);
-      return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT,
-                     "rank %d: its config differs from rank %d's in the layer (H, F, E, K, W, "
-                     "router, Fs, numerics and wgrad must agree)",
-                     r, p);
-    }
+    if (!same_layer(&ctx->cfg, pc))
+      verdict = MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT,
+                        "rank %d: its config differs from rank %d's in the layer (H, F, E, K, W, "
+                        "router, Fs, numerics and wgrad must agree)",
+                        r, p);
     ctx->T_all[p] = pc->T;
   }
-  s = mok_cpu_comm_barrier(comm, ctx); /* nobody leaves while another still reads */
+  /* cfg.capacity is at most the rows that can ever arrive (mok.h) */
+  const int64_t most = verdict ? 0 : mok_capacity_max(&ctx->cfg, ctx->T_all);
+  for (int p = 0; p < comm->num_ranks && !verdict; p++) {
+    const int64_t cap = comm->rank[p].ctx->cfg.capacity;
+    if (cap > most)
+      verdict = MOK_ERR(ctx, MOK_STATUS_INVALID_SHAPE,
+                        "rank %d: cfg.capacity = %lld of rank %d exceeds the most rows a rank can receive, "
+                        "%lld = (sum of every rank's cfg.T) * min(K, E / W)",
+                        r, (long long)cap, p, (long long)most);
+  }
+  s = mok_cpu_comm_barrier(comm, ctx);
+  if (s == MOK_STATUS_SUCCESS) s = verdict;
   if (s != MOK_STATUS_SUCCESS) mok_cpu_comm_detach(comm, ctx);
   return s;
 }

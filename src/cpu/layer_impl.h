@@ -433,11 +433,7 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
   if (fused && a->topk_weight) memcpy(a->topk_weight, g, (size_t)(T * K) * sizeof(REAL));
   if (a->aux_loss) *(REAL*)a->aux_loss = aux;
   if (a->z_loss) *(REAL*)a->z_loss = zl;
-  st->hdr->magic = MOK_SAVED_MAGIC;
-  st->hdr->context_id = (uint64_t)(uintptr_t)ctx;
-  st->hdr->serial = ++ctx->forward_serial;
-  st->hdr->T = T;
-  memcpy(st->hdr->T_all, T_all, (size_t)W * sizeof(int64_t));
+  mok_saved_header_write(ctx, st->hdr, T, T_all);
   /* peers read this rank's ret_rows in their combine: nobody may start writing them in
    * a next call before all are done, which that call's first barrier guarantees */
   return MOK_STATUS_SUCCESS;

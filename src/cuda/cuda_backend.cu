@@ -555,6 +555,12 @@ static mok_status_t print_profile(mok_context_t* ctx) {
   return MOK_STATUS_SUCCESS;
 }
 
+mok_status_t mok_cuda_zero(mok_context_t* ctx, void* dst, size_t bytes, void* stream) {
+  DEVICE_SCOPE(ctx);
+  CUDA_TRY(ctx, cudaMemsetAsync(dst, 0, bytes, static_cast<cudaStream_t>(stream)));
+  return MOK_STATUS_SUCCESS;
+}
+
 mok_status_t mok_cuda_sync(mok_context_t* ctx) {
   GpuContext* g = gpu(ctx);
   DEVICE_SCOPE(ctx);
@@ -724,7 +730,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.s.nd = dispatch_tasks(p.s, c, gpu(ctx)->grid);
   p.s.nr = return_tasks(c, gpu(ctx)->grid, gpu(ctx)->clusters);
   p.st = make_step(ctx);
-  p.context_id = (uint64_t)(uintptr_t)ctx;
+  p.context_id = ctx->serial;
   p.serial = ++ctx->forward_serial;
   p.sv = saved_view(ctx, a->saved);
   p.capacity = (int)R;
@@ -791,7 +797,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   memset(&p, 0, sizeof p);
   p.s = make_shape(c, T, gpu(ctx)->clusters);
   p.st = make_step(ctx);
-  p.context_id = (uint64_t)(uintptr_t)ctx;
+  p.context_id = ctx->serial;
   p.wgrad_fp32 = c.wgrad == MOK_WGRAD_FP32_ACCUM;
   p.recompute = c.gate_up == MOK_GATE_UP_RECOMPUTE;
   p.sv = saved_view(ctx, const_cast<void*>(a->saved));

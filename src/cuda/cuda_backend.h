@@ -15,6 +15,8 @@ void mok_cuda_destroy(mok_context_t* ctx);
 void mok_cuda_sizes(const mok_context_t* ctx, size_t* saved_bytes, size_t* workspace_bytes);
 mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a);
 mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a);
+/* Zeroes bytes at device pointer dst on stream (a step of no tokens: its outputs). */
+mok_status_t mok_cuda_zero(mok_context_t* ctx, void* dst, size_t bytes, void* stream);
 /* Waits for the context's last launch and returns the status its kernel raised. */
 mok_status_t mok_cuda_sync(mok_context_t* ctx);
 
