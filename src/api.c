@@ -228,9 +228,9 @@ static mok_status_t validate_config(const mok_config_t* c) {
   /* sizes must fit: every dimension an int32 (row positions and the kernels' indices),
    * the largest buffers [W T K, H] and the weights below 2^53 elements (so the products
    * below, in double, are exact enough, and the plans' int64 products cannot wrap) */
-  const int64_t dims[] = {c->T, c->H, c->F, c->Fs, c->capacity};
-  static const char* const dim_names[] = {"cfg.T", "cfg.H", "cfg.F", "cfg.Fs", "cfg.capacity"};
-  for (int i = 0; i < 5; i++)
+  const int64_t dims[] = {c->T, c->H, c->F, c->Fs}; /* (capacity: bounded by the rows that can arrive) */
+  static const char* const dim_names[] = {"cfg.T", "cfg.H", "cfg.F", "cfg.Fs"};
+  for (int i = 0; i < 4; i++)
     if (dims[i] > INT32_MAX)
       return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "%s = %lld: must be at most 2^31 - 1 = %d", dim_names[i],
                      (long long)dims[i], INT32_MAX);

@@ -14,8 +14,9 @@ typedef struct {
 } test_case_t;
 
 /* What a case returns when this machine cannot run it (say why first): counted apart,
- * neither passed nor failed. */
-#define TEST_NOT_RUN 2
+ * neither passed nor failed. Negative, so that a case returning its count of failures
+ * (any positive number) is never taken for one that did not run. */
+#define TEST_NOT_RUN (-1)
 
 /* A suite file defines `const test_case_t suite_<name>[]` ending in {NULL, NULL}. */
 #define TEST_END {NULL, NULL}

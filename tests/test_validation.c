@@ -268,6 +268,19 @@ static int create_shape(void) {
   RULE(c.E = 0, "E");
   RULE(c.T = -1, "T");
   RULE(c.Fs = -1, "Fs");
+  /* capacity: at most the rows that can arrive, T min(K, E / W) here (2^62 once made
+   * the forward write past its buffers) */
+  RULE(c.capacity = T_ * K_ + 1, "capacity");
+  RULE(c.capacity = (int64_t)1 << 62, "capacity");
+  RULE((c.T = 64, c.H = 2, c.F = 2, c.E = 2, c.K = 2, c.Fs = 0, c.capacity = (int64_t)1 << 62), "capacity");
+  /* sizes that would not fit: refused at create, whatever the product */
+  const mok_status_t U = MOK_STATUS_UNSUPPORTED_SHAPE;
+  c = base_config(), c.H = (int64_t)1 << 40;
+  bad += expect_create(&c, U, -1, "H", "H = 2^40");
+  c = base_config(), c.T = 0, c.Fs = (int64_t)1 << 30, c.H = (int64_t)1 << 30;
+  bad += expect_create(&c, U, -1, "Fs", "T = 0, H = Fs = 2^30");
+  c = base_config(), c.T = (int64_t)1 << 31;
+  bad += expect_create(&c, U, -1, "T", "T = 2^31");
   /* E % W: with a communicator of 3, so that only the shape is wrong */
   mok_cpu_comm_t* comm3 = test_comm(3);
   TEST_ASSERT(comm3, "cpu_comm_create(3)");
@@ -294,6 +307,7 @@ static int create_argument(void) {
   RULE(c.numerics = (mok_numerics_t)2, "numerics");
   RULE(c.backend = (mok_backend_t)7, "backend");
   RULE(c.num_threads = -1, "num_threads");
+  RULE(c.num_threads = MOK_MAX_THREADS + 1, "num_threads");
   RULE(c.gate_up = (mok_gate_up_t)2, "gate_up");
   RULE(c.saved_use = (mok_saved_use_t)2, "saved_use");
 #undef RULE
@@ -521,29 +535,44 @@ static int invalid_context(void) {
   return 0;
 }
 
-/* T = 0: both calls succeed and write nothing (weight gradients accumulate in fp32, so
- * "nothing" is also the right gradient). */
+/* T = 0 at W = 1: both calls succeed and give what an empty batch gives: zero expert
+ * counts and losses, zero weight gradients (written in bf16, nothing added in fp32); y,
+ * dx and saved are not touched. */
 static int empty_batch(void) {
-  for (int replay = 0; replay < 2; replay++) {
-    fix_t f;
-    TEST_ASSERT(!fix_init(&f, replay, MOK_WGRAD_FP32_ACCUM), "fixture");
-    mok_forward_args_t a = f.fa;
-    a.num_tokens = 0;
-    a.tokens_per_expert = NULL, a.aux_loss = NULL, a.z_loss = NULL;
-    mok_backward_args_t b = f.ba;
-    b.num_tokens = 0;
-    poison(f.fwd_out, 1); /* y */
-    poison(f.bwd_out, f.num_bwd_out);
-    mok_status_t s = mok_forward(f.ctx, &a);
-    TEST_ASSERT(s == MOK_STATUS_SUCCESS, "forward T = 0 (replay %d): %s: %s", replay,
-                mok_status_string(s), mok_context_last_error(f.ctx));
-    s = mok_backward(f.ctx, &b);
-    TEST_ASSERT(s == MOK_STATUS_SUCCESS, "backward T = 0 (replay %d): %s: %s", replay,
-                mok_status_string(s), mok_context_last_error(f.ctx));
-    const char* t = touched(f.fwd_out, 1);
-    if (!t) t = touched(f.bwd_out, f.num_bwd_out);
-    TEST_ASSERT(!t, "T = 0 (replay %d) changed %s", replay, t);
-  }
+  for (int wgrad = 0; wgrad < 2; wgrad++)
+    for (int replay = 0; replay < 2; replay++) {
+      fix_t f;
+      TEST_ASSERT(!fix_init(&f, replay, wgrad), "fixture");
+      mok_forward_args_t a = f.fa;
+      a.num_tokens = 0;
+      mok_backward_args_t b = f.ba;
+      b.num_tokens = 0;
+      poison(f.fwd_out, f.num_fwd_out);
+      poison(f.bwd_out, f.num_bwd_out);
+      mok_status_t s = mok_forward(f.ctx, &a);
+      TEST_ASSERT(s == MOK_STATUS_SUCCESS, "forward T = 0 (replay %d, wgrad %d): %s: %s", replay, wgrad,
+                  mok_status_string(s), mok_context_last_error(f.ctx));
+      s = mok_backward(f.ctx, &b);
+      TEST_ASSERT(s == MOK_STATUS_SUCCESS, "backward T = 0 (replay %d, wgrad %d): %s: %s", replay, wgrad,
+                  mok_status_string(s), mok_context_last_error(f.ctx));
+      for (int i = 0; i < f.num_fwd_out; i++) {
+        const buf_t* o = &f.fwd_out[i];
+        const int zeroed = strcmp(o->name, "tokens_per_expert") == 0 || strcmp(o->name, "aux_loss") == 0 ||
+                           strcmp(o->name, "z_loss") == 0;
+        for (size_t k = 0; k < o->bytes; k++)
+          TEST_ASSERT(((const uint8_t*)o->ptr)[k] == (zeroed ? 0 : POISON), "forward T = 0 (replay %d): %s[%zu] = %d",
+                      replay, o->name, k, ((const uint8_t*)o->ptr)[k]);
+      }
+      for (int i = 0; i < f.num_bwd_out; i++) {
+        const buf_t* o = &f.bwd_out[i];
+        const int grad = strncmp(o->name, "d_w", 3) == 0 && !(replay && strcmp(o->name, "d_w_router") == 0);
+        const int zeroed = grad && wgrad == MOK_WGRAD_BF16;
+        for (size_t k = 0; k < o->bytes; k++)
+          TEST_ASSERT(((const uint8_t*)o->ptr)[k] == (zeroed ? 0 : POISON),
+                      "backward T = 0 (replay %d, wgrad %d): %s[%zu] = %d", replay, wgrad, o->name, k,
+                      ((const uint8_t*)o->ptr)[k]);
+      }
+    }
   return 0;
 }
 
