@@ -345,6 +345,24 @@ def _check_tensor(name, t, shape, dtype, device, dtype_hint=""):
         raise ValueError(f"mok: {name} is on {t.device}, but x is on {device}: all tensors must be on one device")
 
 
+def _narrow_topk_idx(topk_idx: Tensor, E: int) -> Tensor:
+    """int64 replay indices as the int32 libmok reads, never wrapped (2^32 + 5 must not
+    become expert 5). On the CPU every index is checked here, a ValueError naming the
+    first one outside [0, E). On the GPU that check would wait for the device, so an index
+    outside int32 becomes -1 instead, which the kernel refuses with
+    MOK_STATUS_INDEX_OUT_OF_RANGE (mok.synchronize raises it)."""
+    if topk_idx.dim() != 2:
+        return topk_idx.to(torch.int32)  # (its shape is refused next, by name)
+    if topk_idx.device.type == "cpu":
+        bad = ((topk_idx < 0) | (topk_idx >= E)).nonzero()
+        if bad.numel():
+            t, j = (int(v) for v in bad[0])
+            raise ValueError(f"mok: topk_idx[{t}, {j}] = {int(topk_idx[t, j])} is outside [0, num_experts = {E})")
+        return topk_idx.to(torch.int32)
+    outside = (topk_idx < -(2**31)) | (topk_idx >= 2**31)
+    return torch.where(outside, torch.full_like(topk_idx, -1), topk_idx).to(torch.int32)
+
+
 def moe_forward(
     x: Tensor,
     w_router: Optional[Tensor],
@@ -416,7 +434,7 @@ def moe_forward(
         if not isinstance(topk_idx, Tensor):
             raise TypeError(f"mok: topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
         if topk_idx.dtype == torch.int64:
-            topk_idx = topk_idx.to(torch.int32)
+            topk_idx = _narrow_topk_idx(topk_idx, E)
         _check_tensor("topk_idx", topk_idx, (T, K), torch.int32, dev, " (or torch.int64)")
         _check_tensor("topk_weight", topk_weight, (T, K), real, dev)
     _check_tensor("w13", w13, (El, 2 * F, H), act, dev, hint)

@@ -127,6 +127,22 @@ def test_cuda_replay_matches_cpu():
     assert all(e <= TOL for e in errs.values()), errs
 
 
+def test_cuda_int64_index_outside_int32_is_refused_on_the_device():
+    """An int64 replay index beyond int32 is not wrapped (2^32 + 5 is not expert 5): on
+    the GPU it is refused by the kernel, without a host wait, and reported by
+    mok.synchronize; the next step runs."""
+    gpu = mok.MoE(H, F, E, K, routing="replay", device="cuda")
+    x, dy, idx, w = inputs("cuda")
+    mok.synchronize()
+    bad = idx.long()
+    bad[3, 1] = 2**32 + 5
+    gpu(x, bad, w)
+    with pytest.raises(mok.MokError, match="INDEX_OUT_OF_RANGE"):
+        mok.synchronize()
+    gpu(x, idx.long(), w)
+    mok.synchronize()
+
+
 def test_cuda_two_steps_are_bitwise_equal():
     m = mok.MoE(H, F, E, K, aux_loss_coef=1e-2, shared_ffn=FS, device="cuda")
     x, dy, _, _ = inputs("cuda")

@@ -129,6 +129,18 @@ def test_replay_accepts_int64_indices():
     assert torch.equal(y32, y64)
 
 
+@pytest.mark.parametrize("value", [2**32 + 5, 2**32 + 1, -(2**32) + 3, E, -1])
+def test_replay_int64_indices_outside_int32_are_refused(value):
+    """An int64 index is range-checked before it is narrowed: 2^32 + 5 must not route to
+    expert 5, nor 2^32 + 1 read as a duplicate of expert 1."""
+    m = mok.MoE(H, F, E, K, routing="replay")
+    x, dy, idx, w = make_inputs(16, H, E, K)
+    idx = idx.long()
+    idx[3, 1] = value
+    with pytest.raises(ValueError, match=r"topk_idx\[3, 1\] = " + str(value)):
+        m(x, idx, w)
+
+
 def test_functional_form_matches_module():
     m = mok.MoE(H, F, E, K, shared_ffn=FS, aux_loss_coef=1e-2)
     x, _, _, _ = make_inputs(50, H, E, K)
