@@ -148,7 +148,9 @@ typedef struct {
   mok_wgrad_t wgrad;
   mok_numerics_t numerics;
   mok_backend_t backend;
-  int64_t capacity;    /* rows this rank can receive; 0 = safe default (all tokens of all ranks) */
+  int64_t capacity;    /* rows this rank can receive; 0 = safe default. At most the rows that can
+                          ever arrive, (sum of every rank's cfg.T) * min(K, E / W), which is
+                          also the default; above it: MOK_STATUS_INVALID_SHAPE */
   int num_threads;     /* CPU threads of this context, at most MOK_MAX_THREADS; 0 = all cores */
   double comm_timeout_s; /* bound on every wait for a peer; 0 = default (5 s) */
   mok_cpu_comm_t* cpu_comm; /* CPU backend with W > 1: the shared in-process communicator */
@@ -176,8 +178,10 @@ typedef struct {
  * EXACT numerics, where "fp32" tensors are double too). Pointers are host pointers for
  * the CPU backend, device pointers for CUDA; all 16-byte aligned, rows contiguous. */
 typedef struct {
-  int64_t num_tokens;        /* T of this call, 0 <= T <= config T; T = 0 with W = 1 is a
-                                no-op that writes nothing */
+  int64_t num_tokens;        /* T of this call, 0 <= T <= config T. T = 0 with W = 1 gives
+                                what an empty batch gives: tokens_per_expert, aux_loss and
+                                z_loss (those given) are written as zeros, nothing else is
+                                written, saved included */
   const void* x;             /* [T, H] bf16 */
   const void* w_router;      /* [E, H] bf16, fused routing */
   const float* bias_select;  /* [E] fp32, when use_bias_select */
@@ -199,7 +203,11 @@ typedef struct {
 } mok_forward_args_t;
 
 typedef struct {
-  int64_t num_tokens;        /* same T as the forward that wrote saved */
+  int64_t num_tokens;        /* same T as the forward that wrote saved (else
+                                MOK_STATUS_INVALID_SAVED). T = 0 with W = 1: saved is not
+                                read, and the weight gradients of no tokens are zero: bf16
+                                ones (MOK_WGRAD_BF16) written as zeros, fp32 ones
+                                (MOK_WGRAD_FP32_ACCUM) left as they are */
   const void* x;             /* [T, H] bf16, the forward's input */
   const void* w_router;      /* [E, H] bf16 */
   const void* w13;           /* [E/W, 2F, H] bf16 */
@@ -210,7 +218,15 @@ typedef struct {
   const float* d_aux_loss;   /* [1] gradient of aux_loss; NULL means 1 */
   const float* d_z_loss;     /* [1] gradient of z_loss; NULL means 1 */
   const void* saved;         /* written by mok_forward on this context (and by this call
-                                when cfg.saved_use = MOK_SAVED_REUSE) */
+                                when cfg.saved_use = MOK_SAVED_REUSE). Checked before use:
+                                its header names the writing context by a serial that is
+                                never reused in the process, the forward and the shape; the
+                                CPU backend also checks every index it holds (counts,
+                                experts, row positions) against the forward's layout, the
+                                CUDA backend every index that decides an address. A saved
+                                buffer that fails gives MOK_STATUS_INVALID_SAVED (CUDA: at
+                                mok_context_sync) and no output is written (with W > 1 on
+                                every rank) */
   size_t saved_bytes;
   void* dx;                  /* [T, H] bf16 out */
   float* d_topk_weight;      /* [T, K] fp32 out, replay routing */
