@@ -4,7 +4,7 @@ move through device memory over the copy bandwidth. A step can run no faster tha
 larger; mok's time over it is the gap issue 4 closes. With a bench JSON, each row's
 measured times are set against the floors.
 
-    python3 bench/floors.py [--json docs/bench-h200-....json] [--tflops 777] [--tbps 4.2]
+    python3 bench/floors.py [--json bench/results/bench-h200-....json] [--tflops 777] [--tbps 4.2]
 
 FLOPs: shapes.step_flops (3 x the forward's 6 T K H F + 2 T H E), as bench_moe.py
 counts them too. Bytes (bf16, 2 bytes an element), each tensor once:
