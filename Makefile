@@ -3,6 +3,7 @@
 #   make test       CPU test suite (what CI runs)
 #   make run        mok check + mok bench on the default shape
 #   make test-asan  the test suite under AddressSanitizer + UBSan
+#   make test-fuzz  the fuzz suite alone for FUZZ_SECONDS (default 60)
 
 CC      ?= gcc
 BUILD   ?= build
@@ -46,7 +47,7 @@ TOOL_OBJ := $(TOOL_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 MICRO    := $(if $(NVCC),$(patsubst bench/micro/%.cu,$(BUILD)/micro/%,$(wildcard bench/micro/*.cu)))
 
-.PHONY: all test test-gpu run test-asan clean info micro
+.PHONY: all test test-gpu run test-asan test-fuzz clean info micro
 all: info $(BUILD)/libmok.a $(BUILD)/libmok.so $(BUILD)/mok $(BUILD)/mok_tests $(MICRO)
 
 info:
@@ -118,11 +119,19 @@ run: $(BUILD)/mok
 	$(BUILD)/mok check --shape tiny --ranks 1,2,4
 	$(BUILD)/mok bench --shape tiny
 
-# the flags go through the environment so that the Makefile's own CFLAGS += still apply
+# the flags go through the environment so that the Makefile's own CFLAGS += still apply;
+# a UBSan report stops the run (halt_on_error), as an ASan one does. The fuzz suite runs
+# for its default budget here (MOK_FUZZ_SECONDS, tests/test_fuzz.c) unless that is set.
 test-asan:
 	CFLAGS="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer" LDLIBS="-fsanitize=address,undefined" \
 	  $(MAKE) BUILD=build-asan build-asan/mok_tests
-	ASAN_OPTIONS=detect_leaks=1 build-asan/mok_tests
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 build-asan/mok_tests
+
+# Random configs and arguments, valid and invalid, through create, forward and backward
+# on W CPU ranks (tests/test_fuzz.c); a failure prints the line that replays it.
+FUZZ_SECONDS ?= 60
+test-fuzz: $(BUILD)/mok_tests
+	MOK_FUZZ_SECONDS=$(FUZZ_SECONDS) $(BUILD)/mok_tests -k fuzz
 
 clean:
 	rm -rf build build-asan

@@ -26,7 +26,7 @@ static const struct {
 #endif
 #else
     {"validation", suite_validation}, {"grad", suite_grad},   {"numerics", suite_numerics},
-    {"determinism", suite_determinism}, {"edge", suite_edge},
+    {"determinism", suite_determinism}, {"edge", suite_edge},         {"fuzz", suite_fuzz},
 #endif
 };
 

@@ -21,7 +21,7 @@ typedef struct {
 /* A suite file defines `const test_case_t suite_<name>[]` ending in {NULL, NULL}. */
 #define TEST_END {NULL, NULL}
 extern const test_case_t suite_validation[], suite_grad[], suite_numerics[], suite_determinism[],
-    suite_edge[], suite_gpu[], suite_gpu_comm[];
+    suite_edge[], suite_fuzz[], suite_gpu[], suite_gpu_comm[];
 
 extern uint64_t test_seed; /* printed by the runner; every case derives its inputs from it */
 
