@@ -1,7 +1,7 @@
 # mok — build, test and run. `make` builds the library, the `mok` command and the test
 # runner, and compiles every .cu file for sm_90a when nvcc is found.
 #   make test       CPU test suite (what CI runs)
-#   make run        mok check + mok bench on the default shape
+#   make run        mok check + mok bench on the default shape (no GPU visible: CPU-only, in build-cpu/)
 #   make test-asan  the test suite under AddressSanitizer + UBSan
 #   make test-fuzz  the fuzz suite alone for FUZZ_SECONDS (default 60)
 
@@ -115,9 +115,19 @@ test-gpu: $(BUILD)/mok_gpu_tests $(BUILD)/libmok.so
 	MOK_LIBRARY=$(abspath $(BUILD))/libmok.so $(PYTHON) -m pytest -q python/tests/test_cuda.py python/tests/test_cuda_ep.py
 	$(BUILD)/mok_gpu_tests
 
-run: $(BUILD)/mok
-	$(BUILD)/mok check --shape tiny --ranks 1,2,4
-	$(BUILD)/mok bench --shape tiny
+# `make run` builds what the run needs: with nvcc found but no GPU visible (no
+# /dev/nvidia0, or nvidia-smi -L fails) a CPU-only mok in build-cpu/ (NVCC=), seconds,
+# not the sm_90a kernels, minutes, that nothing here could run. RUN_GPU is worked out
+# once, and only when run's recipe is expanded.
+RUN_GPU = $(eval RUN_GPU := $(shell [ -e /dev/nvidia0 ] && nvidia-smi -L > /dev/null 2>&1 && echo yes))$(RUN_GPU)
+RUN_CPU_ONLY = $(if $(NVCC),$(if $(RUN_GPU),,yes))
+RUN_MOK = $(if $(RUN_CPU_ONLY),build-cpu/mok,$(BUILD)/mok)
+RUN_NOTE = make run: no GPU visible (no /dev/nvidia0, or nvidia-smi -L fails), so compiling a CPU-only mok in build-cpu/ (NVCC=), not the sm_90a kernels (minutes, for a GPU)
+run:
+	@$(if $(RUN_CPU_ONLY),echo "$(RUN_NOTE)")
+	@$(MAKE) --no-print-directory $(if $(RUN_CPU_ONLY),NVCC= BUILD=build-cpu) $(RUN_MOK)
+	$(RUN_MOK) check --shape tiny --ranks 1,2,4
+	$(RUN_MOK) bench --shape tiny
 
 # the flags go through the environment so that the Makefile's own CFLAGS += still apply;
 # a UBSan report stops the run (halt_on_error), as an ASan one does. The fuzz suite runs

@@ -2,11 +2,13 @@
  * (determinism D1-D4 on the spot, and the CUDA backend against the CPU backend) and
  * `mok bench` (step time and FLOP/s on a named shape, plus the CPU GEMM alone). It
  * drives the library through the problem fixture of tools/problem.h: one random global
- * batch, run on W CPU ranks or on one GPU.
+ * batch, run on W CPU ranks or on GPUs. A run that would need more host memory than is
+ * available is refused before anything is allocated.
  *
- * Exit status: 0 all good, 1 a check or a run failed, 2 a usage error or a backend
- * that cannot run here. */
+ * Exit status: 0 all good, 1 a check or a run failed, 2 a usage error, or a backend or
+ * a shape that cannot run here (no device, too little memory). */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <math.h>
 #include <omp.h>
 #include <stdarg.h>
@@ -22,6 +24,10 @@
 
 #ifdef MOK_HAVE_CUDA
 #include <cuda_runtime_api.h>
+#endif
+
+#ifndef MOK_MAX_THREADS /* (mok.h from before the library bounded cfg.num_threads) */
+#define MOK_MAX_THREADS 1024
 #endif
 
 #define MAX_RANK_LIST 8
@@ -63,7 +69,7 @@ static void usage(FILE* out) {
           "      --shape NAME          named shape (default tiny)\n"
           "      --ranks W1,W2,...     expert-parallel sizes to compare (default 1,2,4)\n"
           "      --seed N              random inputs (default: fresh, printed)\n"
-          "      --threads N           threads per rank (default cores / W, at least 1)\n"
+          "      --threads N           threads per rank, 0..%d (default cores / W, at least 1)\n"
           "      --gate-up keep|recompute  backward reads gate|up kept by forward (default),\n"
           "                            or computes it again (cfg.gate_up)\n"
           "      --saved keep|reuse    backward leaves saved as it is (default), or writes\n"
@@ -73,14 +79,15 @@ static void usage(FILE* out) {
           "      --shape NAME          named shape (default tiny)\n"
           "      --ranks W             expert-parallel size (default 1)\n"
           "      --steps N             timed steps (cpu: 5, 1 for the model shapes; cuda: 20)\n"
-          "      --threads N           threads per rank (default cores / W, at least 1)\n"
+          "      --threads N           threads per rank, 0..%d (default cores / W, at least 1)\n"
           "      --seed N              random inputs (default 1)\n"
           "      --gate-up keep|recompute  as for check\n"
           "      --saved keep|reuse    as for check\n"
-          "      --json FILE           also write the figures as JSON\n"
+          "      --json FILE           also write the figures as JSON (checked before the run)\n"
           "  help                      this text\n"
           "\n"
-          "Shapes (tokens per rank, H, F, E, K); a run on W ranks has W x T tokens:\n");
+          "Shapes (tokens per rank, H, F, E, K); a run on W ranks has W x T tokens:\n",
+          MOK_MAX_THREADS, MOK_MAX_THREADS);
   for (int i = 0; i < NUM_SHAPES; i++) {
     const shape_t* s = &kShapes[i];
     fprintf(out, "  %-14s T %-6lld H %-5lld F %-6lld E %-4lld K %lld\n", s->name,
@@ -132,31 +139,53 @@ static void cpu_model(char* out, size_t len) {
   fclose(f);
 }
 
+/* s, the whole of it, as a decimal integer in lo..hi: an optional sign, then digits
+ * (no space, no trailing character, no value past int64's range). */
 static int parse_i64(const char* s, int64_t lo, int64_t hi, int64_t* out) {
+  const char* digits = *s == '-' || *s == '+' ? s + 1 : s;
+  if (*digits < '0' || *digits > '9') return 0;
   char* end;
+  errno = 0;
   long long v = strtoll(s, &end, 10);
-  if (end == s || *end || v < lo || v > hi) return 0;
+  if (errno == ERANGE || *end || v < lo || v > hi) return 0;
   *out = v;
   return 1;
 }
 
-/* "1,2,4" -> {1, 2, 4}; returns the count, 0 on a malformed list. */
+/* --name's integer value in lo..hi (note: what the range means, or ""); else a usage
+ * error (2) naming the option and its range. */
+static int parse_int_option(const char* name, const char* value, int64_t lo, int64_t hi, const char* note,
+                            int64_t* out) {
+  if (parse_i64(value, lo, hi, out)) return 0;
+  return usage_error("--%s needs an integer in %lld..%lld%s, not '%s'", name, (long long)lo, (long long)hi,
+                     note, value);
+}
+
+/* --ranks of check: "1,2,4" -> {1, 2, 4}, each 1..64, at most MAX_RANK_LIST, no empty
+ * item. Returns the count, or 0 after a usage error. */
 static int parse_ranks(const char* s, int* ranks) {
   int n = 0;
-  const char* p = s;
-  while (*p) {
-    char* end;
-    long v = strtol(p, &end, 10);
-    if (end == p || v < 1 || v > 64 || n == MAX_RANK_LIST) return 0;
-    ranks[n++] = (int)v;
-    if (*end == ',')
-      p = end + 1;
-    else if (*end == 0)
-      p = end;
-    else
+  for (const char* p = s;; n++) {
+    const size_t len = strcspn(p, ",");
+    char item[32] = "";
+    int64_t v = 0;
+    if (len == 0 || n == MAX_RANK_LIST || len >= sizeof item ||
+        (memcpy(item, p, len), !parse_i64(item, 1, 64, &v))) {
+      char why[64];
+      if (len == 0)
+        snprintf(why, sizeof why, "item %d is empty", n + 1);
+      else if (n == MAX_RANK_LIST)
+        snprintf(why, sizeof why, "more than %d sizes", MAX_RANK_LIST);
+      else
+        snprintf(why, sizeof why, "'%.*s' is not an integer in 1..64", (int)(len < 20 ? len : 20), p);
+      usage_error("--ranks needs a list like 1,2,4 (each 1..64, at most %d), not '%s': %s", MAX_RANK_LIST, s,
+                  why);
       return 0;
+    }
+    ranks[n] = (int)v;
+    if (!p[len]) return n + 1;
+    p += len + 1;
   }
-  return n;
 }
 
 static const shape_t* find_shape(const char* name) {
@@ -228,16 +257,15 @@ static int parse_options(int argc, char** argv, const char* allowed, options_t* 
       if (either(name, value, "keep", "reuse", &second)) return 2;
       o->saved_use = second ? MOK_SAVED_REUSE : MOK_SAVED_KEEP;
     } else if (strcmp(name, "seed") == 0) {
-      if (!parse_i64(value, 0, INT64_MAX, &o->seed))
-        return usage_error("--seed needs a non-negative integer, not '%s'", value);
+      if (parse_int_option(name, value, 0, INT64_MAX, "", &o->seed)) return 2;
       o->has_seed = 1;
     } else if (strcmp(name, "steps") == 0) {
-      if (!parse_i64(value, 1, 1000000, &o->steps))
-        return usage_error("--steps needs a positive integer, not '%s'", value);
+      if (parse_int_option(name, value, 1, 1000000, "", &o->steps)) return 2;
       o->has_steps = 1;
     } else if (strcmp(name, "threads") == 0) {
-      if (!parse_i64(value, 0, 4096, &o->threads))
-        return usage_error("--threads needs an integer >= 0 (0 = all cores), not '%s'", value);
+      if (parse_int_option(name, value, 0, MOK_MAX_THREADS,
+                           " (0 = all cores; MOK_MAX_THREADS, the library's bound)", &o->threads))
+        return 2;
       o->has_threads = 1;
     }
   }
@@ -292,6 +320,13 @@ static void gpu_name(char* out, size_t len) {
 #endif
 }
 
+/* Whether an NVIDIA driver is on this machine: its kernel module (/proc/driver/nvidia)
+ * or a GPU's device file. Writes the device file's path to `missing`, to say what is not there. */
+static int nvidia_driver_present(const char** missing) {
+  *missing = "/dev/nvidia0";
+  return access("/proc/driver/nvidia/version", F_OK) == 0 || access("/dev/nvidia0", F_OK) == 0;
+}
+
 /* Checks --backend (default cpu); prints what the command runs on. Returns 0, or the
  * exit status. */
 static int resolve_backend(const options_t* o, const char* command, backend_t* b) {
@@ -301,7 +336,7 @@ static int resolve_backend(const options_t* o, const char* command, backend_t* b
     printf("mok %s: CPU backend%s\n", command, o->backend ? "" : " (--backend cuda for the GPU)");
 #else
     printf("mok %s: CPU backend%s\n", command,
-           o->backend ? "" : " (no GPU backend is built in this version)");
+           o->backend ? "" : " (this build has no CUDA backend: built without nvcc)");
 #endif
     return 0;
   }
@@ -310,6 +345,12 @@ static int resolve_backend(const options_t* o, const char* command, backend_t* b
 #ifdef MOK_HAVE_CUDA
   char msg[600] = "";
   mok_status_t s = cuda_probe(msg, sizeof msg);
+  const char* missing;
+  if (s && !nvidia_driver_present(&missing)) {
+    fprintf(stderr, "mok: --backend cuda: no NVIDIA driver on this machine (no %s); the CPU backend "
+            "serves: leave out --backend cuda\n", missing);
+    return 2;
+  }
   if (s) {
     fprintf(stderr, "mok: --backend cuda: %s\n  %s\n", mok_status_string(s), msg);
     return 2;
@@ -320,7 +361,7 @@ static int resolve_backend(const options_t* o, const char* command, backend_t* b
   *b = BACKEND_CUDA;
   return 0;
 #else
-  fprintf(stderr, "mok: --backend cuda: %s: the CUDA backend is not built in this version\n",
+  fprintf(stderr, "mok: --backend cuda: %s: this build has no CUDA backend (built without nvcc)\n",
           mok_status_string(MOK_STATUS_BACKEND_UNAVAILABLE));
   return 2;
 #endif
@@ -362,26 +403,86 @@ static int default_threads(int W) {
   return t > 0 ? t : 1;
 }
 
+/* ---- host memory: a run that cannot fit is refused before it allocates ---- */
+
+/* Host memory a new run can take: MemAvailable of /proc/meminfo, else the free pages
+ * (sysconf); *source says which. 0 when neither is known. */
+static size_t available_bytes(const char** source) {
+  *source = "MemAvailable in /proc/meminfo";
+  FILE* f = fopen("/proc/meminfo", "r");
+  if (f) {
+    char line[256];
+    unsigned long long kib;
+    while (fgets(line, sizeof line, f))
+      if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) {
+        fclose(f);
+        return (size_t)kib * 1024;
+      }
+    fclose(f);
+  }
+  *source = "free pages, sysconf";
+  const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : 0;
+}
+
+/* Host bytes of the runs of a command, from the shape alone (shape_only) or with the
+ * saved and workspace sizes the library reports for the runs' contexts. */
+typedef struct {
+  const mok_config_t* cfg;
+  int64_t T_global;
+  int shape_only;
+  char err[600];
+} need_t;
+
+/* One CPU run on W ranks of `threads` each, beyond its problem. */
+static mok_status_t run_need(need_t* n, int64_t T_global, int W, int threads, size_t* bytes) {
+  mok_run_opts_t ro = MOK_RUN_OPTS_INIT;
+  ro.W = W;
+  ro.num_threads = threads;
+  return mok_problem_run_bytes(n->cfg, T_global, &ro, n->shape_only, bytes, n->err, sizeof n->err);
+}
+
+/* 0 when `need` bytes fit in the available memory (or it is not known); else prints
+ * one line naming the shape, the bytes needed and available, and returns 2. */
+static int refuse_if_too_big(const shape_t* s, const char* ranks, int shape_only, size_t need) {
+  const char* source;
+  const size_t avail = available_bytes(&source);
+  if (avail == 0 || need <= avail) return 0;
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  fflush(stdout);
+  fprintf(stderr,
+          "mok: not enough memory for shape %s (%s): the run needs %s%zu bytes (%.1f GiB) of host "
+          "memory, %zu bytes (%.1f GiB) are available (%s); nothing was run\n",
+          s->name, ranks, shape_only ? "at least " : "", need, (double)need / gib, avail,
+          (double)avail / gib, source);
+  return 2;
+}
+
 /* ---- mok info ---- */
 
 static int cmd_info(void) {
   const int v = mok_version();
   char model[256];
   cpu_model(model, sizeof model);
+  const char* missing;
+  const int driver = nvidia_driver_present(&missing);
   printf("mok %d.%d.%d (library), built against mok.h %d.%d.%d\n", v / 10000, v / 100 % 100,
          v % 100, MOK_VERSION_MAJOR, MOK_VERSION_MINOR, MOK_VERSION_PATCH);
   printf("backends:\n");
-  printf("  cpu     built: reference backend, C11 + OpenMP\n");
+  printf("  cpu     built, usable: the reference backend, C11 + OpenMP\n");
+  int cuda_usable = 0;
 #ifdef MOK_HAVE_CUDA
   char msg[600] = "";
   mok_status_t s = cuda_probe(msg, sizeof msg);
-  if (s)
-    printf("  cuda    built (sm_90a), not usable here: %s\n          %s\n", mok_status_string(s),
-           msg);
+  cuda_usable = s == MOK_STATUS_SUCCESS;
+  if (cuda_usable)
+    printf("  cuda    built (sm_90a), usable: one GPU per context, a GPU per rank for W > 1\n");
+  else if (!driver)
+    printf("  cuda    built (sm_90a), not usable here: no NVIDIA driver on this machine (no %s)\n", missing);
   else
-    printf("  cuda    built (sm_90a), usable (one GPU per context, W = 1 in this version)\n");
+    printf("  cuda    built (sm_90a), not usable here: %s\n          %s\n", mok_status_string(s), msg);
 #else
-  printf("  cuda    not built in this version (built without nvcc)\n");
+  printf("  cuda    not built: this mok was built without nvcc (NVCC= or no nvcc found)\n");
 #endif
   printf("cpu:      %s, %d cores online\n", model, num_cores());
   const char* env = getenv("OMP_NUM_THREADS");
@@ -391,7 +492,9 @@ static int cmd_info(void) {
   int num_gpus = 0;
   cudaError_t ce = cudaGetDeviceCount(&num_gpus);
   if (ce != cudaSuccess) num_gpus = 0;
-  if (ce != cudaSuccess)
+  if (ce != cudaSuccess && !driver)
+    printf("gpus:     none: no NVIDIA driver on this machine (no %s)\n", missing);
+  else if (ce != cudaSuccess)
     printf("gpus:     none visible (%s)\n", cudaGetErrorString(ce));
   else
     printf("gpus:     %d\n", num_gpus);
@@ -411,8 +514,17 @@ static int cmd_info(void) {
       }
     printf("\n");
   }
-  printf("nccl:     W > 1 on GPUs: a rank per GPU, loaded when a context of W > 1 is created\n");
+  if (num_gpus > 0)
+    printf("nccl:     W > 1 on GPUs: a rank per GPU, loaded when a context of W > 1 is created\n");
+#else
+  if (driver)
+    printf("gpus:     an NVIDIA driver is here; a mok built with nvcc would run on its GPUs\n");
+  else
+    printf("gpus:     none: no NVIDIA driver on this machine (no %s)\n", missing);
 #endif
+  if (!cuda_usable)
+    printf("here:     the CPU backend serves: mok check and mok bench run on it (--backend cpu, "
+           "the default)\n");
   return v == MOK_VERSION_CODE ? 0 : 1;
 }
 
@@ -482,8 +594,8 @@ static int views_equal(const mok_tensor_view_t* got, const mok_tensor_view_t* wa
     char a[64], b[64];
     format_element(&got[i], at, a, sizeof a);
     format_element(&want[i], at, b, sizeof b);
-    snprintf(detail, len, "first difference %s[%lld]: %s vs %s", want[i].name, (long long)at, a,
-             b);
+    snprintf(detail, len, "not bitwise identical: first difference %s[%lld]: %s vs %s", want[i].name,
+             (long long)at, a, b);
     return 0;
   }
   return 1;
@@ -492,20 +604,25 @@ static int views_equal(const mok_tensor_view_t* got, const mok_tensor_view_t* wa
 /* ---- mok check ---- */
 
 typedef struct {
-  int num_checks, num_failed;
+  int num_checks, num_failed, num_bitwise;
 } tally_t;
 
-static void report(tally_t* t, const char* label, int ok, const char* detail) {
+#define BITWISE "bitwise identical"
+
+/* One line: the label, dots, then ok_text (BITWISE for a comparison of every byte) or
+ * FAILED and the detail below. */
+static void report(tally_t* t, const char* label, int ok, const char* ok_text, const char* detail) {
   char padded[64];
   snprintf(padded, sizeof padded, "%s ", label);
   size_t n = strlen(padded);
   while (n < 52) padded[n++] = '.';
   padded[n] = 0;
-  printf("%s %s\n", padded, ok ? "ok" : "FAILED");
+  printf("%s %s\n", padded, ok ? ok_text : "FAILED");
   if (!ok && detail && *detail) printf("    %s\n", detail);
   fflush(stdout);
   t->num_checks++;
   t->num_failed += !ok;
+  t->num_bitwise += strcmp(ok_text, BITWISE) == 0;
 }
 
 /* Runs p and keeps its outputs in *snap; on failure reports the label as FAILED with
@@ -517,11 +634,11 @@ static int run_snapshot(tally_t* t, const char* label, backend_t b, mok_problem_
   if (s) {
     char detail[700];
     snprintf(detail, sizeof detail, "%s: %s", mok_status_string(s), err);
-    report(t, label, 0, detail);
+    report(t, label, 0, "ok", detail);
     return 0;
   }
   if (!snapshot_take(p, o->backward, snap)) {
-    report(t, label, 0, "out of host memory");
+    report(t, label, 0, "ok", "out of host memory");
     return 0;
   }
   return 1;
@@ -534,7 +651,7 @@ static void check_run(tally_t* t, const char* label, backend_t b, mok_problem_t*
   if (!run_snapshot(t, label, b, p, o, &cur)) return;
   char detail[256] = "";
   int ok = cur.n == ref->n && views_equal(cur.v, ref->v, ref->n, detail, sizeof detail);
-  report(t, label, ok, detail);
+  report(t, label, ok, BITWISE, detail);
   snapshot_free(&cur);
 }
 
@@ -588,6 +705,33 @@ static int outputs_sane(const snapshot_t* s, char* detail, size_t len) {
   return 1;
 }
 
+/* Host bytes at mok check's peak: the problem and the reference's outputs (and the CPU
+ * oracle's, on cuda) all along, with the largest of a second copy of the outputs, a CPU
+ * run at each W of the list (on cuda the oracle's alone, at W0; the GPU runs keep their
+ * buffers on the devices) and D4's problem of 4 tokens with its run. */
+static mok_status_t check_need(need_t* n, const int* ranks, int num_ranks, const options_t* o, int cuda,
+                               size_t* bytes) {
+  const size_t outputs = mok_problem_outputs_bytes(n->cfg, n->T_global, 1);
+  size_t peak = outputs, run = 0;
+  for (int i = 0; i < (cuda ? 1 : num_ranks); i++) {
+    const int threads = o->has_threads ? (int)o->threads : default_threads(ranks[i]);
+    mok_status_t s = run_need(n, n->T_global, ranks[i], threads, &run);
+    if (s) return s;
+    if (run > peak) peak = run;
+  }
+  const int64_t T4 = n->T_global < 4 ? n->T_global : 4;
+  run = 0;
+  if (!cuda) {
+    const int threads = o->has_threads ? (int)o->threads : default_threads(ranks[0]);
+    mok_status_t s = run_need(n, T4, ranks[0], threads, &run);
+    if (s) return s;
+  }
+  const size_t d4 = mok_problem_host_bytes(n->cfg, T4) + run;
+  if (d4 > peak) peak = d4;
+  *bytes = mok_problem_host_bytes(n->cfg, n->T_global) + outputs * (cuda ? 2 : 1) + peak;
+  return MOK_STATUS_SUCCESS;
+}
+
 static int cmd_check(int argc, char** argv) {
   options_t o = {0};
   int rc = parse_options(argc, argv, " backend shape ranks seed threads gate-up saved ", &o);
@@ -596,9 +740,7 @@ static int cmd_check(int argc, char** argv) {
   if (!shape) return unknown_shape(o.shape);
   int ranks[MAX_RANK_LIST] = {1, 2, 4};
   int num_ranks = 3;
-  if (o.ranks && !(num_ranks = parse_ranks(o.ranks, ranks)))
-    return usage_error("--ranks needs a list like 1,2,4 (each 1..64, at most %d), not '%s'",
-                       MAX_RANK_LIST, o.ranks);
+  if (o.ranks && !(num_ranks = parse_ranks(o.ranks, ranks))) return 2;
   backend_t backend;
   if ((rc = resolve_backend(&o, "check", &backend))) return rc;
   const int cuda = backend == BACKEND_CUDA;
@@ -634,18 +776,31 @@ static int cmd_check(int argc, char** argv) {
            (unsigned long long)seed, (unsigned long long)seed, W0,
            threads_str(threads, tstr, sizeof tstr), o.has_threads ? "" : " (cores / W)");
   fflush(stdout);
+
+  mok_config_t cfg = layer_config(shape, &o);
+  mok_status_t s = MOK_STATUS_SUCCESS;
+  for (int shape_only = 1; shape_only >= 0; shape_only--) { /* the shape first, then the contexts' sizes */
+    need_t n = {&cfg, T_global, shape_only, ""};
+    size_t need = 0;
+    if ((s = check_need(&n, ranks, num_ranks, &o, cuda, &need))) {
+      fprintf(stderr, "mok: cannot size the runs: %s: %s\n", mok_status_string(s), n.err);
+      return 1;
+    }
+    char ranks_str[64];
+    snprintf(ranks_str, sizeof ranks_str, "--ranks %s", o.ranks ? o.ranks : "1,2,4");
+    if ((rc = refuse_if_too_big(shape, ranks_str, shape_only, need))) return rc;
+  }
   if (shape->big)
     fprintf(stderr, "mok: warning: shape %s on the CPU backend is slow (%.0f GFLOP per step)\n",
             shape->name, 3.0 * forward_flops(shape, T_global) * 1e-9);
 
-  mok_config_t cfg = layer_config(shape, &o);
   mok_problem_t* p = NULL;
-  mok_status_t s = mok_problem_create(&cfg, T_global, seed, &p);
+  s = mok_problem_create(&cfg, T_global, seed, &p);
   if (s) {
     fprintf(stderr, "mok: cannot create the problem: %s\n", mok_status_string(s));
     return 1;
   }
-  tally_t tally = {0, 0};
+  tally_t tally = {0, 0, 0};
   char label[64], err[600] = "", detail[700] = "";
   snapshot_t ref = {0}, oracle = {0};
   mok_run_opts_t ref_opts = MOK_RUN_OPTS_INIT;
@@ -659,14 +814,15 @@ static int cmd_check(int argc, char** argv) {
   ref_opts.steps = 3;
   if (!run_snapshot(&tally, "reference run", backend, p, &ref_opts, &ref)) goto done;
   int sane = outputs_sane(&ref, detail, sizeof detail);
-  report(&tally, "outputs finite, y and gradients non-zero", sane, detail);
+  report(&tally, "outputs finite, y and gradients non-zero", sane, "ok", detail);
   if (cuda) {
     double worst;
     detail[0] = 0;
     int ok = views_close(&ref, &oracle, 1e-2, &worst, detail, sizeof detail);
     snprintf(label, sizeof label, "CUDA vs CPU (worst relative error %.1e)", worst);
-    report(&tally, label, ok, detail);
+    report(&tally, label, ok, "within 1e-2", detail);
   }
+  printf("D1-D3 compare every output (y, dx, weight gradients, routing, losses) bit for bit, D4 y:\n");
 
   /* D1: the same run again, and 1 step against 3 */
   check_run(&tally, "D1 run-to-run (2 runs, 3 steps)", backend, p, &ref_opts, &ref);
@@ -717,7 +873,7 @@ static int cmd_check(int argc, char** argv) {
     snprintf(label, sizeof label, "D4 first %lld tokens alone vs in batch (y)", (long long)T4);
     s = mok_problem_create(&cfg, T4, seed, &p4);
     if (s) {
-      report(&tally, label, 0, mok_status_string(s));
+      report(&tally, label, 0, BITWISE, mok_status_string(s));
       goto done;
     }
     const int64_t H = cfg.H, F = cfg.F, E = cfg.E, Fs = cfg.Fs;
@@ -734,7 +890,7 @@ static int cmd_check(int argc, char** argv) {
     s = run_problem(backend, p4, &fwd, err, sizeof err);
     if (s) {
       snprintf(detail, sizeof detail, "%s: %s", mok_status_string(s), err);
-      report(&tally, label, 0, detail);
+      report(&tally, label, 0, BITWISE, detail);
     } else {
       mok_tensor_view_t got[MAX_VIEWS];
       mok_problem_outputs(p4, 0, got, MAX_VIEWS); /* views[0] is y */
@@ -742,7 +898,7 @@ static int cmd_check(int argc, char** argv) {
       want.count = got[0].count;
       detail[0] = 0;
       int ok = views_equal(&got[0], &want, 1, detail, sizeof detail);
-      report(&tally, label, ok, detail);
+      report(&tally, label, ok, BITWISE, detail);
     }
     mok_problem_destroy(p4);
   }
@@ -755,7 +911,7 @@ done:
     printf("%d of %d checks FAILED (seed %llu)\n", tally.num_failed, tally.num_checks,
            (unsigned long long)seed);
   else
-    printf("all %d checks ok\n", tally.num_checks);
+    printf("all %d checks ok (%d bitwise comparisons)\n", tally.num_checks, tally.num_bitwise);
   return tally.num_failed ? 1 : 0;
 }
 
@@ -814,6 +970,14 @@ static int bench_gemm(gemm_result_t* g) {
   return ok;
 }
 
+/* --json's file, opened before the run so that a path that cannot be written fails at
+ * once; for appending, so that a file already there keeps its contents until the
+ * figures replace them. *created: no file was there. */
+static FILE* json_open(const char* path, int* created) {
+  *created = access(path, F_OK) != 0;
+  return fopen(path, "a");
+}
+
 static int cmd_bench(int argc, char** argv) {
   options_t o = {0};
   int rc = parse_options(argc, argv, " backend shape ranks steps threads seed json gate-up saved ", &o);
@@ -821,8 +985,7 @@ static int cmd_bench(int argc, char** argv) {
   const shape_t* shape = find_shape(o.shape ? o.shape : "tiny");
   if (!shape) return unknown_shape(o.shape);
   int64_t W = 1;
-  if (o.ranks && !parse_i64(o.ranks, 1, 64, &W))
-    return usage_error("--ranks needs one expert-parallel size 1..64, not '%s'", o.ranks);
+  if (o.ranks && parse_int_option("ranks", o.ranks, 1, 64, " (one expert-parallel size)", &W)) return 2;
   if (shape->E % W)
     return usage_error("W = %lld does not divide E = %lld of shape %s", (long long)W,
                        (long long)shape->E, shape->name);
@@ -834,6 +997,14 @@ static int cmd_bench(int argc, char** argv) {
             (long long)W, gpu_count());
     return 2;
   }
+  int json_created = 0;
+  FILE* json = o.json ? json_open(o.json, &json_created) : NULL;
+  if (o.json && !json) {
+    fprintf(stderr, "mok: --json %s: cannot write it: %s\n", o.json, strerror(errno));
+    return 2;
+  }
+  mok_problem_t* p = NULL;
+  double *fwd = NULL, *bwd = NULL, *step = NULL;
   /* CPU: 5 steps, 1 for the model shapes (minutes each); GPU: 20, as bench/ does */
   const int steps = o.has_steps ? (int)o.steps : cuda ? 20 : shape->big ? 1 : 5;
   const int threads = o.has_threads ? (int)o.threads : default_threads((int)W);
@@ -860,6 +1031,25 @@ static int cmd_bench(int argc, char** argv) {
   printf("%d timed step%s, each a fresh run: a warm-up step, then the timed step; median\n",
          steps, steps > 1 ? "s" : "");
   fflush(stdout);
+
+  mok_config_t cfg = layer_config(shape, &o);
+  /* host memory: the problem, and on the CPU a run of W ranks; from the shape first, then
+   * with the saved and workspace sizes of the run's contexts */
+  mok_status_t s = MOK_STATUS_SUCCESS;
+  char ranks_str[32];
+  snprintf(ranks_str, sizeof ranks_str, "W = %lld", (long long)W);
+  for (int shape_only = 1; shape_only >= 0; shape_only--) {
+    need_t n = {&cfg, T_global, shape_only, ""};
+    size_t run = 0;
+    if (!cuda && (s = run_need(&n, T_global, (int)W, threads, &run))) {
+      fprintf(stderr, "mok: cannot size the run: %s: %s\n", mok_status_string(s), n.err);
+      rc = 1;
+      goto done;
+    }
+    if ((rc = refuse_if_too_big(shape, ranks_str, shape_only, mok_problem_host_bytes(&cfg, T_global) + run)))
+      goto done;
+    if (cuda) break;
+  }
   if (shape->big && !cuda)
     fprintf(stderr,
             "mok: warning: shape %s on the CPU backend is slow (%.0f GFLOP per step); "
@@ -867,16 +1057,15 @@ static int cmd_bench(int argc, char** argv) {
             shape->name, step_flops * 1e-9, steps, steps > 1 ? "s" : "",
             o.has_steps ? "" : " (--steps N for more)");
 
-  mok_config_t cfg = layer_config(shape, &o);
-  mok_problem_t* p = NULL;
-  mok_status_t s = mok_problem_create(&cfg, T_global, seed, &p);
+  s = mok_problem_create(&cfg, T_global, seed, &p);
   if (s) {
     fprintf(stderr, "mok: cannot create the problem: %s\n", mok_status_string(s));
-    return 1;
+    rc = 1;
+    goto done;
   }
-  double* fwd = malloc((size_t)steps * sizeof *fwd);
-  double* bwd = malloc((size_t)steps * sizeof *bwd);
-  double* step = malloc((size_t)steps * sizeof *step);
+  fwd = malloc((size_t)steps * sizeof *fwd);
+  bwd = malloc((size_t)steps * sizeof *bwd);
+  step = malloc((size_t)steps * sizeof *step);
   if (!fwd || !bwd || !step) {
     fprintf(stderr, "mok: out of host memory\n");
     rc = 1;
@@ -920,10 +1109,12 @@ static int cmd_bench(int argc, char** argv) {
            g.ms, g.gflops, (long long)g.M, (long long)g.N, (long long)g.K, g.threads, g.reps);
   }
 
-  if (o.json) {
-    FILE* f = fopen(o.json, "w");
-    if (!f) {
-      fprintf(stderr, "mok: cannot write %s\n", o.json);
+  if (json) {
+    FILE* f = json;
+    json = NULL; /* closed here, whatever happens */
+    if (ftruncate(fileno(f), 0) != 0) {
+      fprintf(stderr, "mok: cannot write %s: %s\n", o.json, strerror(errno));
+      fclose(f);
       rc = 1;
       goto done;
     }
@@ -957,6 +1148,10 @@ static int cmd_bench(int argc, char** argv) {
   }
 
 done:
+  if (json) { /* the run failed: nothing written, and no file left where there was none */
+    fclose(json);
+    if (json_created) remove(o.json);
+  }
   free(fwd);
   free(bwd);
   free(step);

@@ -1,13 +1,17 @@
-/* problem.c — random problems and their runs on W CPU ranks (see problem.h). */
+/* problem.c — random problems, their runs on W CPU ranks or on GPUs, and the host memory
+ * the runs take (see problem.h). */
 #define _POSIX_C_SOURCE 200809L
 #include "problem.h"
 
 #include <math.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "cpu/gemm.h"
 
 static uint64_t splitmix(uint64_t* s) {
   uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
@@ -31,10 +35,13 @@ static double from_bf16(uint16_t b) {
   return f;
 }
 
+/* What alloc0 takes for a buffer of `bytes`: a whole number of 256-byte lines, one at least. */
+static size_t alloc_bytes(size_t bytes) { return bytes ? (bytes + 255) / 256 * 256 : 256; }
+
 static void* alloc0(size_t bytes) {
-  size_t n = (bytes + 255) / 256 * 256;
-  void* p = aligned_alloc(256, n ? n : 256);
-  if (p) memset(p, 0, n ? n : 256);
+  const size_t n = alloc_bytes(bytes);
+  void* p = aligned_alloc(256, n);
+  if (p) memset(p, 0, n);
   return p;
 }
 
@@ -66,11 +73,8 @@ void mok_problem_destroy(mok_problem_t* p) {
   free(p);
 }
 
-mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint64_t seed,
-                                mok_problem_t** out) {
-  *out = NULL;
-  mok_problem_t* p = calloc(1, sizeof *p);
-  if (!p) return MOK_STATUS_OUT_OF_MEMORY;
+/* The problem's fields that follow from the config alone (no buffer). */
+static void problem_init(mok_problem_t* p, const mok_config_t* cfg, int64_t T_global, uint64_t seed) {
   p->cfg = *cfg;
   p->T_global = T_global;
   p->seed = seed;
@@ -78,33 +82,79 @@ mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint6
   p->act = exact ? 8 : 2;
   p->real = exact ? 8 : 4;
   p->wgrad_elem = exact ? 8 : cfg->wgrad == MOK_WGRAD_FP32_ACCUM ? 4 : 2;
-  const int64_t T = T_global, H = cfg->H, F = cfg->F, E = cfg->E, K = cfg->K, Fs = cfg->Fs;
+}
+
+/* The problem's buffers, in mok_problem_t's order, and the bytes of each: what
+ * mok_problem_create allocates and mok_problem_host_bytes counts. */
+enum { PB_X, PB_W_ROUTER, PB_BIAS, PB_W13, PB_W2, PB_WS13, PB_WS2, PB_DY, PB_IDX, PB_TW, PB_DAUX, PB_DZ,
+       PB_Y, PB_DX, PB_OUT_IDX, PB_OUT_TW, PB_DTW, PB_TPE, PB_AUX, PB_Z, PB_DWR, PB_DW13, PB_DW2,
+       PB_DWS13, PB_DWS2, NUM_PROBLEM_BUFFERS };
+
+static void problem_buffer_sizes(const mok_problem_t* p, size_t n[NUM_PROBLEM_BUFFERS]) {
+  const mok_config_t* c = &p->cfg;
+  const int64_t T = p->T_global, H = c->H, F = c->F, E = c->E, K = c->K, Fs = c->Fs;
   const size_t a = p->act, r = p->real, w = p->wgrad_elem;
-  p->x = alloc0(T * H * a);
-  p->w_router = alloc0(E * H * a);
-  p->bias_select = alloc0(E * r);
-  p->w13 = alloc0(E * 2 * F * H * a);
-  p->w2 = alloc0(E * H * F * a);
-  p->ws13 = alloc0(2 * Fs * H * a);
-  p->ws2 = alloc0(H * Fs * a);
-  p->dy = alloc0(T * H * a);
-  p->topk_idx = alloc0(T * K * 4);
-  p->topk_weight = alloc0(T * K * r);
-  p->d_aux_loss = alloc0(r);
-  p->d_z_loss = alloc0(r);
-  p->y = alloc0(T * H * a);
-  p->dx = alloc0(T * H * a);
-  p->out_topk_idx = alloc0(T * K * 4);
-  p->out_topk_weight = alloc0(T * K * r);
-  p->d_topk_weight = alloc0(T * K * r);
-  p->tokens_per_expert = alloc0(E * 4);
-  p->aux_loss = alloc0(r);
-  p->z_loss = alloc0(r);
-  p->d_w_router = alloc0(E * H * w);
-  p->d_w13 = alloc0(E * 2 * F * H * w);
-  p->d_w2 = alloc0(E * H * F * w);
-  p->d_ws13 = alloc0(2 * Fs * H * w);
-  p->d_ws2 = alloc0(H * Fs * w);
+  n[PB_X] = T * H * a;
+  n[PB_W_ROUTER] = E * H * a;
+  n[PB_BIAS] = E * r;
+  n[PB_W13] = E * 2 * F * H * a;
+  n[PB_W2] = E * H * F * a;
+  n[PB_WS13] = 2 * Fs * H * a;
+  n[PB_WS2] = H * Fs * a;
+  n[PB_DY] = T * H * a;
+  n[PB_IDX] = T * K * 4;
+  n[PB_TW] = T * K * r;
+  n[PB_DAUX] = r;
+  n[PB_DZ] = r;
+  n[PB_Y] = T * H * a;
+  n[PB_DX] = T * H * a;
+  n[PB_OUT_IDX] = T * K * 4;
+  n[PB_OUT_TW] = T * K * r;
+  n[PB_DTW] = T * K * r;
+  n[PB_TPE] = E * 4;
+  n[PB_AUX] = r;
+  n[PB_Z] = r;
+  n[PB_DWR] = E * H * w;
+  n[PB_DW13] = E * 2 * F * H * w;
+  n[PB_DW2] = E * H * F * w;
+  n[PB_DWS13] = 2 * Fs * H * w;
+  n[PB_DWS2] = H * Fs * w;
+}
+
+mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint64_t seed,
+                                mok_problem_t** out) {
+  *out = NULL;
+  mok_problem_t* p = calloc(1, sizeof *p);
+  if (!p) return MOK_STATUS_OUT_OF_MEMORY;
+  problem_init(p, cfg, T_global, seed);
+  const int64_t T = T_global, H = cfg->H, F = cfg->F, E = cfg->E, K = cfg->K, Fs = cfg->Fs;
+  size_t n[NUM_PROBLEM_BUFFERS];
+  problem_buffer_sizes(p, n);
+  p->x = alloc0(n[PB_X]);
+  p->w_router = alloc0(n[PB_W_ROUTER]);
+  p->bias_select = alloc0(n[PB_BIAS]);
+  p->w13 = alloc0(n[PB_W13]);
+  p->w2 = alloc0(n[PB_W2]);
+  p->ws13 = alloc0(n[PB_WS13]);
+  p->ws2 = alloc0(n[PB_WS2]);
+  p->dy = alloc0(n[PB_DY]);
+  p->topk_idx = alloc0(n[PB_IDX]);
+  p->topk_weight = alloc0(n[PB_TW]);
+  p->d_aux_loss = alloc0(n[PB_DAUX]);
+  p->d_z_loss = alloc0(n[PB_DZ]);
+  p->y = alloc0(n[PB_Y]);
+  p->dx = alloc0(n[PB_DX]);
+  p->out_topk_idx = alloc0(n[PB_OUT_IDX]);
+  p->out_topk_weight = alloc0(n[PB_OUT_TW]);
+  p->d_topk_weight = alloc0(n[PB_DTW]);
+  p->tokens_per_expert = alloc0(n[PB_TPE]);
+  p->aux_loss = alloc0(n[PB_AUX]);
+  p->z_loss = alloc0(n[PB_Z]);
+  p->d_w_router = alloc0(n[PB_DWR]);
+  p->d_w13 = alloc0(n[PB_DW13]);
+  p->d_w2 = alloc0(n[PB_DW2]);
+  p->d_ws13 = alloc0(n[PB_DWS13]);
+  p->d_ws2 = alloc0(n[PB_DWS2]);
   if (!p->x || !p->w13 || !p->w2 || !p->dy || !p->y || !p->dx || !p->d_w13 || !p->d_w2 ||
       !p->ws13 || !p->ws2 || !p->d_ws13 || !p->d_ws2 || !p->d_w_router || !p->topk_idx) {
     mok_problem_destroy(p);
@@ -174,6 +224,54 @@ static void* dup_slice(const void* src, size_t offset, size_t bytes) {
     goto done;                                                  \
   } while (0)
 
+/* A rank's config: the problem's layer with the rank's T, W, rank, communicator and
+ * the run's options (rank_main and run_bytes_probe alike). */
+static mok_config_t rank_config(const mok_config_t* c, const mok_run_opts_t* o, int rank, int64_t T,
+                                mok_cpu_comm_t* comm) {
+  mok_config_t cfg = *c;
+  cfg.T = T;
+  cfg.W = o->W;
+  cfg.rank = rank;
+  cfg.cpu_comm = o->W > 1 ? comm : NULL;
+  cfg.capacity = o->capacity;
+  cfg.num_threads = o->num_threads;
+  if (o->comm_timeout_s > 0) cfg.comm_timeout_s = o->comm_timeout_s;
+  return cfg;
+}
+
+/* A rank's own buffers (rank_main) and the bytes of each: its slices of the inputs, its
+ * outputs, saved, the forward's and the backward's workspaces, its experts' weight
+ * gradients and whole replicated ones. mok_problem_run_bytes counts the same. */
+enum { RB_X, RB_W13, RB_W2, RB_DY, RB_IDX, RB_TW, RB_Y, RB_DX, RB_DTW, RB_SAVED, RB_WS, RB_WS_BWD,
+       RB_DW13, RB_DW2, RB_DWR, RB_DWS13, RB_DWS2, RB_TPE, RB_AUX, RB_Z, NUM_RANK_BUFFERS };
+
+static void rank_buffer_sizes(const mok_problem_t* p, int W, int64_t T, size_t ws_bytes, size_t sv_bytes,
+                              size_t n[NUM_RANK_BUFFERS]) {
+  const mok_config_t* c = &p->cfg;
+  const int64_t H = c->H, F = c->F, K = c->K, Fs = c->Fs, E = c->E, El = E / W;
+  const size_t a = p->act, r = p->real, w = p->wgrad_elem;
+  n[RB_X] = T * H * a;
+  n[RB_W13] = El * 2 * F * H * a;
+  n[RB_W2] = El * H * F * a;
+  n[RB_DY] = T * H * a;
+  n[RB_IDX] = T * K * 4;
+  n[RB_TW] = T * K * r;
+  n[RB_Y] = T * H * a;
+  n[RB_DX] = T * H * a;
+  n[RB_DTW] = T * K * r;
+  n[RB_SAVED] = sv_bytes;
+  n[RB_WS] = ws_bytes;
+  n[RB_WS_BWD] = ws_bytes;
+  n[RB_DW13] = El * 2 * F * H * w;
+  n[RB_DW2] = El * H * F * w;
+  n[RB_DWR] = E * H * w;
+  n[RB_DWS13] = 2 * Fs * H * w;
+  n[RB_DWS2] = H * Fs * w;
+  n[RB_TPE] = E * 4;
+  n[RB_AUX] = r;
+  n[RB_Z] = r;
+}
+
 static void* rank_main(void* arg) {
   rank_job_t* j = arg;
   mok_problem_t* p = j->p;
@@ -186,39 +284,34 @@ static void* rank_main(void* arg) {
   void *x = NULL, *w13 = NULL, *w2 = NULL, *dy = NULL, *y = NULL, *dx = NULL, *idx = NULL,
        *tw = NULL, *dtw = NULL, *saved = NULL, *ws = NULL, *ws_bwd = NULL, *dw13 = NULL, *dw2 = NULL,
        *dwr = NULL, *dws13 = NULL, *dws2 = NULL, *tpe = NULL, *aux = NULL, *z = NULL;
-  mok_config_t cfg = *c;
-  cfg.T = T;
-  cfg.W = o->W;
-  cfg.rank = j->rank;
-  cfg.cpu_comm = o->W > 1 ? j->comm : NULL;
-  cfg.capacity = o->capacity;
-  cfg.num_threads = o->num_threads;
-  if (o->comm_timeout_s > 0) cfg.comm_timeout_s = o->comm_timeout_s;
+  mok_config_t cfg = rank_config(c, o, j->rank, T, j->comm);
   mok_status_t s = mok_context_create(&cfg, &ctx);
   if (s) RANK_FAIL(j, s, "rank %d: create: %s", j->rank, mok_last_create_error());
   size_t ws_bytes = 0, sv_bytes = 0;
   mok_workspace_size(ctx, &ws_bytes);
   mok_saved_size(ctx, &sv_bytes);
-  x = dup_slice(p->x, t0 * H * a, T * H * a);
-  w13 = dup_slice(p->w13, e0 * 2 * F * H * a, El * 2 * F * H * a);
-  w2 = dup_slice(p->w2, e0 * H * F * a, El * H * F * a);
-  dy = dup_slice(p->dy, t0 * H * a, T * H * a);
-  idx = dup_slice(p->topk_idx, t0 * K * 4, T * K * 4);
-  tw = dup_slice(p->topk_weight, t0 * K * r, T * K * r);
-  y = alloc0(T * H * a);
-  dx = alloc0(T * H * a);
-  dtw = alloc0(T * K * r);
-  saved = alloc0(sv_bytes);
-  ws = alloc0(ws_bytes);
-  ws_bwd = alloc0(ws_bytes);
-  dw13 = alloc0(El * 2 * F * H * w);
-  dw2 = alloc0(El * H * F * w);
-  dwr = alloc0(E * H * w);
-  dws13 = alloc0(2 * Fs * H * w);
-  dws2 = alloc0(H * Fs * w);
-  tpe = alloc0(E * 4);
-  aux = alloc0(r);
-  z = alloc0(r);
+  size_t n[NUM_RANK_BUFFERS];
+  rank_buffer_sizes(p, o->W, T, ws_bytes, sv_bytes, n);
+  x = dup_slice(p->x, t0 * H * a, n[RB_X]);
+  w13 = dup_slice(p->w13, e0 * 2 * F * H * a, n[RB_W13]);
+  w2 = dup_slice(p->w2, e0 * H * F * a, n[RB_W2]);
+  dy = dup_slice(p->dy, t0 * H * a, n[RB_DY]);
+  idx = dup_slice(p->topk_idx, t0 * K * 4, n[RB_IDX]);
+  tw = dup_slice(p->topk_weight, t0 * K * r, n[RB_TW]);
+  y = alloc0(n[RB_Y]);
+  dx = alloc0(n[RB_DX]);
+  dtw = alloc0(n[RB_DTW]);
+  saved = alloc0(n[RB_SAVED]);
+  ws = alloc0(n[RB_WS]);
+  ws_bwd = alloc0(n[RB_WS_BWD]);
+  dw13 = alloc0(n[RB_DW13]);
+  dw2 = alloc0(n[RB_DW2]);
+  dwr = alloc0(n[RB_DWR]);
+  dws13 = alloc0(n[RB_DWS13]);
+  dws2 = alloc0(n[RB_DWS2]);
+  tpe = alloc0(n[RB_TPE]);
+  aux = alloc0(n[RB_AUX]);
+  z = alloc0(n[RB_Z]);
   if (!x || !w13 || !w2 || !dy || !idx || !tw || !y || !dx || !dtw || !saved || !ws || !ws_bwd || !dw13 ||
       !dw2 || !dwr || !dws13 || !dws2 || !tpe || !aux || !z)
     RANK_FAIL(j, MOK_STATUS_OUT_OF_MEMORY, "rank %d: out of host memory", j->rank);
@@ -343,6 +436,103 @@ mok_status_t mok_problem_run(mok_problem_t* p, const mok_run_opts_t* o, char* er
   }
   if (comm) mok_cpu_comm_destroy(comm);
   return first;
+}
+
+/* ---- host memory of runs, counted before anything is allocated ---- */
+
+size_t mok_problem_host_bytes(const mok_config_t* cfg, int64_t T_global) {
+  mok_problem_t p = {0};
+  problem_init(&p, cfg, T_global, 0);
+  size_t n[NUM_PROBLEM_BUFFERS], sum = sizeof p;
+  problem_buffer_sizes(&p, n);
+  for (int i = 0; i < NUM_PROBLEM_BUFFERS; i++) sum += alloc_bytes(n[i]);
+  return sum;
+}
+
+size_t mok_problem_outputs_bytes(const mok_config_t* cfg, int64_t T_global, int with_backward) {
+  mok_problem_t p = {0};
+  problem_init(&p, cfg, T_global, 0);
+  mok_tensor_view_t v[16];
+  const int m = mok_problem_outputs(&p, with_backward, v, 16);
+  size_t sum = 0;
+  for (int i = 0; i < m; i++) sum += (size_t)v[i].count * v[i].elem;
+  return sum;
+}
+
+/* One rank's context made only to ask the library for its saved and workspace sizes. */
+typedef struct {
+  mok_config_t cfg;
+  size_t ws_bytes, sv_bytes;
+  mok_status_t status;
+  char err[512];
+} probe_job_t;
+
+static void* probe_main(void* arg) {
+  probe_job_t* j = arg;
+  mok_context_t* ctx = NULL;
+  j->status = mok_context_create(&j->cfg, &ctx);
+  if (j->status) {
+    snprintf(j->err, sizeof j->err, "rank %d: create: %s", j->cfg.rank, mok_last_create_error());
+    return NULL;
+  }
+  mok_workspace_size(ctx, &j->ws_bytes);
+  mok_saved_size(ctx, &j->sv_bytes);
+  mok_context_destroy(ctx);
+  return NULL;
+}
+
+mok_status_t mok_problem_run_bytes(const mok_config_t* cfg, int64_t T_global, const mok_run_opts_t* o,
+                                   int shape_only, size_t* bytes, char* err, size_t err_len) {
+  *bytes = 0;
+  const int W = o->W;
+  if (W < 1 || W > 64) {
+    if (err) snprintf(err, err_len, "W = %d: the CPU runs take 1 <= W <= 64", W);
+    return MOK_STATUS_INVALID_ARGUMENT;
+  }
+  mok_problem_t p = {0};
+  problem_init(&p, cfg, T_global, 0);
+  mok_cpu_comm_t* comm = NULL;
+  if (!shape_only && W > 1) {
+    mok_status_t s = mok_cpu_comm_create(W, &comm);
+    if (s) {
+      if (err) snprintf(err, err_len, "mok_cpu_comm_create: %s", mok_status_string(s));
+      return s;
+    }
+  }
+  probe_job_t jobs[64];
+  for (int r = 0; r < W; r++)
+    jobs[r] = (probe_job_t){.cfg = rank_config(cfg, o, r, rank_tokens(T_global, W, r), comm)};
+  mok_status_t first = MOK_STATUS_SUCCESS;
+  if (!shape_only) { /* (a context touches none of its buffers before its first step) */
+    if (W == 1) {
+      probe_main(&jobs[0]);
+    } else {
+      pthread_t th[64];
+      for (int r = 0; r < W; r++) pthread_create(&th[r], NULL, probe_main, &jobs[r]);
+      for (int r = 0; r < W; r++) pthread_join(th[r], NULL);
+    }
+    for (int r = 0; r < W && !first; r++)
+      if ((first = jobs[r].status) && err) snprintf(err, err_len, "%s", jobs[r].err);
+    if (comm) mok_cpu_comm_destroy(comm);
+    if (first) return first;
+  }
+  /* the library's own buffers of a CPU context (src/api.c): the exchange's received and
+   * returned rows, [capacity, H] act each (capacity's default: every token of every rank
+   * sends min(K, E/W) rows here), and the GEMM's packing scratch of each thread */
+  const int64_t E_loc = cfg->E / W, rows_per_token = cfg->K < E_loc ? cfg->K : E_loc;
+  const int64_t capacity = o->capacity > 0 ? o->capacity : T_global * rows_per_token;
+  const int threads = o->num_threads > 0 ? o->num_threads : omp_get_max_threads();
+  const size_t library = 2 * alloc_bytes((size_t)capacity * (size_t)cfg->H * p.act) +
+                         alloc_bytes(mok_gemm_pack_bytes() * (size_t)threads);
+  size_t sum = 0;
+  for (int r = 0; r < W; r++) {
+    size_t n[NUM_RANK_BUFFERS];
+    rank_buffer_sizes(&p, W, jobs[r].cfg.T, jobs[r].ws_bytes, jobs[r].sv_bytes, n);
+    for (int i = 0; i < NUM_RANK_BUFFERS; i++) sum += alloc_bytes(n[i]);
+    sum += library;
+  }
+  *bytes = sum;
+  return MOK_STATUS_SUCCESS;
 }
 
 /* ---- comparing results ---- */

@@ -9,6 +9,7 @@
  * EXACT numerics every floating tensor is double. */
 #ifndef MOK_TOOLS_PROBLEM_H
 #define MOK_TOOLS_PROBLEM_H
+#include <stddef.h>
 #include <stdint.h>
 
 #include "mok.h"
@@ -95,6 +96,23 @@ typedef struct {
  * FP32_ACCUM mode start from zero at each run and accumulate over its steps. */
 mok_status_t mok_problem_run(mok_problem_t* p, const mok_run_opts_t* opts, char* err,
                              size_t err_len);
+
+/* Host memory that runs of a problem take, in bytes, from its config and size alone (so
+ * that a run that cannot fit is refused before anything is allocated):
+ *   mok_problem_host_bytes: what mok_problem_create allocates for T_global tokens;
+ *   mok_problem_outputs_bytes: one copy of mok_problem_outputs' tensors;
+ *   mok_problem_run_bytes: what one mok_problem_run on o->W ranks allocates beyond the
+ *     problem, every rank counted: its slices of the inputs, its outputs, saved, two
+ *     workspaces and weight gradients, and the library's buffers of its context (the
+ *     exchange rows, [capacity, H] twice, and the GEMM scratch). shape_only: without
+ *     saved and the workspaces, from the shape alone; else it creates the W contexts
+ *     (one thread each), asks mok_saved_size and mok_workspace_size and destroys them (a
+ *     context touches no buffer before a step, so this costs no memory). Fails only as
+ *     a context create fails, its message copied to err. */
+size_t mok_problem_host_bytes(const mok_config_t* cfg, int64_t T_global);
+size_t mok_problem_outputs_bytes(const mok_config_t* cfg, int64_t T_global, int with_backward);
+mok_status_t mok_problem_run_bytes(const mok_config_t* cfg, int64_t T_global, const mok_run_opts_t* o,
+                                   int shape_only, size_t* bytes, char* err, size_t err_len);
 
 /* The same on the CUDA backend (W ranks on GPUs 0 .. W-1, a thread each): inputs copied
  * to the device, every
