@@ -330,7 +330,7 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
                      (long long)o, (long long)rows, (long long)cap);
   }
   REAL aux = 0, zl = 0;
-  if (losses) {
+  if (losses && T_global > 0) { /* (a step of no tokens on any rank: no loss, 0) */
     FN(stats_leaf_t) L = {st, scores};
     REAL* tot;
     s = FN(tree_sum)(st, T_all, E + 1, &L, FN(stats_leaf), &tot);

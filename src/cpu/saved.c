@@ -111,24 +111,36 @@ mok_status_t mok_cpu_saved_check(mok_context_t* ctx, const mok_backward_args_t* 
   const mok_config_t* c = &ctx->cfg;
   const mok_saved_header_t* h = a->saved;
   mok_status_t s = check_header(ctx, h, a->num_tokens);
-  if (!s) {
-    mok_saved_plan_t sp;
-    mok_plan_saved(ctx, c->T, &sp);
-    const char* b = a->saved;
-    s = check_indices(ctx, h, (const int32_t*)(b + sp.counts_all), (const int32_t*)(b + sp.topk_idx),
-                      (const int32_t*)(b + sp.slot_pos), a->num_tokens);
-  }
+  mok_saved_plan_t sp;
+  mok_plan_saved(ctx, c->T, &sp);
+  const int32_t* counts_all = (const int32_t*)((const char*)a->saved + sp.counts_all);
+  if (!s)
+    s = check_indices(ctx, h, counts_all, (const int32_t*)((const char*)a->saved + sp.topk_idx),
+                      (const int32_t*)((const char*)a->saved + sp.slot_pos), a->num_tokens);
   if (c->W == 1) return s;
-  /* W > 1: one verdict for all, before any rank writes into a peer's buffers (value[1] is
-   * next written by the next backward's check, after this backward's barriers) */
+  /* W > 1: one verdict for all, before any rank writes into a peer's buffers (value[1] and
+   * slot[2] are next written by the next backward's check, after this one's barriers) */
   mok_comm_rank_t* rank = ctx->comm->rank;
   rank[c->rank].value[1] = s;
+  rank[c->rank].slot[2] = counts_all;
   mok_status_t b = mok_cpu_comm_barrier(ctx->comm, ctx);
   if (b) return b;
-  if (s) return s;
   for (int r = 0; r < c->W; r++)
     if (rank[r].value[1] != MOK_STATUS_SUCCESS)
-      return SAVED_ERR("rank %d's args->saved failed its check (that rank's message says why): no rank runs this "
-                       "backward", r);
+      return s ? s
+               : SAVED_ERR("rank %d's args->saved failed its check (that rank's message says why): no rank runs this "
+                           "backward", r);
+  /* every rank's copy of every rank's counts is the same step's: each rank compares all
+   * copies with rank 0's, so all come to one verdict; the barrier after it keeps every
+   * saved buffer alive until nobody reads it */
+  int differ = -1;
+  for (int r = 1; r < c->W && differ < 0; r++)
+    if (memcmp(rank[r].slot[2], rank[0].slot[2], (size_t)(c->W * c->E) * 4) != 0) differ = r;
+  b = mok_cpu_comm_barrier(ctx->comm, ctx);
+  if (b) return b;
+  if (differ >= 0)
+    return SAVED_ERR("rank %d's args->saved holds other counts of the step than rank 0's: the ranks' saved buffers "
+                     "are not from one forward",
+                     differ);
   return MOK_STATUS_SUCCESS;
 }
