@@ -114,6 +114,7 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   s.pairs = pairs;
   s.smt = s.nb;
   s.chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
+  s.cfg_T = (int)c.T;
   return s;
 }
 
@@ -798,6 +799,8 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.s = make_shape(c, T, gpu(ctx)->clusters);
   p.st = make_step(ctx);
   p.context_id = ctx->serial;
+  p.forward_serial = ctx->forward_serial;  // (saved's serial is one of these forwards')
+  p.capacity = (int)R;
   p.wgrad_fp32 = c.wgrad == MOK_WGRAD_FP32_ACCUM;
   p.recompute = c.gate_up == MOK_GATE_UP_RECOMPUTE;
   p.sv = saved_view(ctx, const_cast<void*>(a->saved));

@@ -109,8 +109,10 @@ constexpr int kProfSlots = 24;
 
 // The saved buffer (forward -> backward), device pointers.
 struct SavedView {
-  uint64_t* header;   // [kHeaderWords]: magic, context id, T, serial, the tokens of every
-                      // rank together, then each rank's T (the backward's chunk ranges)
+  uint64_t* header;   // [kHeaderWords]: magic, context serial, T, forward serial, the tokens
+                      // of every rank together, each rank's T (the backward's chunk ranges:
+                      // kMaxPeers words, W written), then the context's shape
+                      // (kSavedShapeWords: saved_shape_word)
   int32_t* idx;       // [T, K]
   float* g;           // [T, K] final weights
   int32_t* pos;       // [T, K] row of slot (t, j) in the expert rows
@@ -188,7 +190,11 @@ struct PeerExchange {
   uint64_t* arrive[kMaxPeers];
   int tree_nodes;  // subtrees a rank can publish (the windows' size)
 };
-constexpr int kHeaderWords = 5 + kMaxPeers;
+// The saved header's words after the kMaxPeers T words: the writing context's cfg T, H, F,
+// E, K, Fs, W and rank (saved_shape_word), which the backward compares with its own.
+constexpr int kSavedShapeWords = 8;
+constexpr int kHeaderShape = 5 + kMaxPeers;  // the first of them
+constexpr int kHeaderWords = kHeaderShape + kSavedShapeWords;
 
 struct Shape {
   int T, H, F, E, K, Fs;
@@ -208,7 +214,15 @@ struct Shape {
                 // phases start at even tickets, so that a cluster's two tickets are two
                 // m-tiles of one expert with the same column group, or two experts' last
                 // tiles, which run unpaired
+  int cfg_T;    // the context's cfg.T (T is this call's num_tokens): the saved header's shape
 };
+
+// Word k < kSavedShapeWords of the saved header's shape (header[kHeaderShape + k]): cfg T,
+// H, F, E, K, Fs, W, rank. k a constant where it is called (unrolled loops).
+__host__ __device__ inline uint64_t saved_shape_word(const Shape& s, int k) {
+  return (uint64_t)(k == 0 ? s.cfg_T : k == 1 ? s.H : k == 2 ? s.F : k == 3 ? s.E : k == 4 ? s.K : k == 5 ? s.Fs
+                                     : k == 6 ? s.W : s.rank);
+}
 
 // The step's dependency counters (GpuSync::counter): the forward's kFwdFixedCounters
 // (its C_* enum) then one an expert m-tile and one a shared-expert m-tile; the
@@ -317,6 +331,8 @@ struct BwdParams {
   GpuStep st;
   Shape s;
   uint64_t context_id;
+  uint64_t forward_serial;  // the context's forwards so far: a saved header's serial is in [1, it]
+  int capacity;         // rows this rank's expert-row buffers hold (R): saved's positions are below it
   int wgrad_fp32;       // add into fp32 buffers instead of writing bf16
   int recompute;        // gate|up: computed again here (the RG and RGS tasks), not kept
   int reuse;            // cfg.saved_use = MOK_SAVED_REUSE: the last CTA marks saved used up

@@ -46,6 +46,72 @@ __device__ __forceinline__ int subtree_level(int a, int b) {
   return L;
 }
 
+// ---- the saved buffer's checks ----
+// The forward writes saved into a caller's buffer, and the backward takes it back from
+// there: whatever it holds, no address the backward forms from it may leave the buffers.
+// What of saved decides an address:
+// - the header's T words: each rank's chunk range (rank_chunks: W > 1, the tree window's
+//   subtrees);
+// - counts and expert_off of this rank's experts: every m-tile's rows (expert_tile: DH,
+//   DX, RG and their TMA boxes, cut maps and tail stores) and each weight gradient's rows
+//   (wgrad_task's cut maps);
+// - tile_band: which (m-tile, column group) a DH or DX task takes (expert_band_order);
+//   in range by construction, but a table that is not a partition of the m-tiles leaves
+//   some tile's counter short, and its consumers would wait for the step's timeout;
+// - pos and idx: each slot's row in its owner's buffers (DG reads o_j and writes dy_j
+//   there, DXSUM reads dx_j) and its expert (the owner; DG's router backward indexes its
+//   scores by it).
+// (logits, g and the rows' values are values; sorted, loc_off and loc_shift are the
+// forward's alone.) The checks, each before the first use it guards:
+// - saved_header_ok: thread 0 of every CTA before its first task (every CTA reads the
+//   same words, so each raises the error before it takes a ticket): the magic, this
+//   context's serial, T, a forward serial in [1, forward_serial], each rank's T in
+//   [0, cfg.T] summing to the total and this rank's equal to T, the context's shape;
+// - saved_tables_ok: the first DG task (all its threads), before anything that waits for
+//   DG: this rank's experts' counts >= 0 and offsets their prefix sums from 0 up to
+//   expert_off[E] <= capacity, and tile_band a partition of [0, max_mt) into bands that
+//   each of their tiles names. (In the kernel's prologue, a call or the code inlined made
+//   the kernel spill.) RG, the one task that reads the tables without waiting for DG,
+//   takes an m-tile only when expert_tile's rows lie in [0, capacity);
+// - pos and idx (T K words each): where DG loads them anyway. A row at or past capacity
+//   or an expert outside [0, E) raises the error and its slot moves nothing.
+// A DG task that finds any of these raises MOK_STATUS_INVALID_SAVED and does not signal,
+// so no task that waits for DG runs: every writer of an output, and DXSUM, which reads
+// pos and idx again after every DG task has checked them.
+// (Conditions joined by &, not &&: every load issued at once, not each after the last's
+// verdict.)
+__device__ __forceinline__ bool saved_header_ok(const BwdParams& p) {
+  const Shape& s = p.s;
+  const uint64_t* h = p.sv.header;
+  bool ok = (h[0] == MOK_SAVED_MAGIC_GPU) & (h[1] == p.context_id) & (h[2] == (uint64_t)s.T) & (h[3] >= 1) &
+            (h[3] <= p.forward_serial);
+  uint64_t all = 0;  // (W <= kMaxPeers words, each at most cfg.T when ok)
+  for (int r = 0; r < s.W; r++) ok &= h[5 + r] <= (uint64_t)s.cfg_T, all += h[5 + r];
+  ok &= (all == h[4]) & (h[5 + s.rank] == (uint64_t)s.T);
+#pragma unroll
+  for (int k = 0; k < kSavedShapeWords; k++) ok &= h[kHeaderShape + k] == saved_shape_word(s, k);
+  return ok;
+}
+static __device__ __noinline__ bool saved_tables_ok(const BwdParams& p) {
+  const Shape& s = p.s;
+  const SavedView& sv = p.sv;
+  bool ok = true;
+  const int e0 = s.rank * s.e_loc;
+  for (int l = threadIdx.x; l < s.e_loc; l += kThreads) {  // expert l's rows [off, off + n) end where l + 1's begin
+    const int64_t off = sv.expert_off[e0 + l], n = sv.counts[e0 + l];
+    const int64_t end = sv.expert_off[l + 1 < s.e_loc ? e0 + l + 1 : s.E];
+    ok &= (n >= 0) & (l > 0 || off == 0) & (off + n == end) & (end <= p.capacity);
+  }
+#pragma unroll 4
+  for (int q = threadIdx.x; q < s.max_mt; q += kThreads) {  // q's band holds q; the band before ends at its first
+    const uint32_t b = (uint32_t)sv.tile_band[q], prev = (uint32_t)sv.tile_band[max(q - 1, 0)];
+    const int first = (int)(b >> 8), rows = (int)(b & 255u);
+    ok &= (rows > 0) & (first <= q) & (q < first + rows) & (first + rows <= s.max_mt) &
+          (q > first ? prev == b : q == 0 || (int)(prev >> 8) + (int)(prev & 255u) == q);
+  }
+  return __syncthreads_and(ok);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) v = __fadd_rn(v, __shfl_xor_sync(~0u, v, o));
@@ -73,6 +139,10 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   // beside the gate|up recompute tasks (108 bytes).
   if (s.W > 1 && sb == 0 && threadIdx.x == 0) publish_peers(p.px, s, kFlagBackward, sm.peer_serial);
   if (s.W > 1 && !wait_peers(sm, p.st, kFlagBackward)) return;
+  if (sb == 0 && !saved_tables_ok(p)) {  // (saved_ok: no signal, so no task that waits for DG runs)
+    if (threadIdx.x == 0) raise_error(p.st, MOK_STATUS_INVALID_SAVED);
+    return;
+  }
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H, E = s.E;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int i0 = t0 * K, nv = H / 8, rounds = cdivb(nv, 32 * kDgInFlight);
@@ -82,6 +152,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   // loads slot n = b + l's token, row and weight once, and the warp reads them by shuffle.
   constexpr int kWarps = kThreads / 32;
   const int per = ((t1 - t0) * K - warp + kWarps - 1) / kWarps;
+  bool bad = false;  // a slot's row or expert out of range (saved_ok): raised, and no signal
   for (int b = 0; b < per; b += 32) {
     const int nb = min(32, per - b), units = nb * rounds;
     int my_t = 0, my_pos = 0, my_owner = 0;
@@ -89,7 +160,12 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     if (lane < nb) {
       const int i = i0 + warp + kWarps * (b + lane);
       my_t = i / K, my_pos = p.sv.pos[i], my_g = p.sv.g[i];
-      my_owner = s.W > 1 ? p.sv.idx[i] / s.e_loc : 0;  // (W = 1: every expert is this rank's)
+      const int e = s.W > 1 ? p.sv.idx[i] : 0;  // (W = 1: every expert is this rank's)
+      my_owner = e / s.e_loc;
+      if ((uint32_t)my_pos >= (uint32_t)p.capacity || (uint32_t)e >= (uint32_t)E) {  // (its unit moves nothing)
+        my_pos = -1, my_owner = s.rank, bad = true;
+        raise_error(p.st, MOK_STATUS_INVALID_SAVED);
+      }
     }
     // Unit u: slot b + u / rounds, its rows, its chunks v0 + 32 c (v0 = lane + 32
     // kDgInFlight (u % rounds)) and its place in the ring. Made again where the unit is
@@ -107,11 +183,12 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
                 owner = __shfl_sync(~0u, my_owner, k);
       x.g = __shfl_sync(~0u, my_g, k);
       x.i = i0 + warp + kWarps * (b + k);
+      const int64_t row = max(pos, 0);  // (pos -1: a slot rejected above, whose chunks all lie past nv)
       x.dy = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
-      x.o = reinterpret_cast<const uint4*>(owner == s.rank ? p.peer_o_rows.rows[owner] + (int64_t)pos * H
+      x.o = reinterpret_cast<const uint4*>(owner == s.rank ? p.peer_o_rows.rows[owner] + row * H
                                                            : p.o_kept + (int64_t)x.i * H);  // (where RETURN put it)
-      x.dst = reinterpret_cast<uint4*>(p.peer_dy_rows.rows[owner] + (int64_t)pos * H);
-      x.v0 = lane + (u % rounds) * 32 * kDgInFlight;
+      x.dst = reinterpret_cast<uint4*>(p.peer_dy_rows.rows[owner] + row * H);
+      x.v0 = pos < 0 ? nv : lane + (u % rounds) * 32 * kDgInFlight;
       x.at = ring + (u % kDgRing) * 2 * kDgInFlight * 512;
       return x;
     };
@@ -152,10 +229,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
       }
       if (u % rounds == rounds - 1) {  // the slot's last round
         part = warp_sum(part);
-        if (lane == 0) {
-          p.dg[x.i] = part;
-          if (!s.fused) p.d_topk_weight[x.i] = part;
-        }
+        if (lane == 0) p.dg[x.i] = part;  // (replay: DXSUM copies it to d_topk_weight, an output)
         part = 0.f;
       }
     }
@@ -184,7 +258,11 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
 #pragma unroll
       for (int i = 0; i < 8; i++)
         if (lane + 32 * i < E) sw[lane + 32 * i] = sc[i];
-      const int my_e = lane < K ? p.sv.idx[(int64_t)t * K + lane] : 0;
+      int my_e = lane < K ? p.sv.idx[(int64_t)t * K + lane] : 0;
+      if ((uint32_t)my_e >= (uint32_t)E) {  // (sw's index: saved_ok)
+        my_e = 0, bad = true;
+        raise_error(p.st, MOK_STATUS_INVALID_SAVED);
+      }
       const float my_dgn = lane < K ? __fmul_rn(p.dg[(int64_t)t * K + lane], s.route_scale) : 0.f;
       __syncwarp();
       float S = 0.f, dot = 0.f;
@@ -225,6 +303,9 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     }
   }
   MOK_STALL_ADD(kStallDgRouter);
+  // a slot rejected: no signal, so that no task after DG (every writer of an output waits
+  // for all of DG) runs; they see the error and leave the step
+  if (__syncthreads_or(bad)) return;
   if (s.W > 1) __threadfence_system();  // (each thread's dy rows into owners' buffers)
   signal_counter_publish(sm, &p.st.sync->counter[B_DG], (uint32_t)s.ns, p.px, s, kFlagDg, sm.peer_serial);
 }
@@ -250,7 +331,8 @@ __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, 
     *e = x, *row0 = r0 + (mt - first) * BM, *row_end = re;
     return found = true;
   });
-  return found;
+  // (rows within the buffers: RG runs before DG's check of the tables, saved_ok)
+  return found & (*row0 >= 0) & (*row0 < *row_end) & (*row_end <= p.capacity);
 }
 
 // ---- RG, RGS: gate|up and h again (cfg.gate_up = MOK_GATE_UP_RECOMPUTE) ----
@@ -683,6 +765,9 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DXS], (uint32_t)(s.smt * groups(nH, 2 * s.Fs / BK)), p.st, 20))
     return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), H = s.H;
+  if (!s.fused)  // replay: d_topk_weight = d_g, written here (after every DG) rather than by DG, so
+                 // that a DG task that rejects saved leaves every output as it was
+    for (int i = t0 * s.K + threadIdx.x; i < t1 * s.K; i += kThreads) p.d_topk_weight[i] = p.dg[i];
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (sum_slot_rows' chunks go there)
   __syncthreads();
   for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32)
@@ -747,9 +832,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
   set_peers(sm, p.px, s, p.st);
-  if (threadIdx.x == 0 && (p.sv.header[0] != MOK_SAVED_MAGIC_GPU || p.sv.header[1] != p.context_id ||
-                           p.sv.header[2] != (uint64_t)s.T))
-    raise_error(p.st, MOK_STATUS_INVALID_SAVED);
+  if (threadIdx.x == 0 && !saved_header_ok(p)) raise_error(p.st, MOK_STATUS_INVALID_SAVED);  // (before any task)
   // The phases in ticket order: tasks in each and, for 2-D phases, the tasks per row
   // (GEMM tasks: a row tile and a group of its column tiles). Kept in shared memory so
   // that the dispatch loop holds few registers across the task calls.

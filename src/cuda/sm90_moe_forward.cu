@@ -335,6 +335,9 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     p.sv.header[4] = (uint64_t)T_all;
     for (int r = 0; r < s.W; r++)  // every rank's T, for the backward's chunk ranges
       p.sv.header[5 + r] = (uint64_t)(s.W > 1 ? peer_count(p, r, E) : s.T);
+#pragma unroll
+    for (int k = 0; k < kSavedShapeWords; k++)  // the context's shape (the backward compares it)
+      p.sv.header[kHeaderShape + k] = saved_shape_word(s, k);
   }
   __syncthreads();
   // the tile table and the band table (sv.tile_band, every m-tile slot up to max_mt: the

@@ -14,6 +14,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cuda_runtime_api.h>
+
 #include "../runner.h"
 
 typedef struct {
@@ -398,6 +400,282 @@ static int device_errors(void) {
   return 0;
 }
 
+/* ---- a saved buffer that is not what the forward wrote (issue 31) ----
+ * The backward forms addresses from saved (src/cuda/sm90_moe_backward.cu, saved_ok): a
+ * saved buffer whose body was overwritten, with an index word or a table word out of
+ * place, or whose header names another context, forward or shape, must stop the
+ * backward with MOK_STATUS_INVALID_SAVED at mok_context_sync, leave every output as it
+ * was, and leave the context usable (the next forward and backward give the reference
+ * bits). The library is driven directly here, on device buffers of this case's own, so
+ * that saved can be changed between the forward and the backward. */
+
+/* cuda_backend.cu's plan_saved at W = 1 with gate|up kept (every piece 256-byte aligned),
+ * and gpu_params.h's header: 21 words, the shape's 8 from word 13. */
+enum { kSvHeaderWords = 21, kSvHeaderShape = 13 };
+typedef struct {
+  size_t idx, g, pos, logits, counts, expert_off, tile_band, tiles;
+} saved_layout_t;
+static saved_layout_t saved_layout(const gpu_shape_t* s) {
+  saved_layout_t l;
+  const int64_t TK = s->T * s->K;
+  l.idx = aligned256(kSvHeaderWords * 8);
+  l.g = l.idx + aligned256(TK * 4);
+  l.pos = l.g + aligned256(TK * 4);
+  l.logits = l.pos + aligned256(TK * 4);
+  l.counts = l.logits + aligned256(s->T * s->E * 4);
+  l.expert_off = l.counts + aligned256(s->E * 4);
+  l.tile_band = l.expert_off + aligned256((s->E + 1) * 4);
+  l.tiles = (size_t)((TK + 127) / 128 + s->E); /* m-tile slots the backward reads (max_mt, unpadded) */
+  return l;
+}
+
+enum { kRigOutputs = 7, kRigBuffers = 40 };
+typedef struct {
+  const gpu_shape_t* s;
+  mok_context_t* ctx;
+  mok_forward_args_t fa;
+  mok_backward_args_t ba;
+  void* dev[kRigBuffers];
+  int n_dev;
+  const char* name[kRigOutputs]; /* the backward's outputs: poisoned before each backward */
+  void* out[kRigOutputs];
+  size_t bytes[kRigOutputs];
+  uint8_t* ref[kRigOutputs]; /* their bits after a valid step */
+  uint8_t* host[kRigOutputs];
+  int n_out;
+  uint8_t* saved; /* a valid saved buffer, as the forward wrote it (host copy) */
+  size_t saved_bytes;
+} rig_t;
+
+static void* rig_buf(rig_t* r, const void* host, size_t bytes) {
+  void* d = NULL;
+  if (r->n_dev == kRigBuffers || cudaMalloc(&d, bytes ? bytes : 256) != cudaSuccess) return NULL;
+  r->dev[r->n_dev++] = d;
+  if (host && bytes && cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) return NULL;
+  return d;
+}
+static void* rig_out(rig_t* r, const char* name, size_t bytes) {
+  void* d = rig_buf(r, NULL, bytes);
+  if (!d) return NULL;
+  r->name[r->n_out] = name, r->out[r->n_out] = d, r->bytes[r->n_out] = bytes;
+  r->ref[r->n_out] = test_alloc(bytes), r->host[r->n_out] = test_alloc(bytes);
+  r->n_out++;
+  return d;
+}
+static void rig_free(rig_t* r) {
+  for (int i = 0; i < r->n_dev; i++) cudaFree(r->dev[i]);
+  if (r->ctx) test_context_destroy(r->ctx);
+}
+
+static int rig_make(rig_t* r, const gpu_shape_t* s, uint64_t seed) {
+  memset(r, 0, sizeof *r);
+  r->s = s;
+  mok_config_t c = shape_config(s);
+  c.T = s->T, c.backend = MOK_BACKEND_CUDA;
+  mok_problem_t* p = shape_problem(s, seed);
+  TEST_ASSERT(p, "problem");
+  r->ctx = test_context(&c, NULL);
+  TEST_ASSERT(r->ctx, "context");
+  const int64_t T = s->T, H = s->H, F = s->F, E = s->E, K = s->K, Fs = s->Fs;
+  const int replay = s->routing == MOK_ROUTING_REPLAY;
+  const size_t w = p->wgrad_elem;
+  size_t ws = 0;
+  TEST_ASSERT(!mok_saved_size(r->ctx, &r->saved_bytes) && !mok_workspace_size(r->ctx, &ws), "sizes");
+  mok_forward_args_t* fa = &r->fa;
+  mok_backward_args_t* ba = &r->ba;
+  fa->num_tokens = ba->num_tokens = T;
+  fa->x = ba->x = rig_buf(r, p->x, T * H * 2);
+  fa->w_router = ba->w_router = rig_buf(r, p->w_router, E * H * 2);
+  fa->bias_select = s->bias ? rig_buf(r, p->bias_select, E * 4) : NULL;
+  fa->w13 = ba->w13 = rig_buf(r, p->w13, E * 2 * F * H * 2);
+  fa->w2 = ba->w2 = rig_buf(r, p->w2, E * H * F * 2);
+  fa->ws13 = ba->ws13 = Fs ? rig_buf(r, p->ws13, 2 * Fs * H * 2) : NULL;
+  fa->ws2 = ba->ws2 = Fs ? rig_buf(r, p->ws2, H * Fs * 2) : NULL;
+  fa->topk_idx = rig_buf(r, replay ? p->topk_idx : NULL, T * K * 4);
+  fa->topk_weight = rig_buf(r, replay ? p->topk_weight : NULL, T * K * 4);
+  fa->y = rig_buf(r, NULL, T * H * 2);
+  fa->tokens_per_expert = rig_buf(r, NULL, E * 4);
+  fa->aux_loss = rig_buf(r, NULL, 4);
+  fa->z_loss = rig_buf(r, NULL, 4);
+  ba->saved = fa->saved = rig_buf(r, NULL, r->saved_bytes);
+  fa->saved_bytes = ba->saved_bytes = r->saved_bytes;
+  fa->workspace = ba->workspace = rig_buf(r, NULL, ws);
+  fa->workspace_bytes = ba->workspace_bytes = ws;
+  ba->dy = rig_buf(r, p->dy, T * H * 2);
+  ba->d_aux_loss = rig_buf(r, p->d_aux_loss, 4);
+  ba->d_z_loss = rig_buf(r, p->d_z_loss, 4);
+  ba->dx = rig_out(r, "dx", T * H * 2);
+  ba->d_topk_weight = replay ? rig_out(r, "d_topk_weight", T * K * 4) : NULL;
+  ba->d_w_router = replay ? NULL : rig_out(r, "d_w_router", E * H * w);
+  ba->d_w13 = rig_out(r, "d_w13", E * 2 * F * H * w);
+  ba->d_w2 = rig_out(r, "d_w2", E * H * F * w);
+  ba->d_ws13 = Fs ? rig_out(r, "d_ws13", 2 * Fs * H * w) : NULL;
+  ba->d_ws2 = Fs ? rig_out(r, "d_ws2", H * Fs * w) : NULL;
+  TEST_ASSERT(r->n_dev < kRigBuffers && ba->d_w2 && fa->workspace && ba->dy, "device buffers (%s)",
+              cudaGetErrorString(cudaGetLastError()));
+  r->saved = test_alloc(r->saved_bytes);
+  return 0;
+}
+
+enum { kPoison = 0x5A };
+/* The backward's outputs poisoned, then forward (fwd) and backward, then the status of
+ * mok_context_sync; the outputs back in r->host. */
+static mok_status_t rig_step(rig_t* r, int fwd) {
+  for (int i = 0; i < r->n_out; i++)
+    if (cudaMemset(r->out[i], kPoison, r->bytes[i]) != cudaSuccess) return MOK_STATUS_CUDA_ERROR;
+  mok_status_t st = fwd ? mok_forward(r->ctx, &r->fa) : MOK_STATUS_SUCCESS;
+  if (!st) st = mok_backward(r->ctx, &r->ba);
+  const mok_status_t sync = mok_context_sync(r->ctx);
+  if (!st) st = sync;
+  for (int i = 0; i < r->n_out; i++)
+    if (cudaMemcpy(r->host[i], r->out[i], r->bytes[i], cudaMemcpyDeviceToHost) != cudaSuccess)
+      return MOK_STATUS_CUDA_ERROR;
+  return st;
+}
+/* Outputs in r->host equal to the reference (ref) or still all poison; returns how many
+ * are not, each printed unless what is NULL. */
+static int rig_outputs_are(const rig_t* r, int ref, const char* what) {
+  int bad = 0;
+  for (int i = 0; i < r->n_out; i++) {
+    size_t k = 0;
+    for (; k < r->bytes[i]; k++)
+      if (ref ? r->host[i][k] != r->ref[i][k] : r->host[i][k] != kPoison) break;
+    if (k < r->bytes[i]) {
+      if (what) printf("    %s: %s: %s differs at byte %zu of %zu\n", r->s->name, what, r->name[i], k, r->bytes[i]);
+      bad++;
+    }
+  }
+  return bad;
+}
+
+/* One altered saved buffer: the valid one with `n` 32-bit words (at byte offsets at[],
+ * values v[]) or, with n < 0, every byte from 512 on set to 0xFF; the backward's status
+ * then (want), the outputs untouched when it fails, and a valid step after it. */
+static int rig_case(rig_t* r, const char* what, int n, const size_t* at, const uint32_t* v, mok_status_t want) {
+  uint8_t* b = malloc(r->saved_bytes);
+  TEST_ASSERT(b, "malloc");
+  memcpy(b, r->saved, r->saved_bytes);
+  if (n < 0) memset(b + 512, 0xFF, r->saved_bytes - 512);
+  for (int k = 0; k < n; k++) memcpy(b + at[k], &v[k], 4);
+  const cudaError_t ce = cudaMemcpy(r->fa.saved, b, r->saved_bytes, cudaMemcpyHostToDevice);
+  free(b);
+  TEST_ASSERT(ce == cudaSuccess, "upload saved");
+  int bad = 0;
+  const mok_status_t st = rig_step(r, 0);
+  if (st != want) {
+    printf("    %s: %s: backward gave %s, want %s (%s)\n", r->s->name, what, mok_status_string(st),
+           mok_status_string(want), mok_context_last_error(r->ctx));
+    bad++;
+  }
+  bad += rig_outputs_are(r, want == MOK_STATUS_SUCCESS, want == MOK_STATUS_SUCCESS ? what : "outputs after it");
+  const mok_status_t again = rig_step(r, 1);
+  if (again != MOK_STATUS_SUCCESS) {
+    printf("    %s: %s: the next step gave %s\n", r->s->name, what, mok_status_string(again));
+    bad++;
+  }
+  bad += rig_outputs_are(r, 1, "the next step");
+  return bad;
+}
+
+/* A word of v's index array of `count` entries from byte `base` (at[k], v[k]): a random
+ * entry, set to a random value that is no row or expert (below 0 or at least `limit`), or,
+ * limit 0, to any value but the one there. */
+static void rig_word(const rig_t* r, uint64_t* rng, size_t base, size_t count, uint32_t limit, size_t* at,
+                     uint32_t* v) {
+  const size_t k = (size_t)(test_next(rng) % count);
+  uint32_t x = (uint32_t)test_next(rng), old;
+  memcpy(&old, r->saved + base + 4 * k, 4);
+  if (limit && x < limit) x |= 0x80000000u;
+  if (!limit && x == old) x ^= 1u;
+  *at = base + 4 * k, *v = x;
+}
+
+static int saved_corrupt_on(rig_t* r, const gpu_shape_t* s) {
+  if (rig_make(r, s, test_case_seed())) return 1;
+  const int64_t TK = s->T * s->K;
+  const int replay = s->routing == MOK_ROUTING_REPLAY;
+  TEST_ASSERT(rig_step(r, 1) == MOK_STATUS_SUCCESS, "%s: a valid step: %s", s->name, mok_context_last_error(r->ctx));
+  for (int i = 0; i < r->n_out; i++) memcpy(r->ref[i], r->host[i], r->bytes[i]);
+  TEST_ASSERT(rig_outputs_are(r, 0, NULL) == r->n_out, "%s: a valid step left an output as poisoned", s->name);
+  TEST_ASSERT(cudaMemcpy(r->saved, r->fa.saved, r->saved_bytes, cudaMemcpyDeviceToHost) == cudaSuccess, "saved");
+  /* the layout this case assumes, as the forward wrote it */
+  const saved_layout_t l = saved_layout(s);
+  const uint64_t* h = (const uint64_t*)r->saved;
+  const int32_t* counts = (const int32_t*)(r->saved + l.counts);
+  const int32_t* off = (const int32_t*)(r->saved + l.expert_off);
+  const uint64_t shape[8] = {(uint64_t)s->T, (uint64_t)s->H, (uint64_t)s->F, (uint64_t)s->E,
+                             (uint64_t)s->K, (uint64_t)s->Fs, 1, 0};
+  int64_t rows = 0;
+  for (int64_t e = 0; e < s->E; e++) {
+    TEST_ASSERT(off[e] == rows, "%s: expert_off[%lld]", s->name, (long long)e);
+    rows += counts[e];
+  }
+  TEST_ASSERT(h[0] == 0x6d6f6b2d67707573ull && h[2] == (uint64_t)s->T && h[4] == (uint64_t)s->T &&
+                  h[5] == (uint64_t)s->T && rows == TK && off[s->E] == TK,
+              "%s: saved's layout is not the one this case assumes (plan_saved)", s->name);
+  for (int k = 0; k < 8; k++) TEST_ASSERT(h[kSvHeaderShape + k] == shape[k], "header shape word %d", k);
+  int bad = 0;
+  /* (a) the body overwritten, the header intact */
+  bad += rig_case(r, "bytes from 512 on 0xFF", -1, NULL, NULL, MOK_STATUS_INVALID_SAVED);
+  /* (b) a word of an index array or table out of place, two of each */
+  uint64_t rng = test_case_seed() ^ 0x5eedull;
+  const struct {
+    const char* what;
+    size_t base, count;
+    uint32_t limit;
+  } areas[] = {{"idx", l.idx, (size_t)TK, (uint32_t)s->E},
+               {"pos", l.pos, (size_t)TK, (uint32_t)TK},
+               {"counts", l.counts, (size_t)s->E, 0},
+               {"expert_off", l.expert_off, (size_t)s->E + 1, 0},
+               {"tile_band", l.tile_band, l.tiles, 0}};
+  for (size_t a = 0; a < sizeof areas / sizeof areas[0]; a++)
+    for (int rep = 0; rep < 2; rep++) {
+      size_t at;
+      uint32_t v;
+      rig_word(r, &rng, areas[a].base, areas[a].count, areas[a].limit, &at, &v);
+      char what[96];
+      snprintf(what, sizeof what, "%s[%zu] = 0x%08x", areas[a].what, (at - areas[a].base) / 4, v);
+      /* a replay backward at W = 1 reads no expert index (the rows come from pos): it
+       * still gives the reference bits */
+      const int unread = replay && a == 0;
+      bad += rig_case(r, what, 1, &at, &v, unread ? MOK_STATUS_SUCCESS : MOK_STATUS_INVALID_SAVED);
+    }
+  /* (c) the header: another context's serial, a forward serial of none of this context's
+   * forwards (0, or past their count), another shape, the T words */
+  const struct {
+    const char* what;
+    int word;
+    uint64_t value;
+  } words[] = {{"context serial", 1, h[1] ^ 1},
+               {"forward serial 0", 3, 0},
+               {"forward serial past the count", 3, h[3] + 1000},
+               {"shape word cfg.T", kSvHeaderShape, h[kSvHeaderShape] + 1},
+               {"shape word H", kSvHeaderShape + 1, h[kSvHeaderShape + 1] + 64},
+               {"shape word rank", kSvHeaderShape + 7, 1},
+               {"tokens of every rank", 4, h[4] + 1},
+               {"this rank's T word", 5, h[5] - 1}};
+  for (size_t k = 0; k < sizeof words / sizeof words[0]; k++) {
+    size_t at[2] = {8 * (size_t)words[k].word, 8 * (size_t)words[k].word + 4};
+    uint32_t v[2] = {(uint32_t)words[k].value, (uint32_t)(words[k].value >> 32)};
+    bad += rig_case(r, words[k].what, 2, at, v, MOK_STATUS_INVALID_SAVED);
+  }
+  printf("    %-14s %d altered saved buffers: %s\n", s->name, 1 + 10 + (int)(sizeof words / sizeof words[0]),
+         bad ? "FAILED" : "each refused (replay: idx unread), outputs untouched, the next step the same bits");
+  return bad;
+}
+
+/* Fused routing with a shared expert, and replay (d_topk_weight). */
+static int saved_corrupt(void) {
+  int bad = 0;
+  const int which[] = {9, 16};
+  for (int i = 0; i < 2; i++) {
+    rig_t r;
+    bad += saved_corrupt_on(&r, &shapes[which[i]]);
+    rig_free(&r);
+  }
+  return bad;
+}
+
 /* Small case for compute-sanitizer (memcheck and racecheck run it alone). */
 static int sanitizer_small(void) {
   const gpu_shape_t* s = &shapes[10];
@@ -451,6 +729,7 @@ const test_case_t suite_gpu[] = {
     {"gate_up_recompute", gate_up_recompute},
     {"saved_reuse", saved_reuse},
     {"device_errors", device_errors},
+    {"saved_corrupt", saved_corrupt},
     {"sanitizer_small", sanitizer_small},
     {"memcheck", memcheck},
     {"racecheck", racecheck},
