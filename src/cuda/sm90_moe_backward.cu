@@ -139,7 +139,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   // beside the gate|up recompute tasks (108 bytes).
   if (s.W > 1 && sb == 0 && threadIdx.x == 0) publish_peers(p.px, s, kFlagBackward, sm.peer_serial);
   if (s.W > 1 && !wait_peers(sm, p.st, kFlagBackward)) return;
-  if (sb == 0 && !saved_tables_ok(p)) {  // (saved_ok: no signal, so no task that waits for DG runs)
+  if (sb == 0 && !saved_tables_ok(p)) {  // (the saved buffer's checks: no signal, so no task that waits for DG runs)
     if (threadIdx.x == 0) raise_error(p.st, MOK_STATUS_INVALID_SAVED);
     return;
   }
@@ -152,7 +152,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   // loads slot n = b + l's token, row and weight once, and the warp reads them by shuffle.
   constexpr int kWarps = kThreads / 32;
   const int per = ((t1 - t0) * K - warp + kWarps - 1) / kWarps;
-  bool bad = false;  // a slot's row or expert out of range (saved_ok): raised, and no signal
+  bool bad = false;  // a slot's row or expert out of range (the saved buffer's checks): raised, and no signal
   for (int b = 0; b < per; b += 32) {
     const int nb = min(32, per - b), units = nb * rounds;
     int my_t = 0, my_pos = 0, my_owner = 0;
@@ -259,7 +259,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
       for (int i = 0; i < 8; i++)
         if (lane + 32 * i < E) sw[lane + 32 * i] = sc[i];
       int my_e = lane < K ? p.sv.idx[(int64_t)t * K + lane] : 0;
-      if ((uint32_t)my_e >= (uint32_t)E) {  // (sw's index: saved_ok)
+      if ((uint32_t)my_e >= (uint32_t)E) {  // (sw's index)
         my_e = 0, bad = true;
         raise_error(p.st, MOK_STATUS_INVALID_SAVED);
       }
@@ -331,7 +331,7 @@ __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, 
     *e = x, *row0 = r0 + (mt - first) * BM, *row_end = re;
     return found = true;
   });
-  // (rows within the buffers: RG runs before DG's check of the tables, saved_ok)
+  // (rows within the buffers: RG runs before DG's check of the tables)
   return found & (*row0 >= 0) & (*row0 < *row_end) & (*row_end <= p.capacity);
 }
 
