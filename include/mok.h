@@ -50,6 +50,9 @@ extern "C" {
  * this many tokens, combined by one fixed binary tree over the chunks. */
 #define MOK_REDUCE_CHUNK_TOKENS 64
 
+/* The longest wait for a peer (cfg.comm_timeout_s above it is taken as it): 10^9 s. */
+#define MOK_MAX_TIMEOUT_S 1.0e9
+
 /* The most CPU threads a context may use (cfg.num_threads). */
 #define MOK_MAX_THREADS 1024
 
@@ -152,7 +155,8 @@ typedef struct {
                           ever arrive, (sum of every rank's cfg.T) * min(K, E / W), which is
                           also the default; above it: MOK_STATUS_INVALID_SHAPE */
   int num_threads;     /* CPU threads of this context, at most MOK_MAX_THREADS; 0 = all cores */
-  double comm_timeout_s; /* bound on every wait for a peer; 0 = default (5 s) */
+  double comm_timeout_s; /* bound on every wait for a peer; 0 = default (5 s); values above
+                            MOK_MAX_TIMEOUT_S wait that long */
   mok_cpu_comm_t* cpu_comm; /* CPU backend with W > 1: the shared in-process communicator */
   int num_ctas;        /* CUDA: persistent CTAs per launch; 0 = one per SM (bits do not depend on it) */
   mok_cta_pairs_t cta_pairs; /* CUDA: CTAs in clusters of 2 whose GEMM tasks on the same weight

@@ -315,6 +315,8 @@ mok_status_t mok_context_create(const mok_config_t* cfg, mok_context_t** out) {
   mok_config_t* c = &ctx->cfg;
   if (c->num_threads == 0) c->num_threads = omp_get_max_threads();
   if (c->comm_timeout_s == 0) c->comm_timeout_s = 5.0;
+  /* a bound past MOK_MAX_TIMEOUT_S waits that long (deadlines in time_t and ns must not overflow) */
+  if (c->comm_timeout_s > MOK_MAX_TIMEOUT_S) c->comm_timeout_s = MOK_MAX_TIMEOUT_S;
   ctx->E_loc = c->E / c->W;
   ctx->act_size = c->numerics == MOK_NUMERICS_EXACT ? 8 : 2;
   ctx->real_size = c->numerics == MOK_NUMERICS_EXACT ? 8 : 4;
