@@ -254,6 +254,18 @@ MOK_API int mok_version(void); /* MOK_VERSION_CODE of the library */
  * is mok_last_create_error(). */
 #define MOK_COMM_UNIQUE_ID_BYTES 128
 MOK_API mok_status_t mok_comm_unique_id(void* id, size_t size);
+/* An id for W ranks of one process on one GPU, for testing expert parallelism where one
+ * GPU is lent: every rank's context on the device current at its create, its windows in
+ * that GPU's memory, the peers' addresses handed out in process (no NCCL is loaded), so
+ * the kernels run the same exchange protocol through the same peer table as across GPUs;
+ * only NVLink is not crossed, and speed means nothing. The W ranks' launches must be
+ * resident at once: a context takes cfg.num_ctas = SMs / W by default (larger:
+ * MOK_STATUS_INVALID_ARGUMENT) and no CTA pairs; each rank's stream must wait for no
+ * other rank's (cudaStreamNonBlocking, never the legacy default stream), and the
+ * process needs a hardware queue per rank's stream (CUDA_DEVICE_MAX_CONNECTIONS=32 in
+ * the environment before CUDA starts: with the default 8, two ranks' streams can share
+ * a queue, and one rank's kernel then waits behind another's until comm_timeout_s). */
+MOK_API mok_status_t mok_comm_loopback_id(void* id, size_t size);
 
 /* In-process communicator for W CPU ranks of one process (one thread per rank). */
 MOK_API mok_status_t mok_cpu_comm_create(int num_ranks, mok_cpu_comm_t** comm);

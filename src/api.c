@@ -66,19 +66,36 @@ mok_status_t mok_error_at(mok_context_t* ctx, mok_status_t s, const char* file, 
 
 const char* mok_last_create_error(void) { return create_error; }
 
+/* The id buffer's rule, shared by both id makers: at least MOK_COMM_UNIQUE_ID_BYTES. */
+static mok_status_t check_id_buffer(const char* fn, const void* id, size_t size) {
+  if (id && size >= MOK_COMM_UNIQUE_ID_BYTES) return MOK_STATUS_SUCCESS;
+  snprintf(create_error, MOK_ERROR_LEN, "%s: id must point to at least MOK_COMM_UNIQUE_ID_BYTES = %d bytes (got %zu%s)",
+           fn, MOK_COMM_UNIQUE_ID_BYTES, size, id ? "" : " at NULL");
+  return id ? MOK_STATUS_INVALID_ARGUMENT : MOK_STATUS_NULL_POINTER;
+}
+
 mok_status_t mok_comm_unique_id(void* id, size_t size) {
-  if (!id || size < MOK_COMM_UNIQUE_ID_BYTES) {
-    snprintf(create_error, MOK_ERROR_LEN, "mok_comm_unique_id: id must point to at least MOK_COMM_UNIQUE_ID_BYTES = %d "
-             "bytes (got %zu%s)", MOK_COMM_UNIQUE_ID_BYTES, size, id ? "" : " at NULL");
-    return id ? MOK_STATUS_INVALID_ARGUMENT : MOK_STATUS_NULL_POINTER;
-  }
+  mok_status_t s = check_id_buffer("mok_comm_unique_id", id, size);
+  if (s) return s;
 #ifdef MOK_HAVE_NCCL
   char err[400];
-  mok_status_t s = mok_nccl_unique_id(id, err, sizeof err);
+  s = mok_nccl_unique_id(id, err, sizeof err);
   if (s != MOK_STATUS_SUCCESS) snprintf(create_error, MOK_ERROR_LEN, "mok_comm_unique_id: %s", err);
   return s;
 #else
   snprintf(create_error, MOK_ERROR_LEN, "mok_comm_unique_id: this libmok was built without NCCL (no nccl.h found)");
+  return MOK_STATUS_BACKEND_UNAVAILABLE;
+#endif
+}
+
+mok_status_t mok_comm_loopback_id(void* id, size_t size) {
+  const mok_status_t s = check_id_buffer("mok_comm_loopback_id", id, size);
+  if (s) return s;
+#ifdef MOK_HAVE_NCCL
+  mok_nccl_loopback_id(id);
+  return MOK_STATUS_SUCCESS;
+#else
+  snprintf(create_error, MOK_ERROR_LEN, "mok_comm_loopback_id: this libmok was built without NCCL (no nccl.h found)");
   return MOK_STATUS_BACKEND_UNAVAILABLE;
 #endif
 }

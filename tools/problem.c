@@ -201,9 +201,24 @@ typedef struct {
   double fwd_s, bwd_s;
 } rank_job_t;
 
-/* Rank r's share of the global batch (CPU and CUDA runs alike): the first T % W ranks
- * one token more; rank r's tokens follow those of ranks < r. */
-static int64_t rank_tokens(int64_t T_global, int W, int r) { return T_global / W + (r < T_global % W ? 1 : 0); }
+/* Rank r's share of the global batch (CPU and CUDA runs alike): o->rank_T[r], or the
+ * first T % W ranks one token more; rank r's tokens follow those of ranks < r. */
+static int64_t rank_tokens(int64_t T_global, const mok_run_opts_t* o, int r) {
+  if (o->rank_T && o->W > 1) return o->rank_T[r];
+  return T_global / o->W + (r < T_global % o->W ? 1 : 0);
+}
+/* Whether o->rank_T (when given) splits T_global: W counts >= 0 summing to it. */
+static int split_ok(int64_t T_global, const mok_run_opts_t* o, char* err, size_t err_len) {
+  if (!o->rank_T || o->W == 1) return 1;
+  int64_t sum = 0;
+  for (int r = 0; r < o->W; r++) {
+    if (o->rank_T[r] < 0) break;
+    sum += o->rank_T[r];
+  }
+  if (sum == T_global) return 1;
+  if (err) snprintf(err, err_len, "rank_T: %d counts >= 0 summing to T_global = %lld", o->W, (long long)T_global);
+  return 0;
+}
 
 static double now_s(void) {
   struct timespec ts;
@@ -407,6 +422,7 @@ mok_status_t mok_problem_run(mok_problem_t* p, const mok_run_opts_t* o, char* er
                              size_t err_len) {
   const int W = o->W;
   if (W < 1 || W > 64) return MOK_STATUS_INVALID_ARGUMENT;
+  if (!split_ok(p->T_global, o, err, err_len)) return MOK_STATUS_INVALID_ARGUMENT;
   mok_cpu_comm_t* comm = NULL;
   if (W > 1) {
     mok_status_t s = mok_cpu_comm_create(W, &comm);
@@ -416,7 +432,7 @@ mok_status_t mok_problem_run(mok_problem_t* p, const mok_run_opts_t* o, char* er
   pthread_t th[64];
   int64_t start = 0;
   for (int r = 0; r < W; r++) {
-    const int64_t T = rank_tokens(p->T_global, W, r);
+    const int64_t T = rank_tokens(p->T_global, o, r);
     jobs[r] = (rank_job_t){.p = p, .o = o, .comm = comm, .rank = r, .t0 = start, .T = T};
     start += T;
   }
@@ -489,6 +505,7 @@ mok_status_t mok_problem_run_bytes(const mok_config_t* cfg, int64_t T_global, co
     if (err) snprintf(err, err_len, "W = %d: the CPU runs take 1 <= W <= 64", W);
     return MOK_STATUS_INVALID_ARGUMENT;
   }
+  if (!split_ok(T_global, o, err, err_len)) return MOK_STATUS_INVALID_ARGUMENT;
   mok_problem_t p = {0};
   problem_init(&p, cfg, T_global, 0);
   mok_cpu_comm_t* comm = NULL;
@@ -501,7 +518,7 @@ mok_status_t mok_problem_run_bytes(const mok_config_t* cfg, int64_t T_global, co
   }
   probe_job_t jobs[64];
   for (int r = 0; r < W; r++)
-    jobs[r] = (probe_job_t){.cfg = rank_config(cfg, o, r, rank_tokens(T_global, W, r), comm)};
+    jobs[r] = (probe_job_t){.cfg = rank_config(cfg, o, r, rank_tokens(T_global, o, r), comm)};
   mok_status_t first = MOK_STATUS_SUCCESS;
   if (!shape_only) { /* (a context touches none of its buffers before its first step) */
     if (W == 1) {
@@ -624,16 +641,62 @@ typedef struct {
     goto done;                                                                                 \
   } while (0)
 
+/* Where the W ranks of a CUDA run meet (W > 1): after every rank's setup, before the
+ * first step, and after the last copy back, before the frees. A cudaFree waits for the
+ * whole device, and with the ranks on one GPU (loopback) a peer's kernel may be waiting
+ * for this rank's next launch; a rank that leaves early (a failed create) drops out, so
+ * that nobody waits for it. Waits are bounded (kMeetTimeoutS). */
+typedef struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int members, arrived;
+  uint64_t generation;
+} meet_t;
+static const double kMeetTimeoutS = 120.0;
+
+/* Returns 0 when the others did not come within kMeetTimeoutS. */
+static int meet(meet_t* m) {
+  if (!m) return 1;
+  struct timespec deadline;
+  clock_gettime(CLOCK_REALTIME, &deadline);
+  deadline.tv_sec += (time_t)kMeetTimeoutS;
+  pthread_mutex_lock(&m->mu);
+  const uint64_t gen = m->generation;
+  if (++m->arrived >= m->members) {
+    m->arrived = 0, m->generation++;
+    pthread_cond_broadcast(&m->cv);
+  }
+  while (m->generation == gen)
+    if (pthread_cond_timedwait(&m->cv, &m->mu, &deadline) != 0) break;
+  const int ok = m->generation != gen;
+  if (!ok) m->arrived--;
+  pthread_mutex_unlock(&m->mu);
+  return ok;
+}
+/* This rank takes part in no more meetings. */
+static void meet_leave(meet_t* m) {
+  if (!m) return;
+  pthread_mutex_lock(&m->mu);
+  m->members--;
+  if (m->arrived > 0 && m->arrived >= m->members) {
+    m->arrived = 0, m->generation++;
+    pthread_cond_broadcast(&m->cv);
+  }
+  pthread_mutex_unlock(&m->mu);
+}
+
 /* One rank of a CUDA run: its tokens [t0, t0 + T) of the global batch and its experts
- * [rank E/W, ..), on device `rank` when W > 1 (each rank a thread). Replicated outputs
- * (tokens_per_expert, the losses, the router and shared-expert gradients) come back
- * from rank 0. */
+ * [rank E/W, ..), on device `rank` when W > 1 (each rank a thread), or on device 0 with
+ * a loopback id. Replicated outputs (tokens_per_expert, the losses, the router and
+ * shared-expert gradients) come back from rank 0. */
 typedef struct {
   mok_problem_t* p;
   const mok_run_opts_t* o;
   int rank;
-  int64_t t0, T;
+  int64_t t0, T, T_max;
   const void* unique_id;
+  int loopback;
+  meet_t* meet;
   mok_status_t status;
   char err[512];
 } cuda_job_t;
@@ -662,8 +725,11 @@ static void* step_thread_main(void* arg) {
   return NULL;
 }
 
-static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int rank, int64_t t0, int64_t T,
-                                  const void* unique_id, char* err, size_t err_len) {
+static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, const cuda_job_t* job, char* err,
+                                  size_t err_len) {
+  const int rank = job->rank;
+  const int64_t t0 = job->t0, T = job->T;
+  meet_t* m = job->meet;
   const mok_config_t* c = &p->cfg;
   const int64_t H = c->H, F = c->F, E = c->E, K = c->K, Fs = c->Fs, W = o->W, El = E / W, e0 = rank * El;
   const size_t a = p->act, r = p->real, w = p->wgrad_elem;
@@ -675,6 +741,7 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
   cudaEvent_t ev[3] = {NULL, NULL, NULL};
   cudaGraph_t graph = NULL;
   cudaGraphExec_t exec = NULL;
+  int met = 0; /* passed the first meeting: takes part in the second */
   enum { X, WR, BIAS, W13, W2, WS13, WS2, DY, IDX, TW, DAUX, DZ, Y, DX, DTW, TPE, AUX, Z, DWR, DW13, DW2,
          DWS13, DWS2, SAVED, WS, WS_BWD, NBUF };
 #define SLICE(ptr, offset) ((ptr) ? (void*)((char*)(ptr) + (offset)) : NULL)
@@ -698,48 +765,64 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
       [DWS13] = {p->d_ws13, 0, 2 * Fs * H * w, rep ? 1 : 2}, [DWS2] = {p->d_ws2, 0, H * Fs * w, rep ? 1 : 2},
       [SAVED] = {NULL, 0, 0, 0}, [WS] = {NULL, 0, 0, 0}, [WS_BWD] = {NULL, 0, 0, 0}};
 #undef SLICE
-  if (W > 1 && cudaSetDevice(rank) != cudaSuccess) {
-    if (err) snprintf(err, err_len, "rank %d: cudaSetDevice(%d): %s", rank, rank, cudaGetErrorString(cudaGetLastError()));
+  const int device = W > 1 && !job->loopback ? rank : 0;
+  if (W > 1 && cudaSetDevice(device) != cudaSuccess) {
+    if (err) snprintf(err, err_len, "rank %d: cudaSetDevice(%d): %s", rank, device, cudaGetErrorString(cudaGetLastError()));
+    meet_leave(m);
     return MOK_STATUS_CUDA_ERROR;
   }
   mok_config_t cfg = *c;
-  cfg.T = (p->T_global + W - 1) / W; /* every rank's bound alike: W > 1 sizes symmetric windows by it */
+  cfg.T = job->T_max; /* every rank's bound alike: W > 1 sizes symmetric windows by it */
   cfg.W = (int)W;
   cfg.rank = rank;
-  cfg.comm_unique_id = unique_id;
+  cfg.comm_unique_id = job->unique_id;
   if (o->capacity > 0) cfg.capacity = o->capacity;
   cfg.backend = MOK_BACKEND_CUDA;
-  cfg.num_ctas = o->num_ctas;
+  cfg.num_ctas = W > 1 && o->rank_num_ctas[rank] ? o->rank_num_ctas[rank] : o->num_ctas;
   cfg.cta_pairs = (mok_cta_pairs_t)o->cta_pairs;
   if (o->comm_timeout_s > 0) cfg.comm_timeout_s = o->comm_timeout_s;
   status = mok_context_create(&cfg, &ctx);
   if (status) {
     if (err) snprintf(err, err_len, "create: %s", mok_last_create_error());
+    meet_leave(m);
     return status;
   }
   if (rank == o->silent_rank) { /* the peers' steps must give up waiting for this rank */
     const double s = (cfg.comm_timeout_s > 0 ? cfg.comm_timeout_s : 5.0) + 1.0;
     struct timespec ts = {(time_t)s, (long)((s - (time_t)s) * 1e9)};
+    meet(m); /* (the peers' setup done) */
     nanosleep(&ts, NULL);
+    meet(m); /* (the peers' steps over) */
+    meet_leave(m);
     mok_context_destroy(ctx);
     return MOK_STATUS_SUCCESS;
   }
   mok_workspace_size(ctx, &b[WS].bytes);
   b[WS_BWD].bytes = b[WS].bytes;
   mok_saved_size(ctx, &b[SAVED].bytes);
-  if (cudaStreamCreate(&stream) != cudaSuccess) CU_FAIL("cudaStreamCreate");
+  /* a stream that waits for no other (never the legacy default stream, which with the
+   * ranks on one GPU would wait for a peer's kernel); every copy and fill on it */
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) CU_FAIL("cudaStreamCreate");
   for (int i = 0; i < 3; i++)
     if (cudaEventCreate(&ev[i]) != cudaSuccess) CU_FAIL("cudaEventCreate");
   for (int i = 0; i < NBUF; i++) {
     if (cudaMalloc(&b[i].dev, b[i].bytes ? b[i].bytes : 256) != cudaSuccess) CU_FAIL("cudaMalloc");
     if (b[i].host && !b[i].output && b[i].bytes &&
-        cudaMemcpy(b[i].dev, b[i].host, b[i].bytes, cudaMemcpyHostToDevice) != cudaSuccess)
-      CU_FAIL("cudaMemcpy to the device");
-    if (b[i].output && cudaMemset(b[i].dev, 0xFF, b[i].bytes) != cudaSuccess) CU_FAIL("cudaMemset");
+        cudaMemcpyAsync(b[i].dev, b[i].host, b[i].bytes, cudaMemcpyHostToDevice, stream) != cudaSuccess)
+      CU_FAIL("cudaMemcpyAsync to the device");
+    if (b[i].output && cudaMemsetAsync(b[i].dev, 0xFF, b[i].bytes, stream) != cudaSuccess) CU_FAIL("cudaMemsetAsync");
   }
   if (accum)
     for (int i = DWR; i <= DWS2; i++)
-      if (cudaMemset(b[i].dev, 0, b[i].bytes) != cudaSuccess) CU_FAIL("cudaMemset");
+      if (cudaMemsetAsync(b[i].dev, 0, b[i].bytes, stream) != cudaSuccess) CU_FAIL("cudaMemsetAsync");
+  if (cudaStreamSynchronize(stream) != cudaSuccess) CU_FAIL("cudaStreamSynchronize");
+  met = meet(m);
+  if (!met) {
+    if (err) snprintf(err, err_len, "rank %d: the other ranks did not finish their setup within %.0f s", rank,
+                      kMeetTimeoutS);
+    status = MOK_STATUS_COMM_TIMEOUT;
+    goto done;
+  }
   mok_forward_args_t fa = {0};
   fa.num_tokens = T;
   fa.x = b[X].dev;
@@ -842,14 +925,17 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, int
     if (!status) status = mok_context_sync(ctx);
     if (status && err) snprintf(err, err_len, "%s", mok_context_last_error(ctx));
   }
-  for (int i = 0; i < NBUF; i++)
+  for (int i = 0; i < NBUF; i++) /* (to pageable memory: each returns once done) */
     if (b[i].output == 1 && b[i].host && b[i].bytes &&
-        cudaMemcpy(b[i].host, b[i].dev, b[i].bytes, cudaMemcpyDeviceToHost) != cudaSuccess)
-      CU_FAIL("cudaMemcpy to the host");
+        cudaMemcpyAsync(b[i].host, b[i].dev, b[i].bytes, cudaMemcpyDeviceToHost, stream) != cudaSuccess)
+      CU_FAIL("cudaMemcpyAsync to the host");
   goto done;
 fail:
   if (err) snprintf(err, err_len, "%s", mok_context_last_error(ctx));
 done:
+  if (stream) cudaStreamSynchronize(stream);
+  if (met) meet(m); /* (every rank's steps over before any frees) */
+  meet_leave(m);
   if (exec) cudaGraphExecDestroy(exec);
   if (graph) cudaGraphDestroy(graph);
   for (int i = 0; i < NBUF; i++) cudaFree(b[i].dev);
@@ -862,31 +948,43 @@ done:
 
 static void* cuda_rank_main(void* arg) {
   cuda_job_t* j = arg;
-  j->status = run_cuda_rank(j->p, j->o, j->rank, j->t0, j->T, j->unique_id, j->err, sizeof j->err);
+  j->status = run_cuda_rank(j->p, j->o, j, j->err, sizeof j->err);
   return NULL;
 }
 
 mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, char* err, size_t err_len) {
   const int W = o->W;
-  if (W == 1) return run_cuda_rank(p, o, 0, 0, p->T_global, NULL, err, err_len);
+  if (W == 1) {
+    const cuda_job_t one = {.p = p, .o = o, .T = p->T_global, .T_max = p->T_global};
+    return run_cuda_rank(p, o, &one, err, err_len);
+  }
   if (W < 1 || W > 8) {
     if (err) snprintf(err, err_len, "W = %d: the CUDA runs take 1 <= W <= 8", W);
     return MOK_STATUS_INVALID_ARGUMENT;
   }
-  uint8_t id[MOK_COMM_UNIQUE_ID_BYTES];
-  mok_status_t s = mok_comm_unique_id(id, sizeof id);
+  if (!split_ok(p->T_global, o, err, err_len)) return MOK_STATUS_INVALID_ARGUMENT;
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  const int loopback = o->loopback || gpus < W;
+  uint8_t id[MOK_COMM_UNIQUE_ID_BYTES] = {0};
+  mok_status_t s = loopback ? mok_comm_loopback_id(id, sizeof id) : mok_comm_unique_id(id, sizeof id);
   if (s) {
     if (err) snprintf(err, err_len, "%s", mok_last_create_error());
     return s;
   }
+  meet_t m = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, W, 0, 0};
   cuda_job_t jobs[8];
   pthread_t th[8];
-  int64_t start = 0;
+  int64_t start = 0, T_max = 0;
+  for (int r = 0; r < W; r++)
+    if (rank_tokens(p->T_global, o, r) > T_max) T_max = rank_tokens(p->T_global, o, r);
   for (int r = 0; r < W; r++) {
-    const int64_t T = rank_tokens(p->T_global, W, r);
-    jobs[r] = (cuda_job_t){.p = p, .o = o, .rank = r, .t0 = start, .T = T, .unique_id = id};
+    const int64_t T = rank_tokens(p->T_global, o, r);
+    jobs[r] = (cuda_job_t){.p = p, .o = o, .rank = r, .t0 = start, .T = T, .T_max = T_max, .unique_id = id,
+                           .loopback = loopback, .meet = &m};
     start += T;
   }
+  if (o->skip_rank >= 0 && o->skip_rank < W) m.members--;
   for (int r = 0; r < W; r++)
     if (r != o->skip_rank) pthread_create(&th[r], NULL, cuda_rank_main, &jobs[r]);
   mok_status_t first = MOK_STATUS_SUCCESS;

@@ -4,7 +4,8 @@
  *
  * All tensors here are global and host-side; a run copies each rank's slice into its
  * own aligned buffers (rank-major token split: rank r gets tokens
- * [r*T/W + min(r, T%W) ...), experts r*E/W ..), runs the steps, and gathers the results
+ * [r*T/W + min(r, T%W) ...), or mok_run_opts_t.rank_T's counts in rank order; experts
+ * r*E/W ..), runs the steps, and gathers the results
  * back into the global outputs. bf16 tensors are uint16_t, fp32 tensors float; in
  * EXACT numerics every floating tensor is double. */
 #ifndef MOK_TOOLS_PROBLEM_H
@@ -88,8 +89,15 @@ typedef struct {
   int backward_again; /* W = 1, with backward: after the last step, mok_backward once more
                          on its saved; the run's status is that call's (MOK_SAVED_REUSE:
                          MOK_STATUS_INVALID_SAVED), the outputs those of the steps */
+  const int64_t* rank_T; /* W > 1: each rank's tokens, W counts summing to T_global (0
+                            allowed); NULL: the even split. CUDA: every rank's cfg.T is
+                            the largest */
+  int loopback;       /* CUDA, W > 1: 1 every rank on GPU 0 through mok_comm_loopback_id;
+                         0 a GPU per rank where W are visible, else as 1 */
+  int rank_num_ctas[8]; /* CUDA, W > 1: rank r's cfg.num_ctas where non-zero (D2 across
+                           ranks), else num_ctas */
 } mok_run_opts_t;
-#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0, MOK_CTA_PAIRS_AUTO, -1, 0, 0}
+#define MOK_RUN_OPTS_INIT {1, 1, 1, 0, 0, 0.0, -1, 0, 0, MOK_CTA_PAIRS_AUTO, -1, 0, 0, NULL, 0, {0}}
 
 /* Runs the problem; returns the first failing rank's status. The message of the first
  * failure is copied to err (size err_len) when err is not NULL. Gradient outputs in
@@ -114,8 +122,11 @@ size_t mok_problem_outputs_bytes(const mok_config_t* cfg, int64_t T_global, int 
 mok_status_t mok_problem_run_bytes(const mok_config_t* cfg, int64_t T_global, const mok_run_opts_t* o,
                                    int shape_only, size_t* bytes, char* err, size_t err_len);
 
-/* The same on the CUDA backend (W ranks on GPUs 0 .. W-1, a thread each): inputs copied
- * to the device, every
+/* The same on the CUDA backend (W ranks on GPUs 0 .. W-1, a thread each, or all on GPU 0
+ * through a loopback id: opts.loopback): each rank's work on a non-blocking stream of
+ * its own (inputs copied, outputs poisoned and copied back there), the ranks meeting at
+ * a barrier after their setup and before their frees, so that no rank's cudaFree (which
+ * waits for the whole device) comes while a peer's step still needs this rank; every
  * output poisoned (0xFF bytes) before the run, results copied back into p's outputs.
  * seconds_forward / seconds_backward: CUDA-event times of the last step. Returns
  * MOK_STATUS_BACKEND_UNAVAILABLE when the library has no CUDA backend. */

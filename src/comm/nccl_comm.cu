@@ -1,6 +1,7 @@
 // nccl_comm.cu — libnccl.so.2 through dlopen, communicators and symmetric windows
 // (nccl_comm.h). Built only when the build found nccl.h (MOK_HAVE_NCCL).
 #include "comm/nccl_comm.h"
+#include "cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -11,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static_assert(sizeof(ncclUniqueId) == MOK_COMM_UNIQUE_ID_BYTES, "MOK_COMM_UNIQUE_ID_BYTES");
 
@@ -82,9 +84,140 @@ void load() {
 
 }  // namespace
 
-struct mok_nccl_comm {
-  ncclComm_t comm;
+// ---- the loopback communicator (mok_comm_loopback_id): W ranks of one process on one
+// GPU. Its windows are plain cudaMalloc memory of that GPU, and every rank's addresses
+// are handed out through a group in process memory, so the kernels get the same peer
+// table as from NCCL (mok_nccl_peer_pointers) and run the same protocol over it; only
+// NVLink is not crossed. Collectives (create, window_alloc) meet at a bounded barrier.
+
+namespace {
+
+constexpr char kLoopMagic[8] = {'m', 'o', 'k', 'l', 'o', 'o', 'p', 0};  // id bytes 0..7; 8..15: the group
+constexpr int kLoopMaxRanks = 8;
+constexpr double kLoopTimeoutS = 60.0;  // a collective waits this long for the other ranks
+
+struct LoopGroup {
+  uint64_t key;
+  int W, members;
+  int arrived;            // at the current barrier
+  uint64_t generation;    // barriers completed
+  void* slot[kLoopMaxRanks];  // what each rank published for the current collective
+  LoopGroup* next;
 };
+
+pthread_mutex_t loop_mu = PTHREAD_MUTEX_INITIALIZER;
+pthread_cond_t loop_cv = PTHREAD_COND_INITIALIZER;
+LoopGroup* loop_groups;
+uint64_t loop_next_key;
+
+// Publishes `mine` as this rank's slot and waits for every rank's, at most the bound;
+// then all[r] = rank r's slot. False on a timeout.
+bool loop_exchange(LoopGroup* g, int rank, void* mine, void** all) {
+  timespec deadline;
+  clock_gettime(CLOCK_REALTIME, &deadline);
+  deadline.tv_sec += (time_t)kLoopTimeoutS;
+  pthread_mutex_lock(&loop_mu);
+  const uint64_t gen = g->generation;
+  g->slot[rank] = mine;
+  bool ok = true;
+  if (++g->arrived == g->W) {
+    g->arrived = 0, g->generation++;
+    pthread_cond_broadcast(&loop_cv);
+  }
+  while (g->generation == gen && ok) ok = pthread_cond_timedwait(&loop_cv, &loop_mu, &deadline) == 0;
+  ok = g->generation != gen;
+  if (ok && all) memcpy(all, g->slot, sizeof(void*) * g->W);
+  pthread_mutex_unlock(&loop_mu);
+  // nobody writes a slot again before every rank has read it: the next collective's
+  // barrier is reached only after this one's, and a slot is written only on arriving
+  return ok;
+}
+
+struct LoopWindow {
+  void* base[kLoopMaxRanks];  // every rank's copy of the window
+};
+
+}  // namespace
+
+struct mok_nccl_comm {
+  ncclComm_t comm;  // NCCL; null for a loopback communicator
+  LoopGroup* loop;  // loopback; null for NCCL
+  int W, rank;
+};
+
+extern "C" int mok_nccl_is_loopback_id(const void* unique_id) {
+  return memcmp(unique_id, kLoopMagic, sizeof kLoopMagic) == 0;
+}
+
+extern "C" void mok_nccl_loopback_id(void* id) {
+  pthread_mutex_lock(&loop_mu);
+  const uint64_t key = ++loop_next_key;
+  pthread_mutex_unlock(&loop_mu);
+  memset(id, 0, MOK_COMM_UNIQUE_ID_BYTES);
+  memcpy(id, kLoopMagic, sizeof kLoopMagic);
+  memcpy(static_cast<char*>(id) + 8, &key, sizeof key);
+}
+
+static mok_status_t loop_comm_create(const void* unique_id, int W, int rank, mok_nccl_comm_t** out, char* err,
+                                     size_t err_size) {
+  if (W > kLoopMaxRanks) {
+    msg(err, err_size, "a loopback communicator has at most %d ranks (W = %d)", kLoopMaxRanks, W);
+    return MOK_STATUS_INVALID_ARGUMENT;
+  }
+  uint64_t key;
+  memcpy(&key, static_cast<const char*>(unique_id) + 8, sizeof key);
+  pthread_mutex_lock(&loop_mu);
+  LoopGroup* g = loop_groups;
+  while (g && g->key != key) g = g->next;
+  if (!g) {
+    g = new LoopGroup{};
+    g->key = key, g->W = W, g->next = loop_groups;
+    loop_groups = g;
+  }
+  const bool fits = g->W == W && g->members < W;
+  if (fits) g->members++;
+  pthread_mutex_unlock(&loop_mu);
+  if (!fits) {
+    msg(err, err_size, "loopback id: its group has W = %d ranks, %s (this rank: W = %d, rank %d)", g->W,
+        g->W == W ? "all of them joined" : "not this W", W, rank);
+    return MOK_STATUS_COMM_ERROR;
+  }
+  *out = new mok_nccl_comm{nullptr, g, W, rank};
+  if (!loop_exchange(g, rank, nullptr, nullptr)) {
+    msg(err, err_size, "loopback communicator: the other ranks did not join within %.0f s", kLoopTimeoutS);
+    mok_nccl_comm_destroy(*out, 1);
+    *out = nullptr;
+    return MOK_STATUS_COMM_TIMEOUT;
+  }
+  return MOK_STATUS_SUCCESS;
+}
+
+// A new window's memory is zeroed on the library's side stream (mok_cuda_zero_now), so
+// that this rank's creation never waits for a peer's kernel already running.
+static cudaError_t zero_window(void* p, size_t bytes) { return (cudaError_t)mok_cuda_zero_now(p, bytes); }
+
+static mok_status_t loop_window_alloc(mok_nccl_comm_t* c, size_t bytes, void** local, void** window, char* err,
+                                      size_t err_size) {
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, bytes ? bytes : 256);
+  if (e == cudaSuccess) e = zero_window(p, bytes);
+  // (a rank that failed still takes part, publishing NULL, so that no peer waits in vain)
+  LoopWindow* w = new LoopWindow{};
+  const bool met = loop_exchange(c->loop, c->rank, e == cudaSuccess ? p : nullptr, w->base);
+  bool all = met;
+  for (int r = 0; r < c->W && all; r++) all = w->base[r] != nullptr;
+  if (e != cudaSuccess || !all) {
+    if (p) cudaFree(p);
+    delete w;
+    if (e != cudaSuccess)
+      msg(err, err_size, "a %zu-byte loopback window: %s", bytes, cudaGetErrorString(e));
+    else
+      msg(err, err_size, "a loopback window: %s", met ? "a peer's allocation failed" : "the peers did not arrive");
+    return e == cudaErrorMemoryAllocation ? MOK_STATUS_OUT_OF_MEMORY : MOK_STATUS_COMM_ERROR;
+  }
+  *local = p, *window = w;
+  return MOK_STATUS_SUCCESS;
+}
 
 extern "C" mok_status_t mok_nccl_load(char* err, size_t err_size) {
   pthread_once(&load_once, load);
@@ -96,6 +229,7 @@ extern "C" mok_status_t mok_nccl_load(char* err, size_t err_size) {
 extern "C" mok_status_t mok_nccl_comm_create(const void* unique_id, int W, int rank, mok_nccl_comm_t** out, char* err,
                                              size_t err_size) {
   *out = nullptr;
+  if (mok_nccl_is_loopback_id(unique_id)) return loop_comm_create(unique_id, W, rank, out, err, err_size);
   mok_status_t s = mok_nccl_load(err, err_size);
   if (s != MOK_STATUS_SUCCESS) return s;
   ncclUniqueId id;
@@ -106,13 +240,14 @@ extern "C" mok_status_t mok_nccl_comm_create(const void* unique_id, int W, int r
     msg(err, err_size, "ncclCommInitRank(W = %d, rank = %d) failed: %s", W, rank, api.error_string(r));
     return MOK_STATUS_COMM_ERROR;
   }
-  *out = new mok_nccl_comm{comm};
+  *out = new mok_nccl_comm{comm, nullptr, W, rank};
   return MOK_STATUS_SUCCESS;
 }
 
 extern "C" mok_status_t mok_nccl_window_alloc(mok_nccl_comm_t* c, size_t bytes, void** local, void** window,
                                               char* err, size_t err_size) {
   *local = nullptr, *window = nullptr;
+  if (c->loop) return loop_window_alloc(c, bytes, local, window, err, err_size);
   bytes = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
   void* p = nullptr;
   ncclResult_t r = api.mem_alloc(&p, bytes);
@@ -127,7 +262,7 @@ extern "C" mok_status_t mok_nccl_window_alloc(mok_nccl_comm_t* c, size_t bytes, 
     msg(err, err_size, "ncclCommWindowRegister(%zu bytes, symmetric) failed: %s", bytes, api.error_string(r));
     return MOK_STATUS_COMM_ERROR;
   }
-  if (cudaMemset(p, 0, bytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+  if (zero_window(p, bytes) != cudaSuccess) {
     api.window_deregister(c->comm, w);
     api.mem_free(p);
     msg(err, err_size, "zeroing a %zu-byte window failed: %s", bytes, cudaGetErrorString(cudaGetLastError()));
@@ -138,14 +273,31 @@ extern "C" mok_status_t mok_nccl_window_alloc(mok_nccl_comm_t* c, size_t bytes, 
 }
 
 extern "C" void mok_nccl_window_free(mok_nccl_comm_t* c, void* local, void* window) {
+  if (c && c->loop) {  // (no collective: each rank frees its own copy)
+    delete static_cast<LoopWindow*>(window);
+    if (local) cudaFree(local);
+    return;
+  }
   if (window) api.window_deregister(c->comm, static_cast<ncclWindow_t>(window));
   if (local) api.mem_free(local);
 }
 
 extern "C" void mok_nccl_comm_destroy(mok_nccl_comm_t* c, int abort) {
   if (!c) return;
-  if (abort) api.comm_abort(c->comm);
-  else api.comm_destroy(c->comm);
+  if (c->loop) {  // the last rank to leave removes the group
+    pthread_mutex_lock(&loop_mu);
+    if (--c->loop->members == 0) {
+      LoopGroup** at = &loop_groups;
+      while (*at != c->loop) at = &(*at)->next;
+      *at = c->loop->next;
+      delete c->loop;
+    }
+    pthread_mutex_unlock(&loop_mu);
+  } else if (abort) {
+    api.comm_abort(c->comm);
+  } else {
+    api.comm_destroy(c->comm);
+  }
   delete c;
 }
 
@@ -170,11 +322,18 @@ __global__ void peer_pointers(ncclWindow_t win, int W, const size_t* in, int n, 
 }
 }  // namespace
 
-extern "C" mok_status_t mok_nccl_peer_pointers(void* window, int W, const size_t* offsets, int n, void** out,
-                                               char* err, size_t err_size) {
+extern "C" mok_status_t mok_nccl_peer_pointers(mok_nccl_comm_t* c, void* window, const size_t* offsets, int n,
+                                               void** out, char* err, size_t err_size) {
+  const int W = c->W;
   if (n > 16 || W > 8) {
     msg(err, err_size, "mok_nccl_peer_pointers: n = %d > 16 or W = %d > 8", n, W);
     return MOK_STATUS_INVALID_ARGUMENT;
+  }
+  if (c->loop) {  // every rank's base, handed out at the window's allocation
+    const LoopWindow* w = static_cast<const LoopWindow*>(window);
+    for (int i = 0; i < n; i++)
+      for (int r = 0; r < W; r++) out[i * W + r] = static_cast<char*>(w->base[r]) + offsets[i];
+    return MOK_STATUS_SUCCESS;
   }
   void* d = nullptr;  // [n] offsets, then [n][W] pointers
   const size_t in_bytes = sizeof(size_t) * n, out_bytes = sizeof(void*) * n * W;

@@ -22,8 +22,8 @@ mok_status_t mok_nccl_load(char* err, size_t err_size);
 /* A new unique id (MOK_COMM_UNIQUE_ID_BYTES) into id. */
 mok_status_t mok_nccl_unique_id(void* id, char* err, size_t err_size);
 
-/* unique_id: MOK_COMM_UNIQUE_ID_BYTES from mok_comm_unique_id on one rank, shared with
- * all. Collective over the W ranks (one thread or process each, its device current). */
+/* unique_id: MOK_COMM_UNIQUE_ID_BYTES from mok_comm_unique_id (or mok_comm_loopback_id)
+ * on one rank, shared with all. Collective over the W ranks (one thread or process each, its device current). */
 mok_status_t mok_nccl_comm_create(const void* unique_id, int W, int rank, mok_nccl_comm_t** out, char* err,
                                   size_t err_size);
 
@@ -36,8 +36,13 @@ void mok_nccl_window_free(mok_nccl_comm_t* c, void* local, void* window); /* col
 /* out[i * W + r] = the address of byte offsets[i] of rank r's copy of the window, as
  * this rank's kernels reach it (ncclGetPeerPointer, run once here: the kernels then
  * take plain pointers). n <= 16 offsets. */
-mok_status_t mok_nccl_peer_pointers(void* window, int W, const size_t* offsets, int n, void** out, char* err,
-                                    size_t err_size);
+mok_status_t mok_nccl_peer_pointers(mok_nccl_comm_t* c, void* window, const size_t* offsets, int n, void** out,
+                                    char* err, size_t err_size);
+
+/* Loopback ids (mok_comm_loopback_id): W ranks of one process on one GPU, windows in
+ * that GPU's memory, the same peer table; no NCCL is loaded. */
+void mok_nccl_loopback_id(void* id);
+int mok_nccl_is_loopback_id(const void* unique_id);
 
 /* abort = 1 after a timeout: ncclCommAbort, which does not wait for peers. */
 void mok_nccl_comm_destroy(mok_nccl_comm_t* c, int abort);

@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -51,6 +53,7 @@ struct GpuContext {
   PeerRows peer_x_rows, peer_o_rows, peer_dy_rows, peer_dx_rows;
   PeerReturn ret;  // every rank's o_kept ([cfg.T K, H]) and row_src ([capacity]), in the rows window
   PeerExchange px;
+  bool loopback;             // W ranks of this process on this one GPU (mok_comm_loopback_id)
   bool broken;               // a step timed out waiting for a peer: no more steps, destroy aborts
 };
 static_assert(kMaxPeers == MOK_CUDA_MAX_RANKS, "kMaxPeers");
@@ -91,6 +94,42 @@ class DeviceScope {
   CUDA_TRY(ctx, device_scope_.error())
 
 static int cdiv(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
+
+// A non-blocking stream of the current device that the library's own host-side work
+// (zeroing new device state) runs on, one per device for the process, never destroyed.
+// Not the legacy default stream: that one waits for every blocking stream's work, so
+// with W ranks on one GPU a rank's create would wait for a peer's kernel that waits for
+// this rank; and work there is not ordered before a launch on a non-blocking stream.
+static cudaError_t side_stream(cudaStream_t* out) {
+  static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+  static cudaStream_t streams[64];
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
+  pthread_mutex_lock(&mu);
+  if (!streams[device]) e = cudaStreamCreateWithFlags(&streams[device], cudaStreamNonBlocking);
+  *out = streams[device];
+  pthread_mutex_unlock(&mu);
+  return e;
+}
+
+extern "C" int mok_cuda_zero_now(void* p, size_t bytes) {
+  cudaStream_t s = nullptr;
+  cudaError_t e = side_stream(&s);
+  if (e == cudaSuccess) e = cudaMemsetAsync(p, 0, bytes, s);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+  return e;
+}
+// A copy between host and device memory (or device and device) on the side stream,
+// done when it returns.
+static cudaError_t copy_now(void* dst, const void* src, size_t bytes) {
+  cudaStream_t s = nullptr;
+  cudaError_t e = side_stream(&s);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+  return e;
+}
 
 // pairs: a launch in clusters of 2, whose paired phases want max_mt even (band_order's
 // bands then pair whole); the byte plans take that bound either way.
@@ -344,9 +383,9 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
   void* rows[6 * kMaxPeers];
   void* xchg[4 * kMaxPeers];
   void* tree[kMaxPeers];
-  st = mok_nccl_peer_pointers(g.rows_win, c.W, rows_at, 6, rows, err, sizeof err);
-  if (!st) st = mok_nccl_peer_pointers(g.xchg_win, c.W, xchg_at, 4, xchg, err, sizeof err);
-  if (!st) st = mok_nccl_peer_pointers(g.tree_win, c.W, tree_at, 1, tree, err, sizeof err);
+  st = mok_nccl_peer_pointers(comm, g.rows_win, rows_at, 6, rows, err, sizeof err);
+  if (!st) st = mok_nccl_peer_pointers(comm, g.xchg_win, xchg_at, 4, xchg, err, sizeof err);
+  if (!st) st = mok_nccl_peer_pointers(comm, g.tree_win, tree_at, 1, tree, err, sizeof err);
   if (st) return MOK_ERR(ctx, st, "%s", err);
   for (int r = 0; r < c.W; r++) {
     g.peer_x_rows.rows[r] = static_cast<bf16*>(rows[r]);
@@ -381,10 +420,10 @@ static void free_peers(GpuContext* g, const mok_config_t& c) {
   bool all = !g->broken && g->px.flags[0];
   const uint64_t bye = 1;
   for (int r = 0; r < c.W && all; r++)
-    all = cudaMemcpy(g->px.flags[r] + c.rank * kFlagKinds + kFlagBye, &bye, 8, cudaMemcpyHostToDevice) == cudaSuccess;
+    all = copy_now(g->px.flags[r] + c.rank * kFlagKinds + kFlagBye, &bye, 8) == cudaSuccess;
   for (double waited = 0; all;) {
     uint64_t f[kMaxPeers * kFlagKinds];
-    if (cudaMemcpy(f, g->px.flags[c.rank], sizeof(uint64_t) * c.W * kFlagKinds, cudaMemcpyDeviceToHost) != cudaSuccess)
+    if (copy_now(f, g->px.flags[c.rank], sizeof(uint64_t) * c.W * kFlagKinds) != cudaSuccess)
       all = false;
     int n = 0;
     for (int r = 0; r < c.W && all; r++) n += f[r * kFlagKinds + kFlagBye] >= bye;
@@ -427,9 +466,15 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
                    "cfg.backend = MOK_BACKEND_CUDA: device %d is sm_%d%d; the kernels are built for sm_90a (Hopper)",
                    g.device, prop.major, prop.minor);
   g.num_sms = prop.multiProcessorCount;
-  if (c.num_ctas > g.num_sms)
-    return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT, "cfg.num_ctas = %d must be <= the %d SMs of device %d",
-                   c.num_ctas, g.num_sms, g.device);
+#ifdef MOK_HAVE_NCCL
+  g.loopback = c.W > 1 && mok_nccl_is_loopback_id(c.comm_unique_id);
+#endif
+  // loopback: the W ranks' persistent grids share the SMs and must all be resident at
+  // once (each waits for the others' flags), so a rank takes at most SMs / W CTAs
+  const int sms = g.loopback ? g.num_sms / c.W : g.num_sms;
+  if (c.num_ctas > sms)
+    return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT, "cfg.num_ctas = %d must be <= %d, the %d SMs of device %d%s",
+                   c.num_ctas, sms, g.num_sms, g.device, g.loopback ? " shared by the W ranks of a loopback id" : "");
   if ((c.num_ctas > 0 ? c.num_ctas : g.num_sms) > kMaxCtas)
     return MOK_ERR(ctx, MOK_STATUS_BACKEND_UNAVAILABLE,
                    "device %d has %d SMs: a launch of more than %d CTAs needs a larger kMaxCtas (gpu_params.h)",
@@ -443,7 +488,7 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   const Shape s = make_shape(c, c.T, true);
   g.sync_words = std::max(fwd_num_counters(s), bwd_num_counters(s));
   CUDA_TRY(ctx, cudaMalloc(&g.sync, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
-  CUDA_TRY(ctx, cudaMemset(g.sync, 0, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
+  CUDA_TRY(ctx, (cudaError_t)mok_cuda_zero_now(g.sync, sizeof(GpuSync) + sizeof(uint32_t) * g.sync_words));
   const char* trace = getenv("MOK_TRACE");
   if (trace && *trace) {
     const int n = c.W > 1 ? snprintf(g.trace_path, sizeof g.trace_path, "%s.rank%d", trace, c.rank)
@@ -454,15 +499,15 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   }
   if ((getenv("MOK_PROFILE") && atoi(getenv("MOK_PROFILE")) > 0) || (trace && *trace)) {
     CUDA_TRY(ctx, cudaMalloc(&g.prof, sizeof(unsigned long long) * 2 * kProfSlots));
-    CUDA_TRY(ctx, cudaMemset(g.prof, 0, sizeof(unsigned long long) * 2 * kProfSlots));
+    CUDA_TRY(ctx, (cudaError_t)mok_cuda_zero_now(g.prof, sizeof(unsigned long long) * 2 * kProfSlots));
   }
   if (trace && *trace) {
     CUDA_TRY(ctx, cudaMalloc(&g.trace, sizeof(TraceRecord) * kTraceCap));
     CUDA_TRY(ctx, cudaMalloc(&g.trace_len, sizeof(uint32_t)));
-    CUDA_TRY(ctx, cudaMemset(g.trace_len, 0, sizeof(uint32_t)));
+    CUDA_TRY(ctx, (cudaError_t)mok_cuda_zero_now(g.trace_len, sizeof(uint32_t)));
   }
   CUDA_TRY(ctx, cudaMalloc(&g.status, sizeof(uint32_t)));
-  CUDA_TRY(ctx, cudaMemset(g.status, 0, sizeof(uint32_t)));
+  CUDA_TRY(ctx, (cudaError_t)mok_cuda_zero_now(g.status, sizeof(uint32_t)));
   const int smem = (int)sizeof(Smem) + 1024;
   CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -472,8 +517,8 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   // rows (docs/PERF.md, tenth session; with an empty tile after each odd count they cost
   // deepseek-v3 5%). The default grid (one CTA per SM) shrinks to the pairs that fit
   // when the GPCs leave an SM or two unpaired.
-  g.grid = c.num_ctas > 0 ? c.num_ctas : g.num_sms;
-  const bool want = c.cta_pairs != MOK_CTA_PAIRS_OFF;
+  g.grid = c.num_ctas > 0 ? c.num_ctas : sms;
+  const bool want = c.cta_pairs != MOK_CTA_PAIRS_OFF && !g.loopback;  // (loopback: no clusters, see mok.h)
   if (want && (g.grid % 2 == 0 || c.num_ctas == 0)) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t lc = launch_config(g.grid & ~1, true, &attr, nullptr);
@@ -526,8 +571,8 @@ static mok_status_t print_profile(mok_context_t* ctx) {
                                           "rw", "tree", "dxsum", "wait(fwd)", "wait(bwd)", "rg", "rgs", "return"};
   GpuContext* g = gpu(ctx);
   unsigned long long h[2 * kProfSlots];
-  CUDA_TRY(ctx, cudaMemcpy(h, g->prof, sizeof h, cudaMemcpyDeviceToHost));
-  CUDA_TRY(ctx, cudaMemset(g->prof, 0, sizeof h));
+  CUDA_TRY(ctx, copy_now(h, g->prof, sizeof h));  // (after mok_cuda_sync's wait for the step)
+  CUDA_TRY(ctx, (cudaError_t)mok_cuda_zero_now(g->prof, sizeof h));
   fprintf(stderr, "mok profile, rank %d (CTA-ms summed over CTAs; / %d SMs for wall share):", ctx->cfg.rank,
           g->num_sms);
   for (int i = 0; i < kProfSlots; i++)
@@ -535,14 +580,14 @@ static mok_status_t print_profile(mok_context_t* ctx) {
   fprintf(stderr, "\n");
   if (!g->trace) return MOK_STATUS_SUCCESS;
   uint32_t n = 0;
-  CUDA_TRY(ctx, cudaMemcpy(&n, g->trace_len, sizeof n, cudaMemcpyDeviceToHost));
-  CUDA_TRY(ctx, cudaMemset(g->trace_len, 0, sizeof n));
+  CUDA_TRY(ctx, copy_now(&n, g->trace_len, sizeof n));
+  CUDA_TRY(ctx, (cudaError_t)mok_cuda_zero_now(g->trace_len, sizeof n));
   if (n > kTraceCap) {
     fprintf(stderr, "mok trace: %u tasks, only the first %u kept\n", n, kTraceCap);
     n = kTraceCap;
   }
   std::vector<TraceRecord> r(n);
-  CUDA_TRY(ctx, cudaMemcpy(r.data(), g->trace, sizeof(TraceRecord) * n, cudaMemcpyDeviceToHost));
+  CUDA_TRY(ctx, copy_now(r.data(), g->trace, sizeof(TraceRecord) * n));
   FILE* f = fopen(g->trace_path, "a");
   if (!f) return MOK_ERR(ctx, MOK_STATUS_INVALID_ARGUMENT, "MOK_TRACE: cannot open %s for appending", g->trace_path);
   for (const TraceRecord& t : r) {
@@ -565,10 +610,13 @@ mok_status_t mok_cuda_zero(mok_context_t* ctx, void* dst, size_t bytes, void* st
 mok_status_t mok_cuda_sync(mok_context_t* ctx) {
   GpuContext* g = gpu(ctx);
   DEVICE_SCOPE(ctx);
-  CUDA_TRY(ctx, cudaStreamSynchronize(g->last_stream));
+  // read and zero the status on the step's stream, so that both are ordered after its
+  // launch and before the next one there, whatever kind of stream the caller's is (a
+  // copy to pageable memory returns once it is done)
   uint32_t st = 0;
-  CUDA_TRY(ctx, cudaMemcpy(&st, g->status, sizeof st, cudaMemcpyDeviceToHost));
-  CUDA_TRY(ctx, cudaMemset(g->status, 0, sizeof st));
+  CUDA_TRY(ctx, cudaMemcpyAsync(&st, g->status, sizeof st, cudaMemcpyDeviceToHost, g->last_stream));
+  CUDA_TRY(ctx, cudaMemsetAsync(g->status, 0, sizeof st, g->last_stream));
+  CUDA_TRY(ctx, cudaStreamSynchronize(g->last_stream));
   if (g->prof) print_profile(ctx);
   if (st == MOK_STATUS_COMM_TIMEOUT && ctx->cfg.W > 1) {
     g->broken = true;

@@ -17,6 +17,10 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a);
 mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a);
 /* Zeroes bytes at device pointer dst on stream (a step of no tokens: its outputs). */
 mok_status_t mok_cuda_zero(mok_context_t* ctx, void* dst, size_t bytes, void* stream);
+/* Zeroes bytes at device pointer p of the current device, done when it returns; on a
+ * non-blocking stream of the library's, never the legacy default stream (W ranks on one
+ * GPU: that stream would wait for a peer's kernel). Returns a cudaError_t. */
+int mok_cuda_zero_now(void* p, size_t bytes);
 /* Waits for the context's last launch and returns the status its kernel raised. */
 mok_status_t mok_cuda_sync(mok_context_t* ctx);
 

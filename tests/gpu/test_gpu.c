@@ -445,6 +445,7 @@ typedef struct {
   int n_out;
   uint8_t* saved; /* a valid saved buffer, as the forward wrote it (host copy) */
   size_t saved_bytes;
+  cudaStream_t stream; /* the steps' stream, and of every fill and copy between them */
 } rig_t;
 
 static void* rig_buf(rig_t* r, const void* host, size_t bytes) {
@@ -464,12 +465,17 @@ static void* rig_out(rig_t* r, const char* name, size_t bytes) {
 }
 static void rig_free(rig_t* r) {
   for (int i = 0; i < r->n_dev; i++) cudaFree(r->dev[i]);
+  if (r->stream) cudaStreamDestroy(r->stream);
   if (r->ctx) test_context_destroy(r->ctx);
 }
 
-static int rig_make(rig_t* r, const gpu_shape_t* s, uint64_t seed) {
+/* stream_flags: the steps' stream is a new one with these flags, or -1: the legacy
+ * default stream. */
+static int rig_make(rig_t* r, const gpu_shape_t* s, uint64_t seed, int stream_flags) {
   memset(r, 0, sizeof *r);
   r->s = s;
+  if (stream_flags >= 0)
+    TEST_ASSERT(cudaStreamCreateWithFlags(&r->stream, (unsigned)stream_flags) == cudaSuccess, "stream");
   mok_config_t c = shape_config(s);
   c.T = s->T, c.backend = MOK_BACKEND_CUDA;
   mok_problem_t* p = shape_problem(s, seed);
@@ -514,6 +520,8 @@ static int rig_make(rig_t* r, const gpu_shape_t* s, uint64_t seed) {
   TEST_ASSERT(r->n_dev < kRigBuffers && ba->d_w2 && fa->workspace && ba->dy, "device buffers (%s)",
               cudaGetErrorString(cudaGetLastError()));
   r->saved = test_alloc(r->saved_bytes);
+  fa->stream = ba->stream = r->stream;
+  TEST_ASSERT(cudaDeviceSynchronize() == cudaSuccess, "uploads"); /* (on the legacy stream: before any step) */
   return 0;
 }
 
@@ -522,13 +530,13 @@ enum { kPoison = 0x5A };
  * mok_context_sync; the outputs back in r->host. */
 static mok_status_t rig_step(rig_t* r, int fwd) {
   for (int i = 0; i < r->n_out; i++)
-    if (cudaMemset(r->out[i], kPoison, r->bytes[i]) != cudaSuccess) return MOK_STATUS_CUDA_ERROR;
+    if (cudaMemsetAsync(r->out[i], kPoison, r->bytes[i], r->stream) != cudaSuccess) return MOK_STATUS_CUDA_ERROR;
   mok_status_t st = fwd ? mok_forward(r->ctx, &r->fa) : MOK_STATUS_SUCCESS;
   if (!st) st = mok_backward(r->ctx, &r->ba);
   const mok_status_t sync = mok_context_sync(r->ctx);
   if (!st) st = sync;
-  for (int i = 0; i < r->n_out; i++)
-    if (cudaMemcpy(r->host[i], r->out[i], r->bytes[i], cudaMemcpyDeviceToHost) != cudaSuccess)
+  for (int i = 0; i < r->n_out; i++) /* (to pageable memory: done when it returns) */
+    if (cudaMemcpyAsync(r->host[i], r->out[i], r->bytes[i], cudaMemcpyDeviceToHost, r->stream) != cudaSuccess)
       return MOK_STATUS_CUDA_ERROR;
   return st;
 }
@@ -557,7 +565,8 @@ static int rig_case(rig_t* r, const char* what, int n, const size_t* at, const u
   memcpy(b, r->saved, r->saved_bytes);
   if (n < 0) memset(b + 512, 0xFF, r->saved_bytes - 512);
   for (int k = 0; k < n; k++) memcpy(b + at[k], &v[k], 4);
-  const cudaError_t ce = cudaMemcpy(r->fa.saved, b, r->saved_bytes, cudaMemcpyHostToDevice);
+  cudaError_t ce = cudaMemcpyAsync(r->fa.saved, b, r->saved_bytes, cudaMemcpyHostToDevice, r->stream);
+  if (ce == cudaSuccess) ce = cudaStreamSynchronize(r->stream); /* (b is freed next) */
   free(b);
   TEST_ASSERT(ce == cudaSuccess, "upload saved");
   int bad = 0;
@@ -591,7 +600,7 @@ static void rig_word(const rig_t* r, uint64_t* rng, size_t base, size_t count, u
 }
 
 static int saved_corrupt_on(rig_t* r, const gpu_shape_t* s) {
-  if (rig_make(r, s, test_case_seed())) return 1;
+  if (rig_make(r, s, test_case_seed(), -1)) return 1;
   const int64_t TK = s->T * s->K;
   const int replay = s->routing == MOK_ROUTING_REPLAY;
   TEST_ASSERT(rig_step(r, 1) == MOK_STATUS_SUCCESS, "%s: a valid step: %s", s->name, mok_context_last_error(r->ctx));
@@ -676,6 +685,29 @@ static int saved_corrupt(void) {
   return bad;
 }
 
+/* Issue 32: a step's status is read and cleared on the step's own stream. On a stream
+ * that does not wait for the legacy default stream (cudaStreamNonBlocking, as PyTorch's
+ * side streams), 12 rounds of a backward refused on device (saved's body 0xFF: its
+ * INVALID_SAVED raised by the kernel) and then a valid step, the next launch each time
+ * right after mok_context_sync: every refused one reports INVALID_SAVED with its
+ * outputs untouched, every valid one SUCCESS and the reference bits (a status cleared
+ * after the next launch, or read before its kernel ends, would show here). */
+static int stream_nonblocking(void) {
+  const gpu_shape_t* s = &shapes[9];
+  rig_t r;
+  int bad = rig_make(&r, s, test_case_seed(), cudaStreamNonBlocking);
+  if (!bad) {
+    bad = rig_step(&r, 1) != MOK_STATUS_SUCCESS;
+    for (int i = 0; i < r.n_out && !bad; i++) memcpy(r.ref[i], r.host[i], r.bytes[i]);
+    bad += cudaMemcpy(r.saved, r.fa.saved, r.saved_bytes, cudaMemcpyDeviceToHost) != cudaSuccess;
+    for (int round = 0; round < 12 && !bad; round++)
+      bad += rig_case(&r, "bytes from 512 on 0xFF", -1, NULL, NULL, MOK_STATUS_INVALID_SAVED);
+    if (!bad) printf("    %s: 12 refused backwards and 12 valid steps on a non-blocking stream, each as expected\n", s->name);
+  }
+  rig_free(&r);
+  return bad;
+}
+
 /* Small case for compute-sanitizer (memcheck and racecheck run it alone). */
 static int sanitizer_small(void) {
   const gpu_shape_t* s = &shapes[10];
@@ -730,6 +762,7 @@ const test_case_t suite_gpu[] = {
     {"saved_reuse", saved_reuse},
     {"device_errors", device_errors},
     {"saved_corrupt", saved_corrupt},
+    {"stream_nonblocking", stream_nonblocking},
     {"sanitizer_small", sanitizer_small},
     {"memcheck", memcheck},
     {"racecheck", racecheck},

@@ -1,9 +1,13 @@
-/* test_gpu_comm.c — expert parallelism's NCCL layer on real GPUs (docs/DISTRIBUTED.md):
- * W = 2 ranks in one process exchange rows through symmetric windows and released
- * flags (tests/gpu/peer_exchange.cu), and a wait for a flag that never comes gives up
- * within its bound. Needs 2 GPUs (the nvidia-h200-x2 machine); with one it says so and
- * runs nothing. */
+/* test_gpu_comm.c — expert parallelism on real GPUs (docs/DISTRIBUTED.md): W ranks in
+ * one process exchange rows through symmetric windows and released flags
+ * (tests/gpu/peer_exchange.cu), and a wait for a flag that never comes gives up within
+ * its bound; then the layer at W = 2, 4, 8 against the CPU and W = 1 (D3), per-rank
+ * token counts, D1 and D2 at W = 4, capacity overflow and a silent rank. Every case
+ * runs where there are fewer GPUs than ranks too: then all W ranks share GPU 0 through
+ * a loopback id (mok_comm_loopback_id), the kernels' code and protocol those of W GPUs,
+ * each rank SMs / W CTAs. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -12,7 +16,11 @@
 #include "../runner.h"
 #include "problem.h"
 
-int mok_test_peer_exchange(int W, int steps, double timeout_ms, char* why, size_t why_size);
+int mok_test_peer_exchange(int W, int steps, double timeout_ms, int loopback, char* why, size_t why_size);
+
+/* With W ranks on one GPU each rank's stream needs a hardware queue of its own (mok.h,
+ * mok_comm_loopback_id): set before the process's first CUDA call. */
+__attribute__((constructor)) static void queues_per_stream(void) { setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0); }
 
 static int gpus(void) {
   int n = 0;
@@ -20,13 +28,12 @@ static int gpus(void) {
   return n;
 }
 
-/* Whether the machine has the W GPUs a case needs; says so when not. */
-static int have_gpus(int W) {
-  if (gpus() >= W) return 1;
-  printf("    not run: %d GPU(s), the case needs %d\n", gpus(), W);
-  return 0;
+/* Whether W ranks share GPU 0 (a loopback id): fewer GPUs than ranks here; says so. */
+static int loopback(int W) {
+  const int lb = gpus() < W;
+  if (lb) printf("    %d ranks on GPU 0 (loopback communicator, %d GPU(s) here)\n", W, gpus());
+  return lb;
 }
-static int two_gpus(void) { return have_gpus(2); }
 
 /* The fault cases' small problem: E = 8, K = 2 on T tokens. */
 static mok_problem_t* small_problem(int64_t T) {
@@ -35,14 +42,16 @@ static mok_problem_t* small_problem(int64_t T) {
   return test_problem(&c, T, test_case_seed());
 }
 
-static int peer_exchange_w2(void) {
-  if (!two_gpus()) return TEST_NOT_RUN;
+static int peer_exchange_w(int W) {
   char why[1024];
-  const int failures = mok_test_peer_exchange(2, 3, 300.0, why, sizeof why);
+  const int failures = mok_test_peer_exchange(W, 3, 300.0, loopback(W), why, sizeof why);
   if (why[0]) printf("    %s\n", why);
   TEST_ASSERT(failures == 0, "%d rank(s) failed", failures);
   return 0;
 }
+static int peer_exchange_w2(void) { return peer_exchange_w(2); }
+static int peer_exchange_w4(void) { return peer_exchange_w(4); }
+static int peer_exchange_w8(void) { return peer_exchange_w(8); }
 
 /* Expert parallelism on W GPUs (a thread each): a shape run on the CPU backend at W,
  * then on the CUDA backend at W = 1 and at W. The CUDA outputs at W must have the bits
@@ -53,7 +62,15 @@ typedef struct {
   mok_routing_t routing;
   mok_wgrad_t wgrad;
   float aux, z;
+  int64_t rank_T[8]; /* each rank's tokens (summing to T), or all 0: the even split */
 } ep_shape_t;
+
+/* A capacity that no routing overflows and both backends take at any split: the rows
+ * a rank can receive at most, T min(K, E / W) (the CPU's bound: mok.h). */
+static int64_t full_capacity(const ep_shape_t* sh, int W) {
+  const int64_t per_token = sh->K < sh->E / W ? sh->K : sh->E / W;
+  return sh->T * per_token;
+}
 
 /* Did the GPU's top-K (gpu) differ from the CPU's (cpu) only at near-ties? (selection
  * keys within 1e-6 in the double-precision reference of the same input: the backends'
@@ -86,7 +103,8 @@ static int ep_compare(const ep_shape_t* sh, uint64_t seed0, int backward, int W)
     TEST_ASSERT(p, "problem");
     mok_run_opts_t o = MOK_RUN_OPTS_INIT;
     o.backward = backward;
-    o.capacity = sh->T * sh->K;  // (both ranks' windows alike when their T differ by one)
+    o.capacity = full_capacity(sh, W);  // (every rank's window alike, whatever its T)
+    if (sh->rank_T[0] || sh->rank_T[1]) o.rank_T = sh->rank_T;
     test_outputs_t cpu, gpu[2];
     o.W = W;
     if (test_run(p, &o)) return 1;
@@ -127,10 +145,10 @@ static int ep_shapes(const ep_shape_t* shapes, size_t n, int backward, int W) {
 /* cfg.gate_up = MOK_GATE_UP_RECOMPUTE at W = 2 (the expert rows' x in the window) has
  * the bits of keeping gate|up at W = 1 (D3 with the option on one side only). */
 static int ep_gate_up_w2(void) {
-  if (!two_gpus()) return TEST_NOT_RUN;
+  loopback(2);
   static const ep_shape_t shapes[] = {
-      {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
-      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+      {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
   };
   int bad = 0;
   for (size_t i = 0; i < 2; i++) {
@@ -145,7 +163,7 @@ static int ep_gate_up_w2(void) {
     mok_problem_t* redo = test_problem(&r, sh->T, test_case_seed() + i);
     TEST_ASSERT(keep && redo, "problems");
     mok_run_opts_t o = MOK_RUN_OPTS_INIT;
-    o.capacity = sh->T * sh->K;
+    o.capacity = full_capacity(sh, 2);
     test_outputs_t a, b;
     char err[1024] = "";
     mok_status_t st = mok_problem_run_cuda(keep, &o, err, sizeof err);
@@ -163,7 +181,7 @@ static int ep_gate_up_w2(void) {
 /* A step that would overflow a rank's capacity stops on every rank with
  * MOK_STATUS_CAPACITY_EXCEEDED (each rank sees every count, so all decide alike). */
 static int ep_capacity(int W) {
-  if (!have_gpus(W)) return TEST_NOT_RUN;
+  loopback(W);
   mok_problem_t* p = small_problem(512);
   TEST_ASSERT(p, "problem");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
@@ -180,7 +198,7 @@ static int ep_capacity(int W) {
  * MOK_STATUS_COMM_TIMEOUT within their bound (0.5 s here), no hang, and every context
  * is destroyed. */
 static int ep_timeout(int W) {
-  if (!have_gpus(W)) return TEST_NOT_RUN;
+  loopback(W);
   mok_problem_t* p = small_problem(256);
   TEST_ASSERT(p, "problem");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
@@ -202,8 +220,7 @@ static int ep_timeout(int W) {
 static int ep_capacity_w2(void) { return ep_capacity(2); }
 static int ep_timeout_w2(void) { return ep_timeout(2); }
 
-/* At W = 2, 4 and 8 (4 and 8: issue 6; a case is not run where the machine has fewer
- * GPUs): the forward and a step against the CPU at W and bitwise against W = 1, hence
+/* At W = 2, 4 and 8: the forward and a step against the CPU at W and bitwise against W = 1, hence
  * D3 over W = 1, 2, 4, 8 on each batch; capacity and timeout at 2 and 4.
  * The forward alone: token counts that split unevenly (77, 513), shared expert, replay;
  * the router losses where every rank's T is a multiple of 64 (DESIGN's D3 condition).
@@ -211,24 +228,24 @@ static int ep_timeout_w2(void) { return ep_timeout(2); }
  * rank's T a multiple of 64, the chunks W = 1 has: T_global a multiple of 64 W).
  * E a multiple of 8. */
 static int ep_forward_w(int W) {
-  if (!have_gpus(W)) return TEST_NOT_RUN;
+  loopback(W);
   static const ep_shape_t shapes[] = {
-      {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f},
-      {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f},
-      {"replay", 513, 128, 64, 8, 2, 0, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f},
-      {"losses", 1024, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
-      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+      {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0}},
+      {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0}},
+      {"replay", 513, 128, 64, 8, 2, 0, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {0}},
+      {"losses", 1024, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
   };
   return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 0, W);
 }
 static int ep_step_w(int W) {
-  if (!have_gpus(W)) return TEST_NOT_RUN;
+  loopback(W);
   static const ep_shape_t shapes[] = {
-      {"e16_k4", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
-      {"shared", 1024, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
-      {"replay", 512, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f},
-      {"accum", 1024, 256, 128, 16, 2, 128, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f},
-      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f},
+      {"e16_k4", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
+      {"shared", 1024, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
+      {"replay", 512, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {0}},
+      {"accum", 1024, 256, 128, 16, 2, 128, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f, {0}},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
   };
   return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 1, W);
 }
@@ -237,13 +254,140 @@ static int ep_step_w2(void) { return ep_step_w(2); }
 static int ep_forward_w4(void) { return ep_forward_w(4); }
 static int ep_step_w4(void) { return ep_step_w(4); }
 static int ep_capacity_w4(void) { return ep_capacity(4); }
+static int ep_capacity_w8(void) { return ep_capacity(8); }
+static int ep_timeout_w8(void) { return ep_timeout(8); }
 static int ep_timeout_w4(void) { return ep_timeout(4); }
 static int ep_forward_w8(void) { return ep_forward_w(8); }
 static int ep_step_w8(void) { return ep_step_w(8); }
 
+/* Each rank its own token count (DESIGN.md section 1: T may differ between ranks), a
+ * rank with none among them: the forward on any split; a step with the router losses
+ * and the replicated gradients where every rank's T is a multiple of 64 (D3's
+ * condition), against the CPU on the same split and bitwise against W = 1. */
+static int ep_uneven(int W) {
+  loopback(W);
+  static const ep_shape_t fwd2[] = {
+      {"first_empty", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0, 300}},
+      {"last_empty", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {77, 0}},
+  };
+  static const ep_shape_t fwd4[] = {
+      {"0_77_300_135", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0, 77, 300, 135}},
+      {"replay_1_0_2_510", 513, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {1, 0, 2, 510}},
+  };
+  static const ep_shape_t fwd8[] = {
+      {"8_ranks_3_empty", 1000, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f,
+       {0, 400, 1, 0, 333, 200, 0, 66}},
+  };
+  static const ep_shape_t step2[] = {
+      {"step_0_512", 512, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0, 512}},
+  };
+  static const ep_shape_t step4[] = {
+      {"step_0_192_64_256", 512, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f,
+       {0, 192, 64, 256}},
+      {"accum_128_0_384_0", 512, 256, 128, 16, 2, 0, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f,
+       {128, 0, 384, 0}},
+      {"replay_64_320_0_128", 512, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f,
+       {64, 320, 0, 128}},
+  };
+  static const ep_shape_t step8[] = {
+      {"step_8_ranks", 1024, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f,
+       {0, 256, 64, 0, 448, 64, 192, 0}},
+  };
+#define N(a) (sizeof a / sizeof a[0])
+  if (W == 2) return ep_shapes(fwd2, N(fwd2), 0, 2) + ep_shapes(step2, N(step2), 1, 2);
+  if (W == 4) return ep_shapes(fwd4, N(fwd4), 0, 4) + ep_shapes(step4, N(step4), 1, 4);
+  return ep_shapes(fwd8, N(fwd8), 0, 8) + ep_shapes(step8, N(step8), 1, 8);
+#undef N
+}
+static int ep_uneven_w2(void) { return ep_uneven(2); }
+static int ep_uneven_w4(void) { return ep_uneven(4); }
+static int ep_uneven_w8(void) { return ep_uneven(8); }
+
+/* The outputs of two CUDA runs of one problem at W = 4, bit for bit. */
+static int ep_same_runs(const ep_shape_t* sh, const mok_run_opts_t* a, const mok_run_opts_t* b, const char* what) {
+  mok_config_t c = MOK_CONFIG_INIT;
+  c.H = sh->H, c.F = sh->F, c.E = sh->E, c.K = sh->K, c.Fs = sh->Fs;
+  c.routing = sh->routing, c.wgrad = sh->wgrad;
+  c.aux_loss_coef = sh->aux, c.z_loss_coef = sh->z;
+  mok_problem_t* p = test_problem(&c, sh->T, test_case_seed());
+  TEST_ASSERT(p, "problem");
+  test_outputs_t out[2];
+  const mok_run_opts_t* o[2] = {a, b};
+  for (int k = 0; k < 2; k++) {
+    char err[1024] = "";
+    const mok_status_t st = mok_problem_run_cuda(p, o[k], err, sizeof err);
+    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: %s, run %d: %s: %s", sh->name, what, k, mok_status_string(st), err);
+    test_snapshot(p, 1, &out[k]);
+  }
+  const int bad = test_same_bits(&out[1], &out[0], NULL, what) != 0;
+  if (!bad) printf("    %-12s %s: bitwise identical\n", sh->name, what);
+  return bad;
+}
+
+static const ep_shape_t d_shape = {"shared", 1024, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f,
+                                   1e-3f, {0}};
+
+/* D1 at W = 4: a run of 3 steps twice, and 1 step against 3 (every step's outputs are
+ * the same bits: nothing of a step leaks into the next). */
+static int ep_d1_w4(void) {
+  loopback(4);
+  mok_run_opts_t three = MOK_RUN_OPTS_INIT, one = MOK_RUN_OPTS_INIT;
+  three.W = one.W = 4;
+  three.steps = 3;
+  three.capacity = one.capacity = full_capacity(&d_shape, 4);
+  return ep_same_runs(&d_shape, &three, &three, "D1 run-to-run (3 steps)") +
+         ep_same_runs(&d_shape, &one, &three, "D1 step-to-step (1 step vs 3)");
+}
+
+/* D2 at W = 4: the same bits whatever CTAs each rank's launches get, the ranks' grids
+ * different from each other's too. */
+static int ep_d2_w4(void) {
+  const int lb = loopback(4);
+  int sms = 0;
+  TEST_ASSERT(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess, "SM count");
+  const int most = lb ? sms / 4 : sms;  // (a loopback rank's bound: SMs / W)
+  mok_run_opts_t base = MOK_RUN_OPTS_INIT, mixed = MOK_RUN_OPTS_INIT, small = MOK_RUN_OPTS_INIT;
+  base.W = mixed.W = small.W = 4;
+  base.capacity = mixed.capacity = small.capacity = full_capacity(&d_shape, 4);
+  const int grids[4] = {most, 9, most - 1, 16};
+  for (int r = 0; r < 4; r++) mixed.rank_num_ctas[r] = grids[r];
+  small.num_ctas = 8;
+  char what[96];
+  snprintf(what, sizeof what, "D2 grids %d, %d, %d, %d vs the default", grids[0], grids[1], grids[2], grids[3]);
+  const int a = ep_same_runs(&d_shape, &base, &mixed, what);
+  return a + ep_same_runs(&d_shape, &base, &small, "D2 8 CTAs a rank vs the default");
+}
+
+/* With a loopback id a rank's grid is at most SMs / W: cfg.num_ctas above that is
+ * refused at create, naming the bound, on every rank (no launch could be resident). */
+static int ep_loopback_grid(void) {
+  if (gpus() >= 2) printf("    (loopback forced: %d GPUs here)\n", gpus());
+  int sms = 0;
+  TEST_ASSERT(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess, "SM count");
+  mok_problem_t* p = small_problem(256);
+  TEST_ASSERT(p, "problem");
+  mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+  o.W = 2;
+  o.loopback = 1;
+  o.num_ctas = sms / 2 + 1;
+  char err[1024] = "";
+  mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
+  printf("    num_ctas = %d: %s: %s\n", o.num_ctas, mok_status_string(st), err);
+  TEST_ASSERT(st == MOK_STATUS_INVALID_ARGUMENT && strstr(err, "cfg.num_ctas"), "got %s, want INVALID_ARGUMENT",
+              mok_status_string(st));
+  o.num_ctas = sms / 2;
+  st = mok_problem_run_cuda(p, &o, err, sizeof err);
+  TEST_ASSERT(st == MOK_STATUS_SUCCESS, "num_ctas = %d: %s: %s", o.num_ctas, mok_status_string(st), err);
+  return 0;
+}
+
 const test_case_t suite_gpu_comm[] = {
-    {"peer_exchange_w2", peer_exchange_w2}, {"ep_forward_w2", ep_forward_w2}, {"ep_step_w2", ep_step_w2},
+    {"peer_exchange_w2", peer_exchange_w2}, {"peer_exchange_w4", peer_exchange_w4},
+    {"peer_exchange_w8", peer_exchange_w8}, {"ep_forward_w2", ep_forward_w2}, {"ep_step_w2", ep_step_w2},
     {"ep_capacity_w2", ep_capacity_w2},     {"ep_timeout_w2", ep_timeout_w2},   {"ep_gate_up_w2", ep_gate_up_w2},
     {"ep_forward_w4", ep_forward_w4},       {"ep_step_w4", ep_step_w4},         {"ep_capacity_w4", ep_capacity_w4},
     {"ep_timeout_w4", ep_timeout_w4},       {"ep_forward_w8", ep_forward_w8},   {"ep_step_w8", ep_step_w8},
+    {"ep_capacity_w8", ep_capacity_w8},     {"ep_timeout_w8", ep_timeout_w8},   {"ep_uneven_w2", ep_uneven_w2},
+    {"ep_uneven_w4", ep_uneven_w4},         {"ep_uneven_w8", ep_uneven_w8},     {"ep_d1_w4", ep_d1_w4},
+    {"ep_d2_w4", ep_d2_w4},                 {"ep_loopback_grid", ep_loopback_grid},
     TEST_END};
