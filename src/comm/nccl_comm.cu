@@ -101,7 +101,10 @@ struct LoopGroup {
   int W, members;
   int arrived;            // at the current barrier
   uint64_t generation;    // barriers completed
-  void* slot[kLoopMaxRanks];  // what each rank published for the current collective
+  // what each rank published for the collective of generation g, in slot[g % 2]: a rank
+  // that leaves a barrier first may publish for the next one before a slower rank has
+  // read this one's, but can get no further (the next barrier waits for that rank)
+  void* slot[2][kLoopMaxRanks];
   LoopGroup* next;
 };
 
@@ -118,7 +121,7 @@ bool loop_exchange(LoopGroup* g, int rank, void* mine, void** all) {
   deadline.tv_sec += (time_t)kLoopTimeoutS;
   pthread_mutex_lock(&loop_mu);
   const uint64_t gen = g->generation;
-  g->slot[rank] = mine;
+  g->slot[gen % 2][rank] = mine;
   bool ok = true;
   if (++g->arrived == g->W) {
     g->arrived = 0, g->generation++;
@@ -126,10 +129,8 @@ bool loop_exchange(LoopGroup* g, int rank, void* mine, void** all) {
   }
   while (g->generation == gen && ok) ok = pthread_cond_timedwait(&loop_cv, &loop_mu, &deadline) == 0;
   ok = g->generation != gen;
-  if (ok && all) memcpy(all, g->slot, sizeof(void*) * g->W);
+  if (ok && all) memcpy(all, g->slot[gen % 2], sizeof(void*) * g->W);
   pthread_mutex_unlock(&loop_mu);
-  // nobody writes a slot again before every rank has read it: the next collective's
-  // barrier is reached only after this one's, and a slot is written only on arriving
   return ok;
 }
 

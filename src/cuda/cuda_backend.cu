@@ -433,11 +433,11 @@ static void free_peers(GpuContext* g, const mok_config_t& c) {
     nanosleep(&ts, nullptr);
     waited += 1e-3;
   }
-  if (all) {
+  if (all || g->loopback) {  // (loopback: nothing collective to abort, each rank frees its own copies)
     mok_nccl_window_free(comm, g->rows_local, g->rows_win);
     mok_nccl_window_free(comm, g->xchg_local, g->xchg_win);
     mok_nccl_window_free(comm, g->tree_local, g->tree_win);
-    mok_nccl_comm_destroy(comm, 0);
+    mok_nccl_comm_destroy(comm, !all);
   } else {
     mok_nccl_comm_destroy(comm, 1);
     mok_nccl_window_free(nullptr, g->rows_local, nullptr);  // (no collective deregistration)
@@ -610,9 +610,13 @@ mok_status_t mok_cuda_zero(mok_context_t* ctx, void* dst, size_t bytes, void* st
 mok_status_t mok_cuda_sync(mok_context_t* ctx) {
   GpuContext* g = gpu(ctx);
   DEVICE_SCOPE(ctx);
-  // read and zero the status on the step's stream, so that both are ordered after its
-  // launch and before the next one there, whatever kind of stream the caller's is (a
-  // copy to pageable memory returns once it is done)
+  // Wait for the step first: a copy to pageable memory blocks its thread inside the
+  // driver until the copy is done, and issued while the step runs it kept the peers'
+  // threads (W ranks on one GPU) from launching the kernels the step waits for (seen at
+  // W = 4: every rank's step timed out). Then read and zero the status on the step's
+  // stream, ordered before the next launch there whatever kind of stream the caller's is
+  // (the legacy default stream's work is not ordered with a non-blocking stream's).
+  CUDA_TRY(ctx, cudaStreamSynchronize(g->last_stream));
   uint32_t st = 0;
   CUDA_TRY(ctx, cudaMemcpyAsync(&st, g->status, sizeof st, cudaMemcpyDeviceToHost, g->last_stream));
   CUDA_TRY(ctx, cudaMemsetAsync(g->status, 0, sizeof st, g->last_stream));

@@ -79,10 +79,13 @@ struct Rank {
 };
 
 // One rank's device work on a stream of its own that waits for no other (with every
-// rank on one GPU, a wait on the legacy default stream would wait for a peer's kernel).
+// rank on one GPU, a wait on the legacy default stream would wait for a peer's kernel);
+// the stream waited for before the copy to pageable memory, which blocks its thread in
+// the driver (issued while the kernel runs, it kept peers from launching theirs).
 int read_int(const int* d, cudaStream_t s) {
   int h = -2;
-  if (cudaMemcpyAsync(&h, d, sizeof h, cudaMemcpyDeviceToHost, s) != cudaSuccess || cudaStreamSynchronize(s) != cudaSuccess)
+  if (cudaStreamSynchronize(s) != cudaSuccess || cudaMemcpyAsync(&h, d, sizeof h, cudaMemcpyDeviceToHost, s) != cudaSuccess ||
+      cudaStreamSynchronize(s) != cudaSuccess)
     return -2;
   return h;
 }
