@@ -157,14 +157,19 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   return s;
 }
 
-// The forward's DISPATCH tasks (Shape::nd). W = 1: one per token block. W > 1: the
-// stream tasks, which meet at a barrier, so all run at once: at most the grid;
-// MOK_DISPATCH_STREAMS (a measurement knob) sets how many.
-static int dispatch_tasks(const Shape& s, const mok_config_t& c, int grid) {
-  if (c.W == 1) return s.ns;
+// The forward's DISPATCH stream tasks asked for at W > 1 (Shape::nd_slots, alike on
+// every rank); MOK_DISPATCH_STREAMS (a measurement knob) sets how many.
+static int dispatch_slots() {
   const char* v = getenv("MOK_DISPATCH_STREAMS");
   const int n = v ? atoi(v) : 32;  // (qwen3-30b-a3b and deepseek-v3 at W = 2: 16 slower than 32)
-  return std::max(1, std::min(std::min(n, kMaxStreams), grid));
+  return std::max(1, std::min(n, kMaxStreams));
+}
+// The forward's DISPATCH tasks (Shape::nd). W = 1: one per token block. W > 1: the
+// stream tasks, which meet at a barrier, so all run at once: at most the grid, which
+// may differ between ranks (cfg.num_ctas; D2).
+static int dispatch_tasks(const Shape& s, const mok_config_t& c, int grid) {
+  if (c.W == 1) return s.ns;
+  return std::min(dispatch_slots(), grid);
 }
 
 // The forward's RETURN tasks at W > 1: they poll GEMM2's tiles while the rest of the
@@ -781,6 +786,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   memset(&p, 0, sizeof p);
   p.s = make_shape(c, T, gpu(ctx)->clusters);
   p.s.nd = dispatch_tasks(p.s, c, gpu(ctx)->grid);
+  p.s.nd_slots = c.W > 1 ? dispatch_slots() : 0;
   p.s.nr = return_tasks(c, gpu(ctx)->grid, gpu(ctx)->clusters);
   p.st = make_step(ctx);
   p.context_id = ctx->serial;

@@ -205,6 +205,9 @@ struct Shape {
   int nb;       // token blocks of 128 (routing, shared-expert m-tiles)
   int ns;       // token blocks of kSubTokens (memory-bound token tasks: more of them)
   int nd;       // the forward's DISPATCH tasks: W = 1 ns, W > 1 the stream tasks (kMaxStreams)
+  int nd_slots; // W > 1: the arrive table's stream slots that every rank fills and GEMM1
+                // polls, the same on every rank (the stream tasks asked for): a rank whose
+                // grid runs fewer tasks (nd < nd_slots) has task d fill d, d + nd, ...
   int nr;       // the forward's RETURN tasks: W = 1 none, W > 1 the return streams
   int max_mt;   // expert m-tiles at most: ceil(T*K / 128) + E (pairs: rounded up to even)
   int smt;      // shared-expert m-tiles: nb

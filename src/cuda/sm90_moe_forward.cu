@@ -428,10 +428,11 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
       }
     __threadfence_system();  // (each thread's stores into the owners' rows)
     __syncthreads();
-    if (threadIdx.x < s.W) {  // (flag_release_sys: a system-scope fence, then the serial)
-      uint64_t* flag = p.px.arrive[threadIdx.x] + ((int64_t)s.rank * kMaxStreams + d) * kArriveGroups + g;
-      flag_release_sys(flag, sm.peer_serial);
-    }
+    if (threadIdx.x < s.W)  // (flag_release_sys: a system-scope fence, then the serial)
+      for (int k = d; k < s.nd_slots; k += s.nd) {  // (peers poll nd_slots slots, whatever this grid runs)
+        uint64_t* flag = p.px.arrive[threadIdx.x] + ((int64_t)s.rank * kMaxStreams + k) * kArriveGroups + g;
+        flag_release_sys(flag, sm.peer_serial);
+      }
   }
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
 }
@@ -484,7 +485,8 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
 
 // GEMM1 of m-tile mt may read its rows. W = 1: every DISPATCH task is done. W > 1:
 // PREFIX is (the tile table), then, when mt is a tile, every rank's every stream task
-// has sent its rows of the tile's expert group: lanes of warp 0 poll the W x nd flags.
+// has sent its rows of the tile's expert group: lanes of warp 0 poll the W x nd_slots
+// flags (every rank fills nd_slots, whatever number of stream tasks its grid runs).
 // MOK_PROFILE / MOK_TRACE count the wait, as wait_counter's.
 static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p, int task, int num_g) {
   const Shape& s = p.s;
@@ -498,8 +500,8 @@ static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p,
     if (s.W > 1) expert_band_order(p.sv.tile_band, task, s.max_mt, num_g, &mt, &col);
     if (s.W > 1 && sm.abort == 0 && mt < *(volatile const int*)p.num_tiles) {
       const int g = p.tile_expert[mt] / cdiv(s.e_loc, kArriveGroups);
-      for (int k = threadIdx.x; k < s.W * s.nd && sm.abort == 0; k += 32) {
-        const uint64_t* f = p.px.arrive[s.rank] + ((k / s.nd) * kMaxStreams + k % s.nd) * kArriveGroups + g;
+      for (int k = threadIdx.x; k < s.W * s.nd_slots && sm.abort == 0; k += 32) {
+        const uint64_t* f = p.px.arrive[s.rank] + ((k / s.nd_slots) * kMaxStreams + k % s.nd_slots) * kArriveGroups + g;
         poll(sm, p.st, [&] { return flag_acquire_sys(f) >= sm.peer_serial; });
       }
       __syncwarp();
