@@ -925,13 +925,15 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
     if (!status) status = mok_context_sync(ctx);
     if (status && err) snprintf(err, err_len, "%s", mok_context_last_error(ctx));
   }
-  for (int i = 0; i < NBUF; i++) /* (to pageable memory: each returns once done) */
-    if (b[i].output == 1 && b[i].host && b[i].bytes &&
-        cudaMemcpyAsync(b[i].host, b[i].dev, b[i].bytes, cudaMemcpyDeviceToHost, stream) != cudaSuccess)
-      CU_FAIL("cudaMemcpyAsync to the host");
-  goto done;
+  goto copy_back;
 fail:
   if (err) snprintf(err, err_len, "%s", mok_context_last_error(ctx));
+copy_back: /* (also after a failed step: what it wrote over the poison; its status stays) */
+  for (int i = 0; i < NBUF; i++) /* (to pageable memory: each returns once done) */
+    if (b[i].output == 1 && b[i].host && b[i].bytes &&
+        cudaMemcpyAsync(b[i].host, b[i].dev, b[i].bytes, cudaMemcpyDeviceToHost, stream) != cudaSuccess &&
+        !status)
+      CU_FAIL("cudaMemcpyAsync to the host");
 done:
   if (stream) cudaStreamSynchronize(stream);
   if (met) meet(m); /* (every rank's steps over before any frees) */
@@ -954,9 +956,10 @@ static void* cuda_rank_main(void* arg) {
 
 mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, char* err, size_t err_len) {
   const int W = o->W;
+  for (int r = 0; r < 8; r++) p->rank_status[r] = MOK_STATUS_SUCCESS;
   if (W == 1) {
     const cuda_job_t one = {.p = p, .o = o, .T = p->T_global, .T_max = p->T_global};
-    return run_cuda_rank(p, o, &one, err, err_len);
+    return p->rank_status[0] = run_cuda_rank(p, o, &one, err, err_len);
   }
   if (W < 1 || W > 8) {
     if (err) snprintf(err, err_len, "W = %d: the CUDA runs take 1 <= W <= 8", W);
@@ -991,6 +994,7 @@ mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* o, cha
   for (int r = 0; r < W; r++) {
     if (r == o->skip_rank) continue;
     pthread_join(th[r], NULL);
+    p->rank_status[r] = jobs[r].status;
     if (jobs[r].status && !first) {
       first = jobs[r].status;
       if (err) snprintf(err, err_len, "rank %d: %s", r, jobs[r].err);

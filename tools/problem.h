@@ -49,6 +49,8 @@ typedef struct {
   void* d_ws2;        /* [H, Fs] */
   size_t wgrad_elem;  /* bytes per weight-gradient element */
   double seconds_forward, seconds_backward; /* time of the last step, slowest rank */
+  mok_status_t rank_status[8]; /* the last CUDA run's status of each rank (a silent or
+                                  skipped rank: MOK_STATUS_SUCCESS) */
 } mok_problem_t;
 
 /* Allocates and fills a problem; cfg gives the layer (its T, W, rank are ignored). */
@@ -127,7 +129,9 @@ mok_status_t mok_problem_run_bytes(const mok_config_t* cfg, int64_t T_global, co
  * its own (inputs copied, outputs poisoned and copied back there), the ranks meeting at
  * a barrier after their setup and before their frees, so that no rank's cudaFree (which
  * waits for the whole device) comes while a peer's step still needs this rank; every
- * output poisoned (0xFF bytes) before the run, results copied back into p's outputs.
+ * output poisoned (0xFF bytes) before the run, results copied back into p's outputs
+ * (after a failed step too: what it wrote over the poison, so that a test can see that
+ * it wrote nothing).
  * seconds_forward / seconds_backward: CUDA-event times of the last step. Returns
  * MOK_STATUS_BACKEND_UNAVAILABLE when the library has no CUDA backend. */
 mok_status_t mok_problem_run_cuda(mok_problem_t* p, const mok_run_opts_t* opts, char* err,

@@ -63,6 +63,9 @@ typedef struct {
   mok_wgrad_t wgrad;
   float aux, z;
   int64_t rank_T[8]; /* each rank's tokens (summing to T), or all 0: the even split */
+  int hot;           /* skewed routing: sigmoid scores, experts 0 .. hot - 1 a selection
+                        bias of 2 (every token picks them; the owners of the others get
+                        no rows), or 0 */
 } ep_shape_t;
 
 /* A capacity that no routing overflows and both backends take at any split: the rows
@@ -72,15 +75,34 @@ static int64_t full_capacity(const ep_shape_t* sh, int W) {
   return sh->T * per_token;
 }
 
+/* The shape's layer (c) and its problem on T tokens with the shape's skew. */
+static mok_config_t ep_config(const ep_shape_t* sh) {
+  mok_config_t c = MOK_CONFIG_INIT;
+  c.H = sh->H, c.F = sh->F, c.E = sh->E, c.K = sh->K, c.Fs = sh->Fs;
+  c.routing = sh->routing, c.wgrad = sh->wgrad;
+  c.aux_loss_coef = sh->aux, c.z_loss_coef = sh->z;
+  if (sh->hot) c.score = MOK_SCORE_SIGMOID, c.use_bias_select = 1;
+  return c;
+}
+static mok_problem_t* ep_problem(const ep_shape_t* sh, const mok_config_t* c, uint64_t seed) {
+  mok_problem_t* p = test_problem(c, sh->T, seed);
+  for (int e = 0; p && e < sh->hot; e++) {
+    if (p->real == 4) ((float*)p->bias_select)[e] = 2.f;
+    else ((double*)p->bias_select)[e] = 2.0;
+  }
+  return p;
+}
+
 /* Did the GPU's top-K (gpu) differ from the CPU's (cpu) only at near-ties? (selection
  * keys within 1e-6 in the double-precision reference of the same input: the backends'
  * fp32 logits differ in summation order) */
-static int ties_only(mok_config_t c, int64_t T, uint64_t seed, const test_outputs_t* cpu, const test_outputs_t* gpu) {
+static int ties_only(const ep_shape_t* sh, mok_config_t c, uint64_t seed, const test_outputs_t* cpu,
+                     const test_outputs_t* gpu) {
   const mok_tensor_view_t* gi = test_view(gpu, "topk_idx");
   const mok_tensor_view_t* ci = test_view(cpu, "topk_idx");
   if (c.routing != MOK_ROUTING_FUSED || !gi || !ci) return 0;
   c.numerics = MOK_NUMERICS_EXACT;
-  mok_problem_t* pe = test_problem(&c, T, seed);
+  mok_problem_t* pe = ep_problem(sh, &c, seed);
   if (!pe) return 0;
   mok_problem_t pb = *pe;
   memcpy(pe->out_topk_idx, ci->data, (size_t)ci->count * 4);
@@ -95,11 +117,8 @@ static int ties_only(mok_config_t c, int64_t T, uint64_t seed, const test_output
 static int ep_compare(const ep_shape_t* sh, uint64_t seed0, int backward, int W) {
   for (int attempt = 0;; attempt++) {
     const uint64_t seed = seed0 + 0x9e3779b97f4a7c15ull * (uint64_t)attempt;
-    mok_config_t c = MOK_CONFIG_INIT;
-    c.H = sh->H, c.F = sh->F, c.E = sh->E, c.K = sh->K, c.Fs = sh->Fs;
-    c.routing = sh->routing, c.wgrad = sh->wgrad;
-    c.aux_loss_coef = sh->aux, c.z_loss_coef = sh->z;
-    mok_problem_t* p = test_problem(&c, sh->T, seed);
+    const mok_config_t c = ep_config(sh);
+    mok_problem_t* p = ep_problem(sh, &c, seed);
     TEST_ASSERT(p, "problem");
     mok_run_opts_t o = MOK_RUN_OPTS_INIT;
     o.backward = backward;
@@ -121,7 +140,7 @@ static int ep_compare(const ep_shape_t* sh, uint64_t seed0, int backward, int W)
     int b = test_same_bits(&gpu[1], &gpu[0], NULL, what);
     snprintf(what, sizeof what, "W = %d against the CPU", W);
     if (test_same_bits(&gpu[1], &cpu, "topk_idx tokens_per_expert", what)) {
-      if (b == 0 && attempt < 3 && ties_only(c, sh->T, seed, &cpu, &gpu[1])) {
+      if (b == 0 && attempt < 3 && ties_only(sh, c, seed, &cpu, &gpu[1])) {
         printf("    %-12s top-K differs from the CPU only at near-ties: values compared on the next seed's input\n",
                sh->name);
         continue;
@@ -147,8 +166,8 @@ static int ep_shapes(const ep_shape_t* shapes, size_t n, int backward, int W) {
 static int ep_gate_up_w2(void) {
   loopback(2);
   static const ep_shape_t shapes[] = {
-      {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
-      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
+      {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0},
   };
   int bad = 0;
   for (size_t i = 0; i < 2; i++) {
@@ -178,6 +197,25 @@ static int ep_gate_up_w2(void) {
   return bad;
 }
 
+/* Every output of the last run (forward's and backward's, every rank's slice, rank 0's
+ * replicated ones) still the run's poison, 0xFF bytes: nothing was written. */
+static int untouched(const mok_problem_t* p, const char* when) {
+  mok_tensor_view_t v[32];
+  const int n = mok_problem_outputs(p, 1, v, 32);
+  int bad = 0;
+  for (int i = 0; i < n; i++) {
+    const uint8_t* b = v[i].data;
+    size_t k = 0;
+    while (k < (size_t)v[i].count * v[i].elem && b[k] == 0xFF) k++;
+    if (k < (size_t)v[i].count * v[i].elem) {
+      printf("    %s: %s written (byte %zu)\n", when, v[i].name, k);
+      bad++;
+    }
+  }
+  if (!bad) printf("    %s: all %d outputs untouched\n", when, n);
+  return bad;
+}
+
 /* A step that would overflow a rank's capacity stops on every rank with
  * MOK_STATUS_CAPACITY_EXCEEDED (each rank sees every count, so all decide alike). */
 static int ep_capacity(int W) {
@@ -190,8 +228,10 @@ static int ep_capacity(int W) {
   char err[1024] = "";
   const mok_status_t st = mok_problem_run_cuda(p, &o, err, sizeof err);
   printf("    %s: %s\n", mok_status_string(st), err);
-  TEST_ASSERT(st == MOK_STATUS_CAPACITY_EXCEEDED, "got %s, not MOK_STATUS_CAPACITY_EXCEEDED", mok_status_string(st));
-  return 0;
+  for (int r = 0; r < W; r++)
+    TEST_ASSERT(p->rank_status[r] == MOK_STATUS_CAPACITY_EXCEEDED, "rank %d: got %s, not MOK_STATUS_CAPACITY_EXCEEDED",
+                r, mok_status_string(p->rank_status[r]));
+  return untouched(p, "after the overflowing step (forward and backward)");
 }
 
 /* A rank that creates its context and then never steps: the others' steps return
@@ -213,7 +253,16 @@ static int ep_timeout(int W) {
   const double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
   printf("    %s after %.2f s (rank 1 silent for 1.5 s): %s\n", mok_status_string(st), s, err);
   TEST_ASSERT(st == MOK_STATUS_COMM_TIMEOUT, "got %s, not MOK_STATUS_COMM_TIMEOUT", mok_status_string(st));
+  for (int r = 0; r < W; r++)
+    TEST_ASSERT(p->rank_status[r] == (r == 1 ? MOK_STATUS_SUCCESS : MOK_STATUS_COMM_TIMEOUT),
+                "rank %d: got %s", r, mok_status_string(p->rank_status[r]));
   TEST_ASSERT(s < 10.0, "the run took %.1f s", s);
+  /* every context destroyed cleanly: the same W runs again, every rank present */
+  o.silent_rank = -1;
+  o.comm_timeout_s = 0;  // (the default bound)
+  const mok_status_t again = mok_problem_run_cuda(p, &o, err, sizeof err);
+  TEST_ASSERT(again == MOK_STATUS_SUCCESS, "the run after it: %s: %s", mok_status_string(again), err);
+  printf("    every other rank COMM_TIMEOUT; the next run at W = %d: SUCCESS\n", W);
   return 0;
 }
 
@@ -230,22 +279,25 @@ static int ep_timeout_w2(void) { return ep_timeout(2); }
 static int ep_forward_w(int W) {
   loopback(W);
   static const ep_shape_t shapes[] = {
-      {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0}},
-      {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0}},
-      {"replay", 513, 128, 64, 8, 2, 0, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {0}},
-      {"losses", 1024, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
-      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
+      {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0},
+      {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0},
+      {"replay", 513, 128, 64, 8, 2, 0, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0},
+      {"losses", 1024, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0},
   };
   return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 0, W);
 }
 static int ep_step_w(int W) {
   loopback(W);
   static const ep_shape_t shapes[] = {
-      {"e16_k4", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
-      {"shared", 1024, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
-      {"replay", 512, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {0}},
-      {"accum", 1024, 256, 128, 16, 2, 128, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f, {0}},
-      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}},
+      {"e16_k4", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0},
+      {"shared", 1024, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0},
+      {"replay", 512, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0},
+      {"accum", 1024, 256, 128, 16, 2, 128, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f, {0}, 0},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0},
+      // every token's two experts among 0 .. 3: at W = 2 rank 1's experts get no rows
+      // (W = 4: ranks 2, 3; W = 8: ranks 4 .. 7), rank 0's all it can receive
+      {"skewed", 1024, 256, 128, 8, 2, 64, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 1e-3f, {0}, 4},
   };
   return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 1, W);
 }
@@ -267,31 +319,31 @@ static int ep_step_w8(void) { return ep_step_w(8); }
 static int ep_uneven(int W) {
   loopback(W);
   static const ep_shape_t fwd2[] = {
-      {"first_empty", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0, 300}},
-      {"last_empty", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {77, 0}},
+      {"first_empty", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0, 300}, 0},
+      {"last_empty", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {77, 0}, 0},
   };
   static const ep_shape_t fwd4[] = {
-      {"0_77_300_135", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0, 77, 300, 135}},
-      {"replay_1_0_2_510", 513, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {1, 0, 2, 510}},
+      {"0_77_300_135", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0, 77, 300, 135}, 0},
+      {"replay_1_0_2_510", 513, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {1, 0, 2, 510}, 0},
   };
   static const ep_shape_t fwd8[] = {
       {"8_ranks_3_empty", 1000, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f,
-       {0, 400, 1, 0, 333, 200, 0, 66}},
+       {0, 400, 1, 0, 333, 200, 0, 66}, 0},
   };
   static const ep_shape_t step2[] = {
-      {"step_0_512", 512, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0, 512}},
+      {"step_0_512", 512, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0, 512}, 0},
   };
   static const ep_shape_t step4[] = {
       {"step_0_192_64_256", 512, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f,
-       {0, 192, 64, 256}},
+       {0, 192, 64, 256}, 0},
       {"accum_128_0_384_0", 512, 256, 128, 16, 2, 0, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f,
-       {128, 0, 384, 0}},
+       {128, 0, 384, 0}, 0},
       {"replay_64_320_0_128", 512, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f,
-       {64, 320, 0, 128}},
+       {64, 320, 0, 128}, 0},
   };
   static const ep_shape_t step8[] = {
       {"step_8_ranks", 1024, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f,
-       {0, 256, 64, 0, 448, 64, 192, 0}},
+       {0, 256, 64, 0, 448, 64, 192, 0}, 0},
   };
 #define N(a) (sizeof a / sizeof a[0])
   if (W == 2) return ep_shapes(fwd2, N(fwd2), 0, 2) + ep_shapes(step2, N(step2), 1, 2);
@@ -305,11 +357,8 @@ static int ep_uneven_w8(void) { return ep_uneven(8); }
 
 /* The outputs of two CUDA runs of one problem at W = 4, bit for bit. */
 static int ep_same_runs(const ep_shape_t* sh, const mok_run_opts_t* a, const mok_run_opts_t* b, const char* what) {
-  mok_config_t c = MOK_CONFIG_INIT;
-  c.H = sh->H, c.F = sh->F, c.E = sh->E, c.K = sh->K, c.Fs = sh->Fs;
-  c.routing = sh->routing, c.wgrad = sh->wgrad;
-  c.aux_loss_coef = sh->aux, c.z_loss_coef = sh->z;
-  mok_problem_t* p = test_problem(&c, sh->T, test_case_seed());
+  const mok_config_t c = ep_config(sh);
+  mok_problem_t* p = ep_problem(sh, &c, test_case_seed());
   TEST_ASSERT(p, "problem");
   test_outputs_t out[2];
   const mok_run_opts_t* o[2] = {a, b};
@@ -325,7 +374,7 @@ static int ep_same_runs(const ep_shape_t* sh, const mok_run_opts_t* a, const mok
 }
 
 static const ep_shape_t d_shape = {"shared", 1024, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f,
-                                   1e-3f, {0}};
+                                   1e-3f, {0}, 0};
 
 /* D1 at W = 4: a run of 3 steps twice, and 1 step against 3 (every step's outputs are
  * the same bits: nothing of a step leaks into the next). */
