@@ -2,7 +2,9 @@
  * libnccl.so.2 loaded at run time (W = 1 needs no NCCL), a communicator per rank from
  * a unique id, and symmetric windows that kernels reach through NCCL's device API
  * (ncclGetPeerPointer). Never a multicast object: NCCL_NVLS_ENABLE is set to 0 before
- * the first communicator when the environment has not set it. */
+ * the first communicator when the environment has not set it. A loopback id
+ * (mok_comm_loopback_id) takes the same calls for W ranks of one process on one GPU,
+ * without NCCL: cudaMalloc windows, every rank's address handed out in process. */
 #ifndef MOK_COMM_NCCL_COMM_H
 #define MOK_COMM_NCCL_COMM_H
 #include <stddef.h>
