@@ -616,9 +616,10 @@ mok_status_t mok_cuda_sync(mok_context_t* ctx) {
   GpuContext* g = gpu(ctx);
   DEVICE_SCOPE(ctx);
   // Wait for the step first: a copy to pageable memory blocks its thread inside the
-  // driver until the copy is done, and issued while the step runs it kept the peers'
-  // threads (W ranks on one GPU) from launching the kernels the step waits for (seen at
-  // W = 4: every rank's step timed out). Then read and zero the status on the step's
+  // driver until the copy is done, and issued while the step runs it can keep the peers'
+  // threads (W ranks on one GPU) from launching the kernels the step waits for (the
+  // comm suite's peer_exchange, copying first, timed out on every rank at W = 4 and 8 on
+  // one H200; waiting first, it passed). Then read and zero the status on the step's
   // stream, ordered before the next launch there whatever kind of stream the caller's is
   // (the legacy default stream's work is not ordered with a non-blocking stream's).
   CUDA_TRY(ctx, cudaStreamSynchronize(g->last_stream));
