@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 2
+#define MOK_VERSION_MINOR 3
 #define MOK_VERSION_PATCH 0
 #define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
 
@@ -86,6 +86,11 @@ typedef enum {
   MOK_ROUTING_FUSED = 0,  /* router inside the layer: logits, scores, top-K, losses */
   MOK_ROUTING_REPLAY = 1  /* caller passes topk_idx / topk_weight; backward gives d_topk_weight */
 } mok_routing_t;
+/* Group-limited routing (cfg.n_group >= 1): what a group's score is. */
+typedef enum {
+  MOK_GROUP_SCORE_TOP2 = 0, /* the sum of its two largest selection keys (DeepSeek-V3) */
+  MOK_GROUP_SCORE_MAX = 1   /* its largest selection key (DeepSeek-V2) */
+} mok_group_score_t;
 typedef enum {
   MOK_WGRAD_BF16 = 0,       /* weight gradients written as bf16 (overwriting) */
   MOK_WGRAD_FP32_ACCUM = 1  /* weight gradients added into caller fp32 buffers */
@@ -145,6 +150,28 @@ typedef struct {
   int use_bias_select; /* bias_select [E] fp32 is added to scores for selection only */
   float aux_loss_coef; /* alpha of the load-balancing loss; 0 disables it */
   float z_loss_coef;   /* beta of the router z-loss; 0 disables it */
+  /* group-limited routing (DeepSeek-V3: n_group 8, topk_group 4; fused routing, CPU
+   * backend; the CUDA backend runs n_group 0 or 1 only, else MOK_STATUS_UNSUPPORTED_SHAPE).
+   * The E experts form n_group groups of E / n_group consecutive experts (group i:
+   * experts i E/n_group ..). Per token, from the selection keys key[e] = s[e] +
+   * bias_select[e] (fp32: the same rounding as for the top-K; s[e] without bias_select):
+   *   group score = key1 + key2, the group's two largest keys, one fp32 addition
+   *     (MOK_GROUP_SCORE_TOP2; a group of one expert: key1), or key1 (MOK_GROUP_SCORE_MAX);
+   *     "largest" in the top-K's order: larger first, ties to the lower index, NaN last;
+   *   the topk_group groups with the largest scores are kept (ties to the lower group
+   *     index, NaN last);
+   *   the K experts are chosen among the kept groups' experts exactly as without groups
+   *     (same keys, same order, same ties); the weights are their scores s, so with
+   *     bias_select this is DeepSeek-V3's router (aux-loss-free balancing).
+   * The choice is piecewise constant: no gradient flows through it; the weights' and
+   * losses' gradients are those of the ordinary top-K of the chosen experts.
+   * n_group 0: no grouping (topk_group must be 0); n_group 1 is the same routing.
+   * Rules: n_group >= 0 dividing E; 1 <= topk_group <= n_group; K <= topk_group *
+   * (E / n_group); fused routing only (MOK_STATUS_INVALID_SHAPE, the routing rule
+   * MOK_STATUS_INVALID_ARGUMENT). */
+  int n_group;
+  int topk_group;
+  mok_group_score_t group_score;
   /* shared expert, applied to every token; Fs = 0 means none */
   int64_t Fs;
   /* outputs and execution */
@@ -173,9 +200,9 @@ typedef struct {
 #define MOK_CONFIG_INIT                                                              \
   {                                                                                  \
     sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
-        MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, MOK_WGRAD_BF16,                \
-        MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0, MOK_CTA_PAIRS_AUTO,  \
-        NULL, MOK_GATE_UP_SAVE, MOK_SAVED_KEEP                                       \
+        MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, 0, MOK_GROUP_SCORE_TOP2, 0,    \
+        MOK_WGRAD_BF16, MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0,      \
+        MOK_CTA_PAIRS_AUTO, NULL, MOK_GATE_UP_SAVE, MOK_SAVED_KEEP                   \
   }
 
 /* Tensors of one forward call. bf16 tensors are uint16_t bit patterns (double in

@@ -151,6 +151,41 @@ static int registry_has(const mok_context_t* ctx) {
 
 #define CFG_ERR(status, ...) MOK_ERR(NULL, status, "mok_context_create: " __VA_ARGS__)
 
+/* Group-limited routing's rules (mok.h, cfg.n_group), for a config whose E, K and
+ * routing passed theirs. */
+static mok_status_t validate_groups(const mok_config_t* c) {
+  if ((unsigned)c->group_score > MOK_GROUP_SCORE_MAX)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.group_score = %d is not a mok_group_score_t",
+                   (int)c->group_score);
+  if (c->n_group < 0)
+    return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.n_group = %d must be >= 0 (0 = no grouping)", c->n_group);
+  if (c->n_group == 0) {
+    if (c->topk_group != 0)
+      return CFG_ERR(MOK_STATUS_INVALID_SHAPE,
+                     "cfg.topk_group = %d needs cfg.n_group >= 1 (with n_group = 0, no grouping, it must be 0)",
+                     c->topk_group);
+    return MOK_STATUS_SUCCESS;
+  }
+  if (c->E % c->n_group != 0)
+    return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.n_group = %d must divide cfg.E = %lld (groups of E / n_group experts)",
+                   c->n_group, (long long)c->E);
+  if (c->topk_group < 1 || c->topk_group > c->n_group)
+    return CFG_ERR(MOK_STATUS_INVALID_SHAPE, "cfg.topk_group = %d must be in [1, cfg.n_group = %d]", c->topk_group,
+                   c->n_group);
+  const int64_t kept = (int64_t)c->topk_group * (c->E / c->n_group);
+  if (c->K > kept)
+    return CFG_ERR(MOK_STATUS_INVALID_SHAPE,
+                   "cfg.K = %lld must be at most the experts of the kept groups, cfg.topk_group * (E / n_group) = "
+                   "%d * %lld = %lld",
+                   (long long)c->K, c->topk_group, (long long)(c->E / c->n_group), (long long)kept);
+  if (c->routing != MOK_ROUTING_FUSED)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
+                   "cfg.n_group = %d: group-limited routing is a rule of fused routing; replay routing "
+                   "(cfg.routing = MOK_ROUTING_REPLAY) takes the caller's topk_idx as they are: set n_group = 0",
+                   c->n_group);
+  return MOK_STATUS_SUCCESS;
+}
+
 static mok_status_t validate_config(const mok_config_t* c) {
   if (c->struct_size != sizeof(mok_config_t) || c->version != MOK_VERSION_CODE)
     return CFG_ERR(MOK_STATUS_VERSION_MISMATCH,
@@ -208,11 +243,18 @@ static mok_status_t validate_config(const mok_config_t* c) {
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.gate_up = %d is not a mok_gate_up_t", (int)c->gate_up);
   if ((unsigned)c->saved_use > MOK_SAVED_REUSE)
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.saved_use = %d is not a mok_saved_use_t", (int)c->saved_use);
+  const mok_status_t groups = validate_groups(c);
+  if (groups) return groups;
   if (c->backend == MOK_BACKEND_CUDA) {
 #ifndef MOK_HAVE_CUDA
     return CFG_ERR(MOK_STATUS_BACKEND_UNAVAILABLE,
                    "cfg.backend = MOK_BACKEND_CUDA: this build of mok has no CUDA backend (built without nvcc)");
 #else
+    /* the kernels' router chooses among all E experts: one group is today's routing */
+    if (c->n_group > 1)
+      return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                     "cfg.n_group = %d: group-limited routing is CPU-only so far (the CUDA kernels choose "
+                     "among all E experts); use cfg.backend = MOK_BACKEND_CPU, or n_group 0 or 1", c->n_group);
     /* the kernels' tiles: 64-wide TMA boxes along H, F, Fs; E in one warp's 8 registers */
     if (c->H % 64 || c->F % 64 || c->Fs % 64)
       return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,

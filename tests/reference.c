@@ -26,6 +26,36 @@ static void swiglu(const double* w13, const double* w2, const double* x, int64_t
   matvec(w2, h, H, F, o);
 }
 
+/* Group-limited routing (mok.h, cfg.n_group), directly. A group's score: the sum of
+ * its two largest keys (or the largest), found by sorting the group's keys, largest
+ * first. */
+static void group_scores(const mok_config_t* c, const double* key, double* score) {
+  const int64_t G = c->n_group, size = c->E / G;
+  double sorted[1024];
+  for (int64_t g = 0; g < G; g++) {
+    for (int64_t i = 0; i < size; i++) { /* insertion sort, descending */
+      int64_t at = i;
+      while (at > 0 && sorted[at - 1] < key[g * size + i]) sorted[at] = sorted[at - 1], at--;
+      sorted[at] = key[g * size + i];
+    }
+    const int two = c->group_score == MOK_GROUP_SCORE_TOP2 && size >= 2;
+    score[g] = two ? sorted[0] + sorted[1] : sorted[0];
+  }
+}
+
+/* allowed[e] = 1 when expert e's group is kept: fewer than topk_group groups rank above
+ * it (a larger score, or an equal one and a lower group index). */
+static void group_filter(const mok_config_t* c, const double* key, int* allowed) {
+  const int64_t G = c->n_group, size = c->E / G;
+  double score[1024];
+  group_scores(c, key, score);
+  for (int64_t g = 0; g < G; g++) {
+    int64_t above = 0;
+    for (int64_t h = 0; h < G; h++) above += score[h] > score[g] || (score[h] == score[g] && h < g);
+    for (int64_t i = 0; i < size; i++) allowed[g * size + i] = above < c->topk_group;
+  }
+}
+
 void test_reference_forward(const mok_problem_t* p, double* y, int32_t* topk_idx,
                             double* topk_weight, int32_t* tokens_per_expert, double* aux_loss,
                             double* z_loss, double* scores) {
@@ -53,15 +83,19 @@ void test_reference_forward(const mok_problem_t* p, double* y, int32_t* topk_idx
       z += lse * lse;
       for (int64_t e = 0; e < E; e++)
         st[e] = c->score == MOK_SCORE_SOFTMAX ? exp(logit[e] - lse) : 1.0 / (1.0 + exp(-logit[e]));
-      /* top-K of score + bias: largest first, ties to the lower index */
+      /* top-K of score + bias among the allowed experts: largest first, ties to the
+       * lower index */
+      double key[1024];
+      int allowed[1024];
+      for (int64_t e = 0; e < E; e++) key[e] = st[e] + (c->use_bias_select ? bias[e] : 0.0), allowed[e] = 1;
+      if (c->n_group > 1) group_filter(c, key, allowed);
       for (int64_t j = 0; j < K; j++) {
         int64_t best = -1;
         double best_key = 0;
         for (int64_t e = 0; e < E; e++) {
-          int taken = 0;
+          int taken = !allowed[e];
           for (int64_t i = 0; i < j; i++) taken |= idx[i] == e;
-          double key = st[e] + (c->use_bias_select ? bias[e] : 0.0);
-          if (!taken && (best < 0 || key > best_key)) best = e, best_key = key;
+          if (!taken && (best < 0 || key[e] > best_key)) best = e, best_key = key[e];
         }
         idx[j] = (int32_t)best;
         g[j] = st[best];

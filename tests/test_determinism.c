@@ -7,7 +7,9 @@
  *  D4  a token's forward alone equals its forward inside a batch, in any order and on
  *      any W, with the global aux loss on;
  *  and mok_reduce_tree is the balanced tree that mok.h describes. Also: recomputing
- *  gate|up in backward (MOK_GATE_UP_RECOMPUTE) gives the bits of keeping it. */
+ *  gate|up in backward (MOK_GATE_UP_RECOMPUTE) gives the bits of keeping it.
+ *  D1, threads, D3 and D4 run with group-limited routing too (*_grouped, ep_group_limited),
+ *  and one group (n_group = 1) gives the bits of none. */
 #include <string.h>
 
 #include "runner.h"
@@ -29,11 +31,21 @@ static mok_run_opts_t opts(int W, int steps, int num_threads) {
   return o;
 }
 
-static int run_to_run(void) {
+/* Group-limited routing (cfg.n_group): 4 groups of 4 experts, the best 2 kept, with
+ * DeepSeek-V3's sigmoid scores and selection bias; at W = 8 a group spans two ranks. */
+static mok_config_t grouped_layer(void) {
+  mok_config_t c = layer();
+  c.n_group = 4, c.topk_group = 2;
+  c.score = MOK_SCORE_SIGMOID;
+  c.route_scale = 2.5f;
+  return c;
+}
+
+static int run_to_run_of(const mok_config_t* layer_cfg) {
   int bad = 0;
   const int Ws[] = {1, 2};
   for (int i = 0; i < 2; i++) {
-    const mok_config_t c = layer();
+    const mok_config_t c = *layer_cfg;
     mok_problem_t* p = test_problem(&c, 256, test_case_seed());
     TEST_ASSERT(p, "problem");
     test_outputs_t first, again, steps;
@@ -54,9 +66,19 @@ static int run_to_run(void) {
   return bad;
 }
 
-static int thread_count(void) {
-  int bad = 0;
+static int run_to_run(void) {
   const mok_config_t c = layer();
+  return run_to_run_of(&c);
+}
+
+static int run_to_run_grouped(void) {
+  const mok_config_t c = grouped_layer();
+  return run_to_run_of(&c);
+}
+
+static int thread_count_of(const mok_config_t* layer_cfg) {
+  int bad = 0;
+  const mok_config_t c = *layer_cfg;
   mok_problem_t* p = test_problem(&c, 256, test_case_seed());
   TEST_ASSERT(p, "problem");
   test_outputs_t ref, out;
@@ -73,6 +95,16 @@ static int thread_count(void) {
     bad += test_same_bits(&out, &ref, NULL, what);
   }
   return bad;
+}
+
+static int thread_count(void) {
+  const mok_config_t c = layer();
+  return thread_count_of(&c);
+}
+
+static int thread_count_grouped(void) {
+  const mok_config_t c = grouped_layer();
+  return thread_count_of(&c);
 }
 
 /* D3: the same global batch on W = 1, 2, 4, 8; every output the config has. */
@@ -108,6 +140,29 @@ static int ep_sigmoid_bias(void) {
   c.route_scale = 2.0f;
   c.Fs = 0;
   return ep_invariance(&c, 1);
+}
+
+static int ep_group_limited(void) {
+  const mok_config_t c = grouped_layer();
+  int bad = ep_invariance(&c, 1);
+  mok_config_t v2 = grouped_layer(); /* DeepSeek-V2's form: softmax, a group's largest key */
+  v2.score = MOK_SCORE_SOFTMAX, v2.use_bias_select = 0, v2.group_score = MOK_GROUP_SCORE_MAX, v2.topk_group = 3;
+  return bad + ep_invariance(&v2, 1);
+}
+
+/* n_group = 1 (topk_group 1) is the routing without groups: the same bits. */
+static int one_group(void) {
+  mok_config_t c = layer(), g = layer();
+  g.n_group = g.topk_group = 1;
+  mok_problem_t* pc = test_problem(&c, 256, test_case_seed());
+  mok_problem_t* pg = test_problem(&g, 256, test_case_seed());
+  TEST_ASSERT(pc && pg, "problems");
+  test_outputs_t a, b;
+  mok_run_opts_t o = opts(2, 1, 1);
+  TEST_ASSERT(!test_run(pc, &o) && !test_run(pg, &o), "runs");
+  test_snapshot(pc, 1, &a);
+  test_snapshot(pg, 1, &b);
+  return test_same_bits(&b, &a, NULL, "n_group = 1 vs 0");
 }
 
 static int ep_replay(void) {
@@ -218,8 +273,8 @@ static void copy_weights(mok_problem_t* dst, const mok_problem_t* src) {
 /* The forward of token t alone (T_global = 1, on W = 1 and on W = 2 where rank 1 has no
  * token) equals row t of the batch's forward; so does every row of the batch reversed
  * and run on W = 2. */
-static int batch_invariance(void) {
-  const mok_config_t c = layer();
+static int batch_invariance_of(const mok_config_t* layer_cfg) {
+  const mok_config_t c = *layer_cfg;
   const int64_t T = 64, H = c.H, K = c.K;
   mok_problem_t* p = test_problem(&c, T, test_case_seed());
   mok_problem_t* rev = test_problem(&c, T, test_case_seed());
@@ -265,6 +320,16 @@ static int batch_invariance(void) {
   return 0;
 }
 
+static int batch_invariance(void) {
+  const mok_config_t c = layer();
+  return batch_invariance_of(&c);
+}
+
+static int batch_invariance_grouped(void) {
+  const mok_config_t c = grouped_layer();
+  return batch_invariance_of(&c);
+}
+
 /* The tree of mok.h: node [lo, hi) = node [lo, mid) + node [mid, hi), mid = lo + the
  * largest power of two below hi - lo. */
 static float tree(const float* partials, int64_t n, int64_t lo, int64_t hi, int64_t i) {
@@ -302,14 +367,19 @@ static int reduce_tree(void) {
 
 const test_case_t suite_determinism[] = {
     {"run_to_run", run_to_run},
+    {"run_to_run_grouped", run_to_run_grouped},
     {"thread_count", thread_count},
+    {"thread_count_grouped", thread_count_grouped},
     {"ep_softmax", ep_softmax},
     {"ep_sigmoid_bias", ep_sigmoid_bias},
+    {"ep_group_limited", ep_group_limited},
+    {"one_group", one_group},
     {"ep_replay", ep_replay},
     {"ep_fp32_accum", ep_fp32_accum},
     {"gate_up_recompute", gate_up_recompute},
     {"saved_reuse", saved_reuse},
     {"batch_invariance", batch_invariance},
+    {"batch_invariance_grouped", batch_invariance_grouped},
     {"reduce_tree", reduce_tree},
     TEST_END,
 };

@@ -2,7 +2,8 @@
  * problem three ways: EXACT numerics against reference.c (the forward), BF16 against
  * EXACT (relative error <= 2e-2, the same routing up to near-ties; see test_numerics.c),
  * and BF16 on W > 1 against W = 1 by bytes. Cases: an expert (and a whole rank) with no
- * tokens, every token on one expert, a huge selection bias, exact ties in the router,
+ * tokens, every token on one expert, a huge selection bias, exact ties in the router
+ * (and between groups and inside groups of group-limited routing),
  * T not a multiple of any tile, K = 1 and K = E, W not dividing T, NaN and Inf in x,
  * capacity exceeded, a peer that never arrives, fp32 gradient accumulation over steps. */
 #include <math.h>
@@ -195,6 +196,65 @@ static int router_ties(void) {
                   (long long)t, j, p->out_topk_idx[t * 3 + j], want[j]);
       TEST_ASSERT(fabsf(g - 0.5f) <= 1e-6f, "token %lld slot %d: weight %.9g, want 0.5",
                   (long long)t, j, g);
+    }
+  return 0;
+}
+
+/* Group-limited routing's ties (cfg.n_group = 4 groups of 4 experts), with a zero router:
+ * every score is 1/16 (softmax) or 1/2 (sigmoid), and the bias decides, in values that
+ * every key and group score holds exactly (in fp32 too). Biases by group:
+ *   group 0 (experts 0-3):   0    0    0    0     top-2 sum 2s,        largest s
+ *   group 1 (experts 4-7):   0    1/4  0    1/4   top-2 sum 2s + 1/2,  largest s + 1/4
+ *   group 2 (experts 8-11):  1/2  0    0    0     top-2 sum 2s + 1/2,  largest s + 1/2
+ *   group 3 (experts 12-15): 1/8  1/8  1/8  1/8   top-2 sum 2s + 1/4,  largest s + 1/8
+ * Groups 1 and 2 tie on the top-2 sum (group 1 is ahead: the lower index), and equal
+ * keys inside a group go to the lower expert index. */
+static void zero_router_group_bias(mok_problem_t* p) {
+  static const double bias[16] = {0, 0, 0, 0, 0, 0.25, 0, 0.25, 0.5, 0, 0, 0, 0.125, 0.125, 0.125, 0.125};
+  memset(p->w_router, 0, (size_t)(p->cfg.E * p->cfg.H) * p->act);
+  for (int e = 0; e < 16; e++) set_real(p, p->bias_select, e, bias[e]);
+}
+
+static void zero_router_no_bias(mok_problem_t* p) {
+  memset(p->w_router, 0, (size_t)(p->cfg.E * p->cfg.H) * p->act);
+  for (int e = 0; e < p->cfg.E; e++) set_real(p, p->bias_select, e, 0.0);
+}
+
+static int group_ties(void) {
+  static const struct {
+    mok_group_score_t group_score;
+    int topk_group, K, biased;
+    int32_t want[6];
+  } cases[] = {
+      {MOK_GROUP_SCORE_TOP2, 1, 2, 1, {5, 7}},                /* groups 1 = 2: group 1; without groups 8, 5 */
+      {MOK_GROUP_SCORE_TOP2, 2, 4, 1, {8, 5, 7, 4}},          /* then 4, 6, 9, 10, 11 tie: 4 */
+      {MOK_GROUP_SCORE_TOP2, 3, 6, 1, {8, 5, 7, 12, 13, 14}}, /* group 0 dropped */
+      {MOK_GROUP_SCORE_MAX, 1, 3, 1, {8, 9, 10}},             /* group 2 alone */
+      {MOK_GROUP_SCORE_MAX, 2, 3, 1, {8, 5, 7}},
+      {MOK_GROUP_SCORE_TOP2, 2, 5, 0, {0, 1, 2, 3, 4}},       /* every group ties: groups 0 and 1 */
+  };
+  for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++)
+    for (int sig = 0; sig < 2; sig++) {
+      mok_config_t c = layer();
+      c.E = 16, c.n_group = 4;
+      c.group_score = cases[i].group_score, c.topk_group = cases[i].topk_group, c.K = cases[i].K;
+      c.score = sig ? MOK_SCORE_SIGMOID : MOK_SCORE_SOFTMAX;
+      mok_problem_t* p;
+      int bad = check_layer(&c, T_FULL, cases[i].biased ? zero_router_group_bias : zero_router_no_bias, W124, NULL,
+                            &p);
+      if (bad) {
+        printf("    (case %d, %s)\n", i, sig ? "sigmoid" : "softmax");
+        return bad;
+      }
+      for (int64_t t = 0; t < T_FULL; t++)
+        for (int j = 0; j < c.K; j++) {
+          const int32_t e = p->out_topk_idx[t * c.K + j];
+          const float g = ((float*)p->out_topk_weight)[t * c.K + j];
+          TEST_ASSERT(e == cases[i].want[j], "case %d (%s), token %lld slot %d: expert %d, want %d", i,
+                      sig ? "sigmoid" : "softmax", (long long)t, j, e, cases[i].want[j]);
+          TEST_ASSERT(fabsf(g - 1.0f / (float)c.K) <= 1e-6f, "case %d, token %lld slot %d: weight %.9g, want 1/%d", i,
+                      (long long)t, j, g, (int)c.K);
+        }
     }
   return 0;
 }
@@ -424,6 +484,7 @@ const test_case_t suite_edge[] = {
     {"all_tokens_one_expert", all_tokens_one_expert},
     {"bias_selects_one_expert", bias_selects_one_expert},
     {"router_ties", router_ties},
+    {"group_ties", group_ties},
     {"ragged_tokens", ragged_tokens},
     {"k_one", k_one},
     {"k_all", k_all},

@@ -345,11 +345,13 @@ static void op_destroy(void* p) {
 static int describe_cfg(char* b, size_t n, const mok_config_t* c) {
   return snprintf(b, n,
                   "T=%lld H=%lld F=%lld E=%lld K=%lld W=%d rank=%d Fs=%lld routing=%d score=%d normalize=%d "
-                  "route_scale=%.9g bias=%d aux=%.9g z=%.9g wgrad=%d numerics=%d backend=%d capacity=%lld "
+                  "route_scale=%.9g bias=%d aux=%.9g z=%.9g n_group=%d topk_group=%d group_score=%d wgrad=%d "
+                  "numerics=%d backend=%d capacity=%lld "
                   "threads=%d timeout=%.9g ctas=%d pairs=%d gate_up=%d saved_use=%d size=%zu version=%d comm=%s",
                   (long long)c->T, (long long)c->H, (long long)c->F, (long long)c->E, (long long)c->K, c->W, c->rank,
                   (long long)c->Fs, (int)c->routing, (int)c->score, c->normalize, (double)c->route_scale,
-                  c->use_bias_select, (double)c->aux_loss_coef, (double)c->z_loss_coef, (int)c->wgrad,
+                  c->use_bias_select, (double)c->aux_loss_coef, (double)c->z_loss_coef, c->n_group, c->topk_group,
+                  (int)c->group_score, (int)c->wgrad,
                   (int)c->numerics, (int)c->backend, (long long)c->capacity, c->num_threads, c->comm_timeout_s,
                   c->num_ctas, (int)c->cta_pairs, (int)c->gate_up, (int)c->saved_use, c->struct_size, c->version,
                   c->cpu_comm ? "set" : "NULL");
@@ -393,6 +395,17 @@ static void want_create_local(const mok_config_t* c, int comm_ranks, fz_want_t* 
   if ((unsigned)c->cta_pairs > MOK_CTA_PAIRS_ON) want(w, "cfg.cta_pairs", ARG, "cfg.cta_pairs");
   if ((unsigned)c->gate_up > MOK_GATE_UP_RECOMPUTE) want(w, "cfg.gate_up", ARG, "cfg.gate_up");
   if ((unsigned)c->saved_use > MOK_SAVED_REUSE) want(w, "cfg.saved_use", ARG, "cfg.saved_use");
+  /* group-limited routing (mok.h cfg.n_group; api.c validate_groups, one verdict of these) */
+  if ((unsigned)c->group_score > MOK_GROUP_SCORE_MAX) want(w, "cfg.group_score", ARG, "cfg.group_score");
+  if (c->n_group < 0) want(w, "cfg.n_group < 0", SHAPE, "cfg.n_group");
+  else if (c->n_group == 0) {
+    if (c->topk_group != 0) want(w, "cfg.topk_group without groups", SHAPE, "cfg.topk_group");
+  } else if (c->E >= 1 && c->E % c->n_group) want(w, "cfg.n_group not dividing E", SHAPE, "cfg.n_group");
+  else if (c->topk_group < 1 || c->topk_group > c->n_group)
+    want(w, "cfg.topk_group outside [1, n_group]", SHAPE, "cfg.topk_group");
+  else if (c->E >= 1 && c->K > (int64_t)c->topk_group * (c->E / c->n_group))
+    want(w, "cfg.K above the kept groups' experts", SHAPE, "cfg.K");
+  else if (c->routing != MOK_ROUTING_FUSED) want(w, "groups in replay routing", ARG, "cfg.n_group");
 #ifndef MOK_HAVE_CUDA
   if (c->backend == MOK_BACKEND_CUDA) want(w, "no CUDA backend", MOK_STATUS_BACKEND_UNAVAILABLE, "cfg.backend");
 #endif
@@ -421,7 +434,8 @@ static int same_layer(const mok_config_t* a, const mok_config_t* b) {
   return a->H == b->H && a->F == b->F && a->E == b->E && a->K == b->K && a->W == b->W && a->routing == b->routing &&
          a->score == b->score && a->normalize == b->normalize && a->route_scale == b->route_scale &&
          a->use_bias_select == b->use_bias_select && a->aux_loss_coef == b->aux_loss_coef &&
-         a->z_loss_coef == b->z_loss_coef && a->Fs == b->Fs && a->numerics == b->numerics && a->wgrad == b->wgrad;
+         a->z_loss_coef == b->z_loss_coef && a->n_group == b->n_group && a->topk_group == b->topk_group &&
+         a->group_score == b->group_score && a->Fs == b->Fs && a->numerics == b->numerics && a->wgrad == b->wgrad;
 }
 
 /* (sum of every rank's cfg.T) min(K, E / W), for a config that passed its own rules
@@ -494,6 +508,15 @@ static void random_layer(uint64_t* s, int W, int64_t max_E, mok_config_t* c) {
   c->saved_use = pct(s, 40) ? MOK_SAVED_REUSE : MOK_SAVED_KEEP;
   c->num_ctas = (int)PICK(s, 0, 0, 1, 132, INT_MAX);
   c->cta_pairs = (mok_cta_pairs_t)rnd_in(s, 0, 2);
+  if (c->routing == MOK_ROUTING_FUSED && pct(s, 35)) { /* group-limited: a divisor of E, K within the kept groups */
+    int64_t groups;
+    do groups = rnd_in(s, 1, c->E);
+    while (c->E % groups);
+    const int64_t size = c->E / groups;
+    c->n_group = (int)groups;
+    c->topk_group = (int)rnd_in(s, (c->K + size - 1) / size, groups);
+    c->group_score = pct(s, 30) ? MOK_GROUP_SCORE_MAX : MOK_GROUP_SCORE_TOP2;
+  }
 }
 
 static int64_t absurd_dim(uint64_t* s) {
@@ -504,15 +527,16 @@ static int64_t absurd_dim(uint64_t* s) {
 typedef enum {
   C_VALID, C_VERSION, C_STRUCT_SIZE, C_T, C_H, C_F, C_E, C_K, C_W, C_E_MOD_W, C_FS, C_CAPACITY_NEG,
   C_CAPACITY_HIGH, C_RANK, C_ROUTING, C_SCORE, C_WGRAD, C_NUMERICS, C_BACKEND, C_THREADS, C_ROUTE_SCALE, C_AUX,
-  C_Z, C_TIMEOUT, C_EXACT_CUDA, C_CTAS, C_CTA_PAIRS, C_GATE_UP, C_SAVED_USE, C_E_MAX, C_ABSURD, C_HUGE,
-  C_COMM_NULL, C_COMM_WRONG, C_COMM_FAKE, C_EXTREME, C_NUM_MUTATIONS
+  C_Z, C_TIMEOUT, C_EXACT_CUDA, C_CTAS, C_CTA_PAIRS, C_GATE_UP, C_SAVED_USE, C_N_GROUP, C_TOPK_GROUP, C_GROUP_K,
+  C_GROUP_SCORE, C_GROUP_REPLAY, C_E_MAX, C_ABSURD, C_HUGE, C_COMM_NULL, C_COMM_WRONG, C_COMM_FAKE, C_EXTREME,
+  C_NUM_MUTATIONS
 } create_mutation_t;
 
 static const char* const kCreateMutation[] = {
     "valid", "version", "struct_size", "T", "H", "F", "E", "K", "W", "E % W", "Fs", "capacity < 0",
     "capacity > max", "rank", "routing", "score", "wgrad", "numerics", "backend", "num_threads", "route_scale",
     "aux_loss_coef", "z_loss_coef", "comm_timeout_s", "EXACT on CUDA", "num_ctas", "cta_pairs", "gate_up",
-    "saved_use", "E > max", "absurd shape", "huge shape", "cpu_comm NULL", "cpu_comm of other ranks",
+    "saved_use", "n_group", "topk_group", "K > kept groups' experts", "group_score", "groups in replay", "E > max", "absurd shape", "huge shape", "cpu_comm NULL", "cpu_comm of other ranks",
     "cpu_comm fake", "valid extremes"};
 
 static const float kNonfinite[] = {NAN, INFINITY, -INFINITY};
@@ -540,6 +564,12 @@ static void mutate_config(uint64_t* s, create_mutation_t m, fz_creates_t* x) {
   const int which_dim = (int)rnd_in(s, 0, 3);
   const int64_t huge = PICK(s, 1 << 20, INT32_MAX, INT32_MAX - rnd_in(s, 0, 1 << 20), 1 << 24);
   const int one_rank = (int)rnd_in(s, 0, W - 1); /* capacity: the bound is checked for every rank's */
+  const mok_config_t* c0 = &x->c[0].cfg; /* (the layer, alike on every rank) */
+  int64_t no_divisor = c0->E + 1; /* n_group: one that does not divide E, or a negative one */
+  while (c0->E >= 2 && c0->E % (no_divisor = rnd_in(s, 2, c0->E + 8)) == 0) continue;
+  const int64_t bad_groups = PICK(s, -1, INT_MIN, no_divisor, no_divisor, c0->E + 1, INT_MAX);
+  const int64_t bad_topk = c0->n_group == 0 ? PICK(s, 1, -1, INT_MAX) : PICK(s, 0, -1, c0->n_group + 1, INT_MAX);
+  const int64_t kept = c0->E >= 2 ? rnd_in(s, 1, c0->E - 1) : 1; /* groups of 1, so many kept */
   for (int r = 0; r < W; r++) {
     mok_config_t* c = &x->c[r].cfg;
     switch (m) {
@@ -572,6 +602,17 @@ static void mutate_config(uint64_t* s, create_mutation_t m, fz_creates_t* x) {
       case C_CTA_PAIRS: c->cta_pairs = (mok_cta_pairs_t)PICK(s, 3, 4, -1, INT_MAX); break;
       case C_GATE_UP: c->gate_up = (mok_gate_up_t)enum_bad; break;
       case C_SAVED_USE: c->saved_use = (mok_saved_use_t)enum_bad; break;
+      case C_N_GROUP: c->n_group = (int)bad_groups, c->topk_group = 1; break;
+      case C_TOPK_GROUP: c->topk_group = (int)bad_topk; break;
+      case C_GROUP_K: /* (E = 1: no K can exceed the kept experts, so a group count that does not divide E) */
+        if (c->E >= 2) c->n_group = (int)c->E, c->topk_group = (int)kept, c->K = kept + 1;
+        else c->n_group = 2, c->topk_group = 1;
+        break;
+      case C_GROUP_SCORE: c->group_score = (mok_group_score_t)enum_bad; break;
+      case C_GROUP_REPLAY:
+        c->routing = MOK_ROUTING_REPLAY;
+        if (c->n_group == 0) c->n_group = c->topk_group = 1;
+        break;
       case C_E_MAX: c->E = (MOK_MAX_EXPERTS / W + PICK(s, 1, 2, 1000)) * W; break;
       case C_ABSURD:
         if (which_dim == 0) c->T = absurd;
@@ -648,7 +689,8 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
       c->capacity = cap_max;
       if (x->W == 1) c->comm_timeout_s = (double)PICK(&s, 0, 1, 2) == 0 ? 1e-300 : DBL_MAX;
       if (x->W == 1 && pct(&s, 10)) c->num_threads = MOK_MAX_THREADS;
-      if (x->W == 1 && pct(&s, 20)) c->E = MOK_MAX_EXPERTS, c->K = rnd_in(&s, 1, 4);
+      if (x->W == 1 && pct(&s, 20)) /* (groups: 8 of 128, DeepSeek-V3's 4 kept) */
+        c->E = MOK_MAX_EXPERTS, c->K = rnd_in(&s, 1, 4), c->n_group = c->n_group ? 8 : 0, c->topk_group = c->n_group ? 4 : 0;
     }
     /* (the ranks must agree on the layer: the same extremes for all) */
     for (int r = 1; r < x->W; r++) {
@@ -660,7 +702,7 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
   const int mismatch = x->W > 1 && num_muts == 1 && muts[0] == C_VALID && pct(&s, 40);
   if (mismatch) { /* one rank's layer differs in one field */
     mok_config_t* c = &x->c[rnd_in(&s, 0, x->W - 1)].cfg;
-    switch (rnd_in(&s, 0, 7)) {
+    switch (rnd_in(&s, 0, 8)) {
       case 0: c->H += 1; break;
       case 1: c->F += 1; break;
       case 2: c->K = c->K > 1 ? c->K - 1 : 1 + (c->E > 1); break;
@@ -668,6 +710,7 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
       case 4: c->route_scale += 1.0f; break;
       case 5: c->Fs += 1; break;
       case 6: c->wgrad = (mok_wgrad_t)!c->wgrad; break;
+      case 7: c->group_score = (mok_group_score_t)!c->group_score; break;
       default: c->aux_loss_coef += 0.5f; break;
     }
   }

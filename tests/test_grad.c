@@ -156,6 +156,28 @@ static int router_losses_sigmoid(void) {
   return check_gradients(&c, 12, 1, 1);
 }
 
+/* Group-limited routing: the group choice is piecewise constant, so the gradients are
+ * those of the ordinary top-K of the chosen experts (an entry that flips a group is
+ * skipped as a flipped top-K is). DeepSeek-V3's router (sigmoid, bias, normalised,
+ * scaled; groups of 2 experts, the best 2 of 3 groups by their top-2 sums) on W = 1 and
+ * 2; DeepSeek-V2's form (softmax, a group's largest score) with the router losses alone. */
+static int group_limited(void) {
+  mok_config_t c = small_config();
+  c.score = MOK_SCORE_SIGMOID;
+  c.use_bias_select = 1;
+  c.route_scale = 2.5f;
+  c.n_group = 3, c.topk_group = 2, c.K = 3;
+  return check_gradients(&c, 12, 1, 0) + check_gradients(&c, 12, 2, 0);
+}
+
+static int group_limited_losses(void) {
+  mok_config_t c = small_config();
+  c.n_group = 3, c.topk_group = 1, c.group_score = MOK_GROUP_SCORE_MAX;
+  c.aux_loss_coef = 1.0f;
+  c.z_loss_coef = 0.5f;
+  return check_gradients(&c, 12, 1, 1);
+}
+
 static int replay(void) {
   mok_config_t c = small_config();
   c.routing = MOK_ROUTING_REPLAY;
@@ -182,6 +204,8 @@ const test_case_t suite_grad[] = {
     {"sigmoid_unnormalized", sigmoid_unnormalized},
     {"router_losses_softmax", router_losses_softmax},
     {"router_losses_sigmoid", router_losses_sigmoid},
+    {"group_limited", group_limited},
+    {"group_limited_losses", group_limited_losses},
     {"replay", replay},
     {"two_ranks", two_ranks},
     {"two_ranks_replay", two_ranks_replay},

@@ -1,6 +1,9 @@
 /* test_numerics.c — is the layer the one in the brief, and how far is bf16 from it?
  *  - exact_*: EXACT numerics against reference.c, a plain double forward written from
  *    DESIGN.md section 1 (routing, slot order, weights, losses, y): same to 1e-12.
+ *  - exact_group_*: group-limited routing (cfg.n_group) likewise, with the reference's
+ *    own direct implementation of the group choice; each case also checks that the
+ *    groups changed some token's experts (else it would test nothing).
  *  - bf16_*: BF16 numerics against EXACT on the same inputs (problem.c gives EXACT the
  *    same bf16-representable values): relative error <= 2e-2 for y, dx and every weight
  *    gradient; routing (up to near-ties of the selection key) and tokens_per_expert
@@ -63,6 +66,68 @@ static int exact_replay(void) {
   return exact_vs_reference(layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_REPLAY), 100, 2);
 }
 
+/* Group-limited routing (cfg.n_group): EXACT against the reference's direct
+ * implementation, and the groups decide: some token chooses other experts than the
+ * same problem routed without groups. */
+static mok_config_t grouped(mok_config_t c, int64_t E, int64_t K, int n_group, int topk_group) {
+  c.E = E, c.K = K, c.n_group = n_group, c.topk_group = topk_group;
+  return c;
+}
+
+static int exact_groups_vs_reference(mok_config_t c, int64_t T, int W) {
+  int bad = exact_vs_reference(c, T, W);
+  mok_config_t flat = c;
+  flat.n_group = flat.topk_group = 0;
+  c.numerics = flat.numerics = MOK_NUMERICS_EXACT;
+  mok_problem_t* pg = test_problem(&c, T, test_case_seed());
+  mok_problem_t* pf = test_problem(&flat, T, test_case_seed());
+  TEST_ASSERT(pg && pf, "problems");
+  mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+  o.backward = 0;
+  TEST_ASSERT(!test_run(pg, &o) && !test_run(pf, &o), "forward");
+  TEST_ASSERT(memcmp(pg->out_topk_idx, pf->out_topk_idx, (size_t)(T * c.K) * 4) != 0,
+              "n_group = %d, topk_group = %d: every token chose as without groups (the case tests nothing)",
+              c.n_group, c.topk_group);
+  return bad;
+}
+
+/* DeepSeek-V3's router: sigmoid scores, bias_select for the choice, weights from the
+ * scores, normalised and scaled; 8 groups, the best 4 by their top-2 sums. */
+static int exact_group_deepseek_v3(void) {
+  mok_config_t c = grouped(layer(MOK_SCORE_SIGMOID, MOK_ROUTING_FUSED), 256, 8, 8, 4);
+  c.use_bias_select = 1;
+  c.route_scale = 2.5f;
+  c.Fs = 0;
+  return exact_groups_vs_reference(c, 64, 1) + exact_vs_reference(c, 64, 4);
+}
+
+static int exact_group_top2(void) {
+  mok_config_t c = grouped(layer(MOK_SCORE_SIGMOID, MOK_ROUTING_FUSED), 64, 8, 8, 4);
+  c.use_bias_select = 1;
+  int bad = exact_groups_vs_reference(c, 100, 2);
+  c = grouped(layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_FUSED), 16, 3, 4, 2); /* K < group size */
+  return bad + exact_groups_vs_reference(c, 100, 4);
+}
+
+/* DeepSeek-V2's form: a group's score is its largest key. */
+static int exact_group_max(void) {
+  mok_config_t c = grouped(layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_FUSED), 16, 4, 4, 2);
+  c.group_score = MOK_GROUP_SCORE_MAX;
+  c.normalize = 0;
+  int bad = exact_groups_vs_reference(c, 100, 1);
+  c.use_bias_select = 1, c.score = MOK_SCORE_SIGMOID;
+  return bad + exact_groups_vs_reference(c, 100, 2);
+}
+
+/* Groups of one expert (top-2 of one key: the key), and K = every kept expert. */
+static int exact_group_edges(void) {
+  mok_config_t c = grouped(layer(MOK_SCORE_SIGMOID, MOK_ROUTING_FUSED), 16, 2, 16, 5);
+  c.use_bias_select = 1;
+  int bad = exact_vs_reference(c, 100, 2);
+  c = grouped(layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_FUSED), 16, 8, 4, 2);
+  return bad + exact_groups_vs_reference(c, 100, 1);
+}
+
 /* Runs the same problem in BF16 and EXACT numerics and compares every output. */
 static int bf16_vs_exact(mok_config_t c, int64_t T, int W) {
   mok_config_t ce = c;
@@ -100,6 +165,13 @@ static int bf16_sigmoid_bias(void) {
   return bf16_vs_exact(c, 256, 2);
 }
 
+static int bf16_group_limited(void) {
+  mok_config_t c = grouped(layer(MOK_SCORE_SIGMOID, MOK_ROUTING_FUSED), 32, 4, 8, 3);
+  c.use_bias_select = 1;
+  c.route_scale = 2.5f;
+  return bf16_vs_exact(c, 256, 2);
+}
+
 static int bf16_replay(void) {
   return bf16_vs_exact(layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_REPLAY), 256, 1);
 }
@@ -115,7 +187,12 @@ const test_case_t suite_numerics[] = {
     {"exact_softmax_unnormalized", exact_softmax_unnormalized},
     {"exact_sigmoid", exact_sigmoid},
     {"exact_replay", exact_replay},
+    {"exact_group_deepseek_v3", exact_group_deepseek_v3},
+    {"exact_group_top2", exact_group_top2},
+    {"exact_group_max", exact_group_max},
+    {"exact_group_edges", exact_group_edges},
     {"bf16_softmax", bf16_softmax},
+    {"bf16_group_limited", bf16_group_limited},
     {"bf16_sigmoid_bias", bf16_sigmoid_bias},
     {"bf16_replay", bf16_replay},
     {"bf16_fp32_accum", bf16_fp32_accum},

@@ -268,6 +268,17 @@ static int create_shape(void) {
   RULE(c.E = 0, "E");
   RULE(c.T = -1, "T");
   RULE(c.Fs = -1, "Fs");
+  /* group-limited routing: n_group >= 0 dividing E, topk_group in [1, n_group] (0 without
+   * groups), K at most the kept groups' experts */
+  RULE(c.n_group = -1, "n_group");
+  RULE((c.n_group = 3, c.topk_group = 1), "n_group");
+  RULE((c.n_group = 16, c.topk_group = 1), "n_group");
+  RULE(c.topk_group = 1, "topk_group");
+  RULE(c.topk_group = -1, "topk_group");
+  RULE(c.n_group = 4, "topk_group");
+  RULE((c.n_group = 4, c.topk_group = 5), "topk_group");
+  RULE((c.n_group = 8, c.topk_group = 1), "K");
+  RULE((c.n_group = 4, c.topk_group = 1, c.K = 3), "K");
   /* capacity: at most the rows that can arrive, T min(K, E / W) here (2^62 once made
    * the forward write past its buffers) */
   RULE(c.capacity = T_ * K_ + 1, "capacity");
@@ -310,6 +321,9 @@ static int create_argument(void) {
   RULE(c.num_threads = MOK_MAX_THREADS + 1, "num_threads");
   RULE(c.gate_up = (mok_gate_up_t)2, "gate_up");
   RULE(c.saved_use = (mok_saved_use_t)2, "saved_use");
+  RULE(c.group_score = (mok_group_score_t)2, "group_score");
+  RULE(c.group_score = (mok_group_score_t)-1, "group_score");
+  RULE((c.routing = MOK_ROUTING_REPLAY, c.use_bias_select = 0, c.n_group = 4, c.topk_group = 2), "n_group");
 #undef RULE
   mok_cpu_comm_t* none = NULL;
   TEST_ASSERT(mok_cpu_comm_create(0, &none) == A && none == NULL, "cpu_comm_create(0)");
@@ -336,7 +350,8 @@ static int create_nonfinite(void) {
 
 /* Without nvcc the library has no CUDA backend: BACKEND_UNAVAILABLE. With it, a shape
  * the kernels take creates (a GPU) or gives BACKEND_UNAVAILABLE (no device), and one
- * they do not take (F = 32) gives UNSUPPORTED_SHAPE. EXACT numerics is CPU-only. */
+ * they do not take (F = 32) gives UNSUPPORTED_SHAPE. EXACT numerics is CPU-only, and so
+ * is group-limited routing (n_group > 1: UNSUPPORTED_SHAPE, before any device is asked). */
 static int create_backend(void) {
   int bad = 0;
   mok_config_t c = base_config();
@@ -359,6 +374,16 @@ static int create_backend(void) {
   c.numerics = MOK_NUMERICS_EXACT;
   bad += expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, MOK_STATUS_INVALID_ARGUMENT, "numerics",
                        "EXACT numerics on cuda");
+  /* group-limited routing is CPU-only so far: a shape the kernels take otherwise */
+  c = base_config();
+  c.backend = MOK_BACKEND_CUDA;
+  c.F = c.Fs = 64;
+  c.n_group = 4, c.topk_group = 2;
+#ifndef MOK_HAVE_CUDA
+  bad += expect_create(&c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda", "n_group = 4, no cuda backend");
+#else
+  bad += expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, -1, "n_group", "n_group = 4 on cuda");
+#endif
   return bad;
 }
 

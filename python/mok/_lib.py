@@ -16,7 +16,7 @@ from pathlib import Path
 # ---- mok.h constants -------------------------------------------------------------
 
 MOK_VERSION_MAJOR = 0
-MOK_VERSION_MINOR = 2
+MOK_VERSION_MINOR = 3
 MOK_VERSION_PATCH = 0
 MOK_VERSION_CODE = MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH
 MOK_REDUCE_CHUNK_TOKENS = 64
@@ -54,6 +54,7 @@ MOK_WGRAD_BF16, MOK_WGRAD_FP32_ACCUM = 0, 1
 MOK_NUMERICS_BF16, MOK_NUMERICS_EXACT = 0, 1
 MOK_GATE_UP_SAVE, MOK_GATE_UP_RECOMPUTE = 0, 1
 MOK_SAVED_KEEP, MOK_SAVED_REUSE = 0, 1
+MOK_GROUP_SCORE_TOP2, MOK_GROUP_SCORE_MAX = 0, 1
 
 ALIGN_TENSOR = 16       # every tensor pointer
 ALIGN_WORKSPACE = 256   # workspace and saved buffers
@@ -84,6 +85,9 @@ class MokConfig(ctypes.Structure):
         ("use_bias_select", ctypes.c_int),
         ("aux_loss_coef", ctypes.c_float),
         ("z_loss_coef", ctypes.c_float),
+        ("n_group", ctypes.c_int),
+        ("topk_group", ctypes.c_int),
+        ("group_score", _c_enum),
         ("Fs", ctypes.c_int64),
         ("wgrad", _c_enum),
         ("numerics", _c_enum),
@@ -115,6 +119,9 @@ class MokConfig(ctypes.Structure):
         c.use_bias_select = 0
         c.aux_loss_coef = 0.0
         c.z_loss_coef = 0.0
+        c.n_group = 0
+        c.topk_group = 0
+        c.group_score = MOK_GROUP_SCORE_TOP2
         c.Fs = 0
         c.wgrad = MOK_WGRAD_BF16
         c.numerics = MOK_NUMERICS_BF16

@@ -8,6 +8,7 @@
  * Order of every sum (fixed, whatever the thread count or W):
  *   GEMM dot products: increasing k (gemm.h).
  *   softmax denominator, normalise sum, loss statistics over e: increasing e / slot j.
+ *   group score (group-limited routing): key1 + key2, one addition.
  *   combine y[t] = ((g0*o0 + g1*o1) + ...) + shared(x[t]), slots in slot order.
  *   dx[t] = ((dx_0 + dx_1) + ...) + router path + shared path.
  *   expert weight gradients: over the expert's rows in global token order (all rows
@@ -206,6 +207,37 @@ static int FN(ahead)(REAL a, int64_t ia, REAL b, int64_t ib) {
   return a > b || (a == b && ia < ib);
 }
 
+/* Group-limited routing (cfg.n_group > 1, mok.h): marks every expert outside the
+ * topk_group best groups in `out`, so that the top-K chooses among the kept groups'
+ * experts only. key: [E] selection keys. A group's score is key1 + key2, its two
+ * largest keys in `ahead` order (one addition: its bits do not depend on the order of
+ * the two), or key1 (MOK_GROUP_SCORE_MAX, or a group of one expert); groups are kept
+ * best first by `ahead` on their scores (larger first, ties to the lower group index,
+ * NaN last). */
+static void FN(group_limit)(const mok_config_t* c, const REAL* key, int64_t E, unsigned char* out) {
+  const int64_t G = c->n_group, size = E / G;
+  REAL score[MOK_MAX_EXPERTS];
+  unsigned char kept[MOK_MAX_EXPERTS];
+  for (int64_t grp = 0; grp < G; grp++) {
+    const REAL* k = key + grp * size;
+    int64_t first = 0, second = -1;
+    for (int64_t i = 1; i < size; i++) {
+      if (FN(ahead)(k[i], i, k[first], first)) second = first, first = i;
+      else if (second < 0 || FN(ahead)(k[i], i, k[second], second)) second = i;
+    }
+    const int top2 = c->group_score == MOK_GROUP_SCORE_TOP2 && second >= 0;
+    score[grp] = top2 ? k[first] + k[second] : k[first];
+    kept[grp] = 0;
+  }
+  for (int64_t n = 0; n < c->topk_group; n++) {
+    int64_t best = -1;
+    for (int64_t grp = 0; grp < G; grp++)
+      if (!kept[grp] && (best < 0 || FN(ahead)(score[grp], grp, score[best], best))) best = grp;
+    kept[best] = 1;
+  }
+  for (int64_t e = 0; e < E; e++) out[e] = !kept[e / size];
+}
+
 typedef struct {
   const FN(step_t)* st;
   const REAL* scores; /* [T, E + 1]: s then logsumexp */
@@ -272,16 +304,16 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
     for (int64_t t = 0; t < T; t++) {
       REAL* s = scores + t * (E + 1);
       s[E] = FN(scores)(c, logits + t * E, s, E);
+      /* selection keys s + bias_select; chosen: taken, or outside the kept groups */
+      REAL key[MOK_MAX_EXPERTS];
+      for (int64_t e = 0; e < E; e++) key[e] = c->use_bias_select ? s[e] + ((const REAL*)a->bias_select)[e] : s[e];
       unsigned char chosen[MOK_MAX_EXPERTS];
-      memset(chosen, 0, (size_t)E);
-      for (int64_t j = 0; j < K; j++) {
+      if (c->n_group > 1) FN(group_limit)(c, key, E, chosen);
+      else memset(chosen, 0, (size_t)E);
+      for (int64_t j = 0; j < K; j++) { /* (K <= the kept groups' experts: one is always left) */
         int64_t best = -1;
-        REAL best_key = 0;
-        for (int64_t e = 0; e < E; e++) {
-          if (chosen[e]) continue;
-          REAL key = c->use_bias_select ? s[e] + ((const REAL*)a->bias_select)[e] : s[e];
-          if (best < 0 || FN(ahead)(key, e, best_key, best)) best = e, best_key = key;
-        }
+        for (int64_t e = 0; e < E; e++)
+          if (!chosen[e] && (best < 0 || FN(ahead)(key[e], e, key[best], best))) best = e;
         chosen[best] = 1;
         idx[t * K + j] = (int32_t)best;
         g[t * K + j] = s[best];
