@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 3
+#define MOK_VERSION_MINOR 4
 #define MOK_VERSION_PATCH 0
 #define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
 
@@ -172,6 +172,17 @@ typedef struct {
   int n_group;
   int topk_group;
   mok_group_score_t group_score;
+  /* router logit bias (gpt-oss): args->b_router [E] fp32 is added to the logits before
+   * the scores, logits[t, e] = x[t]·w_router[e] + b_router[e] (the dot product's fp32
+   * sum, then one fp32 addition), so it changes both the choice and the weights, and the
+   * z-loss sees the biased logits. Its gradient d_b_router[e] = sum over tokens of
+   * dlogits[t, e] (the bf16 dlogits that d_w_router uses, fp32 sums) is a replicated
+   * one: an fp32 partial per chunk of MOK_REDUCE_CHUNK_TOKENS tokens (increasing t),
+   * combined by mok's fixed tree over all ranks, like d_w_router. It is fp32 like the
+   * parameter: written with MOK_WGRAD_BF16, added into with MOK_WGRAD_FP32_ACCUM. Fused
+   * routing only (else MOK_STATUS_INVALID_ARGUMENT); CPU backend (CUDA:
+   * MOK_STATUS_UNSUPPORTED_SHAPE). 0 = off. */
+  int use_router_bias;
   /* shared expert, applied to every token; Fs = 0 means none */
   int64_t Fs;
   /* outputs and execution */
@@ -200,7 +211,7 @@ typedef struct {
 #define MOK_CONFIG_INIT                                                              \
   {                                                                                  \
     sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
-        MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, 0, MOK_GROUP_SCORE_TOP2, 0,    \
+        MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, 0, MOK_GROUP_SCORE_TOP2, 0, 0, \
         MOK_WGRAD_BF16, MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0,      \
         MOK_CTA_PAIRS_AUTO, NULL, MOK_GATE_UP_SAVE, MOK_SAVED_KEEP                   \
   }
@@ -216,6 +227,7 @@ typedef struct {
   const void* x;             /* [T, H] bf16 */
   const void* w_router;      /* [E, H] bf16, fused routing */
   const float* bias_select;  /* [E] fp32, when use_bias_select */
+  const float* b_router;     /* [E] fp32 router logit bias, when use_router_bias */
   const void* w13;           /* [E/W, 2F, H] bf16: rows 0..F-1 gate, F..2F-1 up */
   const void* w2;            /* [E/W, H, F] bf16 */
   const void* ws13;          /* [2Fs, H] bf16, when Fs > 0 */
@@ -263,6 +275,9 @@ typedef struct {
   float* d_topk_weight;      /* [T, K] fp32 out, replay routing */
   /* weight gradients: bf16 written, or fp32 buffers added into (config wgrad) */
   void* d_w_router;          /* [E, H], summed over ranks by mok's fixed tree */
+  float* d_b_router;         /* [E] fp32 (use_router_bias), summed over ranks by mok's fixed
+                                tree; fp32 whatever cfg.wgrad: written, or added into with
+                                MOK_WGRAD_FP32_ACCUM; optional, as d_w_router */
   void* d_w13;               /* [E/W, 2F, H] */
   void* d_w2;                /* [E/W, H, F] */
   void* d_ws13;              /* [2Fs, H], summed over ranks by mok's fixed tree */

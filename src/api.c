@@ -186,6 +186,28 @@ static mok_status_t validate_groups(const mok_config_t* c) {
   return MOK_STATUS_SUCCESS;
 }
 
+/* The router and expert variants' rules (mok.h: use_router_bias), for a config whose
+ * routing passed its own. */
+static mok_status_t validate_variants(const mok_config_t* c) {
+  if (c->use_router_bias && c->routing != MOK_ROUTING_FUSED)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
+                   "cfg.use_router_bias = %d: the router logit bias is a rule of fused routing; replay routing "
+                   "(cfg.routing = MOK_ROUTING_REPLAY) takes the caller's weights as they are: set use_router_bias = 0",
+                   c->use_router_bias);
+  return MOK_STATUS_SUCCESS;
+}
+
+#ifdef MOK_HAVE_CUDA
+/* The variants the CUDA kernels do not have yet: each UNSUPPORTED_SHAPE, naming its field. */
+static mok_status_t cuda_variants(const mok_config_t* c) {
+  if (c->use_router_bias)
+    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                   "cfg.use_router_bias = %d: the router logit bias is CPU-only so far (the CUDA kernels have "
+                   "none); use cfg.backend = MOK_BACKEND_CPU, or use_router_bias = 0", c->use_router_bias);
+  return MOK_STATUS_SUCCESS;
+}
+#endif
+
 static mok_status_t validate_config(const mok_config_t* c) {
   if (c->struct_size != sizeof(mok_config_t) || c->version != MOK_VERSION_CODE)
     return CFG_ERR(MOK_STATUS_VERSION_MISMATCH,
@@ -245,6 +267,8 @@ static mok_status_t validate_config(const mok_config_t* c) {
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.saved_use = %d is not a mok_saved_use_t", (int)c->saved_use);
   const mok_status_t groups = validate_groups(c);
   if (groups) return groups;
+  const mok_status_t variants = validate_variants(c);
+  if (variants) return variants;
   if (c->backend == MOK_BACKEND_CUDA) {
 #ifndef MOK_HAVE_CUDA
     return CFG_ERR(MOK_STATUS_BACKEND_UNAVAILABLE,
@@ -279,6 +303,8 @@ static mok_status_t validate_config(const mok_config_t* c) {
                        "cfg.comm_unique_id is NULL: the CUDA backend with W = %d > 1 needs the ranks' NCCL unique "
                        "id (mok_comm_unique_id on one rank, the same bytes on every rank)", c->W);
     }
+    const mok_status_t kernels = cuda_variants(c);
+    if (kernels) return kernels;
 #endif
   }
   if (c->E > MOK_MAX_EXPERTS)
@@ -561,8 +587,10 @@ static mok_status_t backward_no_tokens(mok_context_t* ctx, const mok_backward_ar
   if (c->wgrad == MOK_WGRAD_FP32_ACCUM) return MOK_STATUS_SUCCESS;
   const size_t g = (size_t)ctx->act_size, H = (size_t)c->H, F = (size_t)c->F, Fs = (size_t)c->Fs;
   const size_t El = (size_t)ctx->E_loc;
-  mok_status_t s = zero_output(ctx, c->routing == MOK_ROUTING_FUSED ? a->d_w_router : NULL, (size_t)c->E * H * g,
-                               a->stream);
+  const int fused = c->routing == MOK_ROUTING_FUSED;
+  mok_status_t s = zero_output(ctx, fused ? a->d_w_router : NULL, (size_t)c->E * H * g, a->stream);
+  if (!s && fused && c->use_router_bias) /* (fp32 whatever cfg.wgrad: written as zeros here too) */
+    s = zero_output(ctx, a->d_b_router, (size_t)c->E * (size_t)ctx->real_size, a->stream);
   if (!s) s = zero_output(ctx, a->d_w13, El * 2 * F * H * g, a->stream);
   if (!s) s = zero_output(ctx, a->d_w2, El * H * F * g, a->stream);
   if (!s) s = zero_output(ctx, a->d_ws13, 2 * Fs * H * g, a->stream);
@@ -586,6 +614,7 @@ mok_status_t mok_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
       {"x", a->x, tok, T16},
       {"w_router", a->w_router, fused, T16},
       {"bias_select", a->bias_select, fused && c->use_bias_select, T16},
+      {"b_router", a->b_router, fused && c->use_router_bias, T16},
       {"w13", a->w13, 1, T16},
       {"w2", a->w2, 1, T16},
       {"ws13", a->ws13, shared, T16},
@@ -649,6 +678,7 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
       {"dx", a->dx, tok, T16},
       {"d_topk_weight", a->d_topk_weight, !fused && tok, T16},
       {"d_w_router", a->d_w_router, 0, wa},
+      {"d_b_router", a->d_b_router, 0, wa},
       {"d_w13", a->d_w13, 1, wa},
       {"d_w2", a->d_w2, 1, wa},
       {"d_ws13", a->d_ws13, shared, wa},

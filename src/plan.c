@@ -61,9 +61,10 @@ void mok_plan_workspace(const mok_context_t* ctx, int64_t T, mok_workspace_plan_
   int64_t chunks = 0;
   for (int i = 0; i < c->W; i++)
     chunks += (ctx->T_all[i] + MOK_REDUCE_CHUNK_TOKENS - 1) / MOK_REDUCE_CHUNK_TOKENS;
-  /* replicated sums: [E + 1] loss statistics (forward), [E*H | 2Fs*H | H*Fs] gradients
-   * (mok_context_create bounds H (E + 3 Fs), so this product cannot wrap) */
-  p->tree_len = max2(E + 1, E * H + 3 * Fs * H);
+  /* replicated sums: [E + 1] loss statistics (forward), [E*H | 2Fs*H | H*Fs | E] gradients,
+   * the last E with use_router_bias (mok_context_create bounds H (E + 3 Fs), so this
+   * cannot wrap) */
+  p->tree_len = max2(E + 1, E * H + 3 * Fs * H + (c->use_router_bias ? E : 0));
   /* own maximal nodes (<= 2 per level), a partial per level while summing one of them,
    * and the output plus a partial per level while combining all ranks' nodes */
   p->tree_vectors = 4 * mok_tree_depth(chunks) + 1;

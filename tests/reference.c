@@ -76,6 +76,8 @@ void test_reference_forward(const mok_problem_t* p, double* y, int32_t* topk_idx
     if (fused) {
       double* st = s + t * E;
       matvec(wr, xt, E, H, logit);
+      if (c->use_router_bias) /* the router logit bias, before the scores */
+        for (int64_t e = 0; e < E; e++) logit[e] += ((const double*)p->b_router)[e];
       double mx = -INFINITY, sum = 0;
       for (int64_t e = 0; e < E; e++) mx = fmax(mx, logit[e]);
       for (int64_t e = 0; e < E; e++) sum += exp(logit[e] - mx);

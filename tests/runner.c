@@ -135,7 +135,7 @@ mok_status_t test_run(mok_problem_t* p, const mok_run_opts_t* opts) {
 /* ---- comparing outputs ---- */
 
 void test_snapshot(const mok_problem_t* p, int with_backward, test_outputs_t* out) {
-  out->n = mok_problem_outputs(p, with_backward, out->v, 16);
+  out->n = mok_problem_outputs(p, with_backward, out->v, MOK_PROBLEM_MAX_OUTPUTS);
   for (int i = 0; i < out->n; i++) {
     size_t bytes = (size_t)out->v[i].count * out->v[i].elem;
     void* copy = test_alloc(bytes);

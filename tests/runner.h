@@ -59,7 +59,7 @@ mok_status_t test_run(mok_problem_t* p, const mok_run_opts_t* opts);
 /* A copy of a run's outputs (mok_problem_outputs), kept until the end of the case. */
 typedef struct {
   int n;
-  mok_tensor_view_t v[16];
+  mok_tensor_view_t v[MOK_PROBLEM_MAX_OUTPUTS];
 } test_outputs_t;
 void test_snapshot(const mok_problem_t* p, int with_backward, test_outputs_t* out);
 const mok_tensor_view_t* test_view(const test_outputs_t* s, const char* name); /* or NULL */

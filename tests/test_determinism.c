@@ -9,7 +9,8 @@
  *  and mok_reduce_tree is the balanced tree that mok.h describes. Also: recomputing
  *  gate|up in backward (MOK_GATE_UP_RECOMPUTE) gives the bits of keeping it.
  *  D1, threads, D3 and D4 run with group-limited routing too (*_grouped, ep_group_limited),
- *  and one group (n_group = 1) gives the bits of none. */
+ *  and one group (n_group = 1) gives the bits of none; and with each router and expert
+ *  variant of mok.h alone, then all of them at once (*_variants). */
 #include <string.h>
 
 #include "runner.h"
@@ -40,6 +41,40 @@ static mok_config_t grouped_layer(void) {
   c.route_scale = 2.5f;
   return c;
 }
+
+/* The router and expert variants (mok.h), each alone on the layer (v < NUM_VARIANTS),
+ * then all at once (v = NUM_VARIANTS). */
+enum { NUM_VARIANTS = 1 };
+static const char* const kVariant[NUM_VARIANTS + 1] = {"use_router_bias", "all variants"};
+
+static mok_config_t variant_layer(int v) {
+  mok_config_t c = layer();
+  if (v == 0 || v == NUM_VARIANTS) c.use_router_bias = 1;
+  return c;
+}
+
+static int run_to_run_of(const mok_config_t* layer_cfg);
+static int thread_count_of(const mok_config_t* layer_cfg);
+static int ep_invariance(const mok_config_t* c, int steps);
+static int batch_invariance_of(const mok_config_t* layer_cfg);
+
+/* Runs check on each variant's layer; names the variant of each failure. */
+static int each_variant(int (*check)(const mok_config_t*)) {
+  int bad = 0;
+  for (int v = 0; v <= NUM_VARIANTS; v++) {
+    const mok_config_t c = variant_layer(v);
+    const int b = check(&c);
+    if (b) printf("    (%s)\n", kVariant[v]);
+    bad += b;
+  }
+  return bad;
+}
+
+static int ep_invariance_1(const mok_config_t* c) { return ep_invariance(c, 1); }
+static int run_to_run_variants(void) { return each_variant(run_to_run_of); }
+static int thread_count_variants(void) { return each_variant(thread_count_of); }
+static int ep_variants(void) { return each_variant(ep_invariance_1); }
+static int batch_invariance_variants(void) { return each_variant(batch_invariance_of); }
 
 static int run_to_run_of(const mok_config_t* layer_cfg) {
   int bad = 0;
@@ -259,7 +294,7 @@ static int saved_reuse(void) {
   return bad;
 }
 
-/* The weights (and bias) of src in dst, a problem of the same layer, bf16 numerics. */
+/* The weights (and biases) of src in dst, a problem of the same layer, bf16 numerics. */
 static void copy_weights(mok_problem_t* dst, const mok_problem_t* src) {
   const mok_config_t* c = &src->cfg;
   memcpy(dst->w_router, src->w_router, (size_t)(c->E * c->H) * 2);
@@ -268,6 +303,7 @@ static void copy_weights(mok_problem_t* dst, const mok_problem_t* src) {
   memcpy(dst->ws13, src->ws13, (size_t)(2 * c->Fs * c->H) * 2);
   memcpy(dst->ws2, src->ws2, (size_t)(c->H * c->Fs) * 2);
   memcpy(dst->bias_select, src->bias_select, (size_t)c->E * 4);
+  memcpy(dst->b_router, src->b_router, (size_t)c->E * 4);
 }
 
 /* The forward of token t alone (T_global = 1, on W = 1 and on W = 2 where rank 1 has no
@@ -368,11 +404,14 @@ static int reduce_tree(void) {
 const test_case_t suite_determinism[] = {
     {"run_to_run", run_to_run},
     {"run_to_run_grouped", run_to_run_grouped},
+    {"run_to_run_variants", run_to_run_variants},
     {"thread_count", thread_count},
     {"thread_count_grouped", thread_count_grouped},
+    {"thread_count_variants", thread_count_variants},
     {"ep_softmax", ep_softmax},
     {"ep_sigmoid_bias", ep_sigmoid_bias},
     {"ep_group_limited", ep_group_limited},
+    {"ep_variants", ep_variants},
     {"one_group", one_group},
     {"ep_replay", ep_replay},
     {"ep_fp32_accum", ep_fp32_accum},
@@ -380,6 +419,7 @@ const test_case_t suite_determinism[] = {
     {"saved_reuse", saved_reuse},
     {"batch_invariance", batch_invariance},
     {"batch_invariance_grouped", batch_invariance_grouped},
+    {"batch_invariance_variants", batch_invariance_variants},
     {"reduce_tree", reduce_tree},
     TEST_END,
 };

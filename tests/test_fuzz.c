@@ -345,13 +345,13 @@ static void op_destroy(void* p) {
 static int describe_cfg(char* b, size_t n, const mok_config_t* c) {
   return snprintf(b, n,
                   "T=%lld H=%lld F=%lld E=%lld K=%lld W=%d rank=%d Fs=%lld routing=%d score=%d normalize=%d "
-                  "route_scale=%.9g bias=%d aux=%.9g z=%.9g n_group=%d topk_group=%d group_score=%d wgrad=%d "
-                  "numerics=%d backend=%d capacity=%lld "
+                  "route_scale=%.9g bias=%d aux=%.9g z=%.9g n_group=%d topk_group=%d group_score=%d "
+                  "router_bias=%d wgrad=%d numerics=%d backend=%d capacity=%lld "
                   "threads=%d timeout=%.9g ctas=%d pairs=%d gate_up=%d saved_use=%d size=%zu version=%d comm=%s",
                   (long long)c->T, (long long)c->H, (long long)c->F, (long long)c->E, (long long)c->K, c->W, c->rank,
                   (long long)c->Fs, (int)c->routing, (int)c->score, c->normalize, (double)c->route_scale,
                   c->use_bias_select, (double)c->aux_loss_coef, (double)c->z_loss_coef, c->n_group, c->topk_group,
-                  (int)c->group_score, (int)c->wgrad,
+                  (int)c->group_score, c->use_router_bias, (int)c->wgrad,
                   (int)c->numerics, (int)c->backend, (long long)c->capacity, c->num_threads, c->comm_timeout_s,
                   c->num_ctas, (int)c->cta_pairs, (int)c->gate_up, (int)c->saved_use, c->struct_size, c->version,
                   c->cpu_comm ? "set" : "NULL");
@@ -406,6 +406,9 @@ static void want_create_local(const mok_config_t* c, int comm_ranks, fz_want_t* 
   else if (c->E >= 1 && c->K > (int64_t)c->topk_group * (c->E / c->n_group))
     want(w, "cfg.K above the kept groups' experts", SHAPE, "cfg.K");
   else if (c->routing != MOK_ROUTING_FUSED) want(w, "groups in replay routing", ARG, "cfg.n_group");
+  /* the router and expert variants (mok.h; api.c validate_variants) */
+  if (c->use_router_bias && c->routing != MOK_ROUTING_FUSED)
+    want(w, "router bias in replay routing", ARG, "cfg.use_router_bias");
 #ifndef MOK_HAVE_CUDA
   if (c->backend == MOK_BACKEND_CUDA) want(w, "no CUDA backend", MOK_STATUS_BACKEND_UNAVAILABLE, "cfg.backend");
 #endif
@@ -435,7 +438,8 @@ static int same_layer(const mok_config_t* a, const mok_config_t* b) {
          a->score == b->score && a->normalize == b->normalize && a->route_scale == b->route_scale &&
          a->use_bias_select == b->use_bias_select && a->aux_loss_coef == b->aux_loss_coef &&
          a->z_loss_coef == b->z_loss_coef && a->n_group == b->n_group && a->topk_group == b->topk_group &&
-         a->group_score == b->group_score && a->Fs == b->Fs && a->numerics == b->numerics && a->wgrad == b->wgrad;
+         a->group_score == b->group_score && a->use_router_bias == b->use_router_bias && a->Fs == b->Fs &&
+         a->numerics == b->numerics && a->wgrad == b->wgrad;
 }
 
 /* (sum of every rank's cfg.T) min(K, E / W), for a config that passed its own rules
@@ -517,6 +521,8 @@ static void random_layer(uint64_t* s, int W, int64_t max_E, mok_config_t* c) {
     c->topk_group = (int)rnd_in(s, (c->K + size - 1) / size, groups);
     c->group_score = pct(s, 30) ? MOK_GROUP_SCORE_MAX : MOK_GROUP_SCORE_TOP2;
   }
+  /* the router and expert variants, each on now and then */
+  c->use_router_bias = c->routing == MOK_ROUTING_FUSED && pct(s, 30);
 }
 
 static int64_t absurd_dim(uint64_t* s) {
@@ -528,7 +534,7 @@ typedef enum {
   C_VALID, C_VERSION, C_STRUCT_SIZE, C_T, C_H, C_F, C_E, C_K, C_W, C_E_MOD_W, C_FS, C_CAPACITY_NEG,
   C_CAPACITY_HIGH, C_RANK, C_ROUTING, C_SCORE, C_WGRAD, C_NUMERICS, C_BACKEND, C_THREADS, C_ROUTE_SCALE, C_AUX,
   C_Z, C_TIMEOUT, C_EXACT_CUDA, C_CTAS, C_CTA_PAIRS, C_GATE_UP, C_SAVED_USE, C_N_GROUP, C_TOPK_GROUP, C_GROUP_K,
-  C_GROUP_SCORE, C_GROUP_REPLAY, C_E_MAX, C_ABSURD, C_HUGE, C_COMM_NULL, C_COMM_WRONG, C_COMM_FAKE, C_EXTREME,
+  C_GROUP_SCORE, C_GROUP_REPLAY, C_ROUTER_BIAS_REPLAY, C_E_MAX, C_ABSURD, C_HUGE, C_COMM_NULL, C_COMM_WRONG, C_COMM_FAKE, C_EXTREME,
   C_NUM_MUTATIONS
 } create_mutation_t;
 
@@ -536,7 +542,8 @@ static const char* const kCreateMutation[] = {
     "valid", "version", "struct_size", "T", "H", "F", "E", "K", "W", "E % W", "Fs", "capacity < 0",
     "capacity > max", "rank", "routing", "score", "wgrad", "numerics", "backend", "num_threads", "route_scale",
     "aux_loss_coef", "z_loss_coef", "comm_timeout_s", "EXACT on CUDA", "num_ctas", "cta_pairs", "gate_up",
-    "saved_use", "n_group", "topk_group", "K > kept groups' experts", "group_score", "groups in replay", "E > max", "absurd shape", "huge shape", "cpu_comm NULL", "cpu_comm of other ranks",
+    "saved_use", "n_group", "topk_group", "K > kept groups' experts", "group_score", "groups in replay",
+    "router bias in replay", "E > max", "absurd shape", "huge shape", "cpu_comm NULL", "cpu_comm of other ranks",
     "cpu_comm fake", "valid extremes"};
 
 static const float kNonfinite[] = {NAN, INFINITY, -INFINITY};
@@ -613,6 +620,7 @@ static void mutate_config(uint64_t* s, create_mutation_t m, fz_creates_t* x) {
         c->routing = MOK_ROUTING_REPLAY;
         if (c->n_group == 0) c->n_group = c->topk_group = 1;
         break;
+      case C_ROUTER_BIAS_REPLAY: c->routing = MOK_ROUTING_REPLAY, c->use_router_bias = 1; break;
       case C_E_MAX: c->E = (MOK_MAX_EXPERTS / W + PICK(s, 1, 2, 1000)) * W; break;
       case C_ABSURD:
         if (which_dim == 0) c->T = absurd;
@@ -702,7 +710,7 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
   const int mismatch = x->W > 1 && num_muts == 1 && muts[0] == C_VALID && pct(&s, 40);
   if (mismatch) { /* one rank's layer differs in one field */
     mok_config_t* c = &x->c[rnd_in(&s, 0, x->W - 1)].cfg;
-    switch (rnd_in(&s, 0, 8)) {
+    switch (rnd_in(&s, 0, 9)) {
       case 0: c->H += 1; break;
       case 1: c->F += 1; break;
       case 2: c->K = c->K > 1 ? c->K - 1 : 1 + (c->E > 1); break;
@@ -711,6 +719,10 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
       case 5: c->Fs += 1; break;
       case 6: c->wgrad = (mok_wgrad_t)!c->wgrad; break;
       case 7: c->group_score = (mok_group_score_t)!c->group_score; break;
+      case 8: /* (replay: a rank that fails its own rule; another field instead) */
+        if (c->routing == MOK_ROUTING_FUSED) c->use_router_bias = !c->use_router_bias;
+        else c->aux_loss_coef += 0.5f;
+        break;
       default: c->aux_loss_coef += 0.5f; break;
     }
   }
@@ -816,17 +828,18 @@ static int fuzz_create(void) {
 /* ---- a world: W ranks' contexts and buffers over one global batch ---- */
 
 enum {
-  B_X, B_WR, B_BIAS, B_W13, B_W2, B_WS13, B_WS2, B_DY, B_DAUX, B_DZ, /* inputs */
+  B_X, B_WR, B_BIAS, B_BR, B_W13, B_W2, B_WS13, B_WS2, B_DY, B_DAUX, B_DZ, /* inputs */
   B_IDX, B_TW,                                                      /* replay inputs, fused outputs */
   B_Y, B_TPE, B_AUX, B_Z, B_SAVED, B_SAVED2,                        /* forward outputs; a second saved */
-  B_DX, B_DTW, B_DWR, B_DW13, B_DW2, B_DWS13, B_DWS2,               /* backward outputs */
+  B_DX, B_DTW, B_DWR, B_DBR, B_DW13, B_DW2, B_DWS13, B_DWS2,        /* backward outputs (gradients: B_DWR ..) */
   B_WS, B_WS_BWD,                                                   /* workspaces: not compared */
   B_NUM
 };
 static const char* const kBufName[B_NUM] = {
-    "x", "w_router", "bias_select", "w13", "w2", "ws13", "ws2", "dy", "d_aux_loss", "d_z_loss", "topk_idx",
-    "topk_weight", "y", "tokens_per_expert", "aux_loss", "z_loss", "saved", "saved (second)", "dx",
-    "d_topk_weight", "d_w_router", "d_w13", "d_w2", "d_ws13", "d_ws2", "workspace", "backward workspace"};
+    "x", "w_router", "bias_select", "b_router", "w13", "w2", "ws13", "ws2", "dy", "d_aux_loss", "d_z_loss",
+    "topk_idx", "topk_weight", "y", "tokens_per_expert", "aux_loss", "z_loss", "saved", "saved (second)", "dx",
+    "d_topk_weight", "d_w_router", "d_b_router", "d_w13", "d_w2", "d_ws13", "d_ws2", "workspace",
+    "backward workspace"};
 
 typedef struct {
   unsigned char* p;      /* bytes + kSlack, 256-byte aligned */
@@ -863,7 +876,9 @@ typedef struct {
 enum {
   OPT_X0 = 1 << 0, OPT_Y0 = 1 << 1, OPT_DY0 = 1 << 2, OPT_DX0 = 1 << 3, OPT_WR = 1 << 4, OPT_BIAS = 1 << 5,
   OPT_SHARED = 1 << 6, OPT_IDX = 1 << 7, OPT_TPE = 1 << 8, OPT_AUX = 1 << 9, OPT_Z = 1 << 10, OPT_DWR = 1 << 11,
-  OPT_IDX0 = 1 << 12, OPT_DTW0 = 1 << 13
+  OPT_IDX0 = 1 << 12, OPT_DTW0 = 1 << 13,
+  OPT_VAR_IN = 1 << 14, /* the variants' input tensors given when off too */
+  OPT_DBR = 1 << 15     /* d_b_router given (written with use_router_bias, else left) */
 };
 
 typedef struct {
@@ -1088,6 +1103,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
       {B_X, (size_t)(n * H) * a, ak, a, (const char*)p->x + k->t0 * H * a},
       {B_WR, (size_t)(E * H) * a, ak, a, p->w_router},
       {B_BIAS, (size_t)E * re, rk, re, p->bias_select},
+      {B_BR, (size_t)E * re, rk, re, p->b_router},
       {B_W13, (size_t)(El * 2 * F * H) * a, ak, a, (const char*)p->w13 + k->e0 * 2 * F * H * a},
       {B_W2, (size_t)(El * H * F) * a, ak, a, (const char*)p->w2 + k->e0 * H * F * a},
       {B_WS13, (size_t)(2 * Fs * H) * a, ak, a, p->ws13},
@@ -1106,6 +1122,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
       {B_DX, (size_t)(n * H) * a, ak, a, NULL},
       {B_DTW, (size_t)(n * K) * re, rk, re, NULL},
       {B_DWR, (size_t)(E * H) * g, gk, g, NULL},
+      {B_DBR, (size_t)E * re, rk, re, NULL}, /* (fp32 whatever cfg.wgrad: re is g where it accumulates) */
       {B_DW13, (size_t)(El * 2 * F * H) * g, gk, g, NULL},
       {B_DW2, (size_t)(El * H * F) * g, gk, g, NULL},
       {B_DWS13, (size_t)(2 * Fs * H) * g, gk, g, NULL},
@@ -1131,6 +1148,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
   fa->x = GIVE(tok || (o & OPT_X0), B_X);
   fa->w_router = GIVE(wd->fused || (o & OPT_WR), B_WR);
   fa->bias_select = GIVE((wd->fused && c->use_bias_select) || (o & OPT_BIAS), B_BIAS);
+  fa->b_router = GIVE((wd->fused && c->use_router_bias) || (o & OPT_VAR_IN), B_BR);
   fa->w13 = b[B_W13].p;
   fa->w2 = b[B_W2].p;
   fa->ws13 = GIVE(shared || (o & OPT_SHARED), B_WS13);
@@ -1162,6 +1180,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
   ba->dx = GIVE(tok || (o & OPT_DX0), B_DX);
   ba->d_topk_weight = GIVE(!wd->fused && (tok || (o & OPT_DTW0)), B_DTW);
   ba->d_w_router = GIVE(wd->fused && (o & OPT_DWR), B_DWR); /* (replay: no router gradient) */
+  ba->d_b_router = GIVE(o & OPT_DBR, B_DBR);
   ba->d_w13 = b[B_DW13].p;
   ba->d_w2 = b[B_DW2].p;
   ba->d_ws13 = GIVE(shared || (o & OPT_SHARED), B_DWS13);
@@ -1174,7 +1193,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
 
 /* ---- what a forward and a backward of a rank must give: api.c's rules ---- */
 
-enum { REQ_NONE, REQ_ALWAYS, REQ_TOK, REQ_FUSED, REQ_BIAS, REQ_SHARED, REQ_REPLAY_TOK };
+enum { REQ_NONE, REQ_ALWAYS, REQ_TOK, REQ_FUSED, REQ_BIAS, REQ_SHARED, REQ_REPLAY_TOK, REQ_ROUTER_BIAS };
 typedef struct {
   const char* name;
   size_t off;   /* in the arguments */
@@ -1186,6 +1205,7 @@ typedef struct {
 #define FF(nm, b, req, al) {#nm, offsetof(mok_forward_args_t, nm), b, req, al}
 static const fz_field_t kFwdFields[] = {
     FF(x, B_X, REQ_TOK, 16), FF(w_router, B_WR, REQ_FUSED, 16), FF(bias_select, B_BIAS, REQ_BIAS, 16),
+    FF(b_router, B_BR, REQ_ROUTER_BIAS, 16),
     FF(w13, B_W13, REQ_ALWAYS, 16), FF(w2, B_W2, REQ_ALWAYS, 16), FF(ws13, B_WS13, REQ_SHARED, 16),
     FF(ws2, B_WS2, REQ_SHARED, 16), FF(topk_idx, B_IDX, REQ_REPLAY_TOK, 16),
     FF(topk_weight, B_TW, REQ_REPLAY_TOK, 16), FF(y, B_Y, REQ_TOK, 16),
@@ -1198,7 +1218,7 @@ static const fz_field_t kBwdFields[] = {
     BF(w2, B_W2, REQ_ALWAYS, 16), BF(ws13, B_WS13, REQ_SHARED, 16), BF(ws2, B_WS2, REQ_SHARED, 16),
     BF(dy, B_DY, REQ_TOK, 16), BF(d_aux_loss, B_DAUX, REQ_NONE, 4), BF(d_z_loss, B_DZ, REQ_NONE, 4),
     BF(saved, B_SAVED, REQ_ALWAYS, 256), BF(dx, B_DX, REQ_TOK, 16), BF(d_topk_weight, B_DTW, REQ_REPLAY_TOK, 16),
-    BF(d_w_router, B_DWR, REQ_NONE, 0), BF(d_w13, B_DW13, REQ_ALWAYS, 0), BF(d_w2, B_DW2, REQ_ALWAYS, 0),
+    BF(d_w_router, B_DWR, REQ_NONE, 0), BF(d_b_router, B_DBR, REQ_NONE, 0), BF(d_w13, B_DW13, REQ_ALWAYS, 0), BF(d_w2, B_DW2, REQ_ALWAYS, 0),
     BF(d_ws13, B_DWS13, REQ_SHARED, 0), BF(d_ws2, B_DWS2, REQ_SHARED, 0), BF(workspace, B_WS_BWD, REQ_ALWAYS, 256)};
 #undef BF
 enum { kNumFwdFields = sizeof kFwdFields / sizeof kFwdFields[0], kNumBwdFields = sizeof kBwdFields / sizeof kBwdFields[0] };
@@ -1219,6 +1239,7 @@ static int required(int req, const mok_config_t* c, int64_t T) {
     case REQ_BIAS: return fused && c->use_bias_select;
     case REQ_SHARED: return c->Fs > 0;
     case REQ_REPLAY_TOK: return !fused && tok;
+    case REQ_ROUTER_BIAS: return fused && c->use_router_bias;
     default: return 0;
   }
 }
@@ -1226,7 +1247,7 @@ static int required(int req, const mok_config_t* c, int64_t T) {
 /* The pointer rules of a call: NULL where required, or off its alignment. */
 static void want_pointers(const fz_field_t* fields, int num, const void* args, const mok_config_t* c, int64_t T,
                           fz_want_t* w) {
-  static char names[2][24][40];
+  static char names[2][32][40];
   const int which = fields == kBwdFields;
   for (int i = 0; i < num; i++) {
     const fz_field_t* f = &fields[i];
@@ -1428,6 +1449,7 @@ static const void* reference_of(const fz_world_t* wd, const fz_rank_t* k, int id
     case B_DX: ref = (const char*)p->dx + k->t0 * H * a; break;
     case B_DTW: ref = (const char*)p->d_topk_weight + k->t0 * K * re; break;
     case B_DWR: ref = p->d_w_router; break;
+    case B_DBR: ref = p->d_b_router; break;
     case B_DW13: ref = (const char*)p->d_w13 + k->e0 * 2 * F * H * g; break;
     case B_DW2: ref = (const char*)p->d_w2 + k->e0 * H * F * g; break;
     case B_DWS13: ref = p->d_ws13; break;
@@ -1490,6 +1512,7 @@ static int world_check(fz_log_t* L, fz_world_t* wd, const char* call, int backwa
         const mok_backward_args_t* a = &k->bcall;
         switch (id) {
           case B_DWR: given = wd->fused ? a->d_w_router : NULL; break;
+          case B_DBR: given = wd->fused && k->c.cfg.use_router_bias ? a->d_b_router : NULL; break;
           case B_DW13: given = a->d_w13; break;
           case B_DW2: given = a->d_w2; break;
           case B_DWS13: given = wd->Fs ? a->d_ws13 : NULL; break;
@@ -1503,6 +1526,7 @@ static int world_check(fz_log_t* L, fz_world_t* wd, const char* call, int backwa
           case B_DX: given = a->dx; break;
           case B_DTW: given = a->d_topk_weight; break;
           case B_DWR: given = wd->fused ? a->d_w_router : NULL; break;
+          case B_DBR: given = wd->fused && k->c.cfg.use_router_bias ? a->d_b_router : NULL; break;
           case B_DW13: given = a->d_w13; break;
           case B_DW2: given = a->d_w2; break;
           case B_DWS13: given = wd->Fs ? a->d_ws13 : NULL; break;
@@ -1513,7 +1537,7 @@ static int world_check(fz_log_t* L, fz_world_t* wd, const char* call, int backwa
           default: break;
         }
         if (given == k->b[id].p) {
-          const int replicated = id == B_DWR || id == B_DWS13 || id == B_DWS2;
+          const int replicated = id == B_DWR || id == B_DBR || id == B_DWS13 || id == B_DWS2;
           mode = wd->values_differ == 2 ? ANY : wd->values_differ || (replicated && !replicated_exact) ? FINITE : SAME_AS;
         }
       }
@@ -1529,8 +1553,8 @@ static int world_check(fz_log_t* L, fz_world_t* wd, const char* call, int backwa
     }
   }
   /* the replicated outputs are one value on every rank */
-  static const int replicated[] = {B_TPE, B_AUX, B_Z, B_DWR, B_DWS13, B_DWS2};
-  for (int i = 0; i < 6; i++)
+  static const int replicated[] = {B_TPE, B_AUX, B_Z, B_DWR, B_DBR, B_DWS13, B_DWS2};
+  for (int i = 0; i < (int)(sizeof replicated / sizeof replicated[0]); i++)
     for (int r = 1; r < wd->W; r++) {
       const fz_rank_t *k0 = &wd->rk[0], *k = &wd->rk[r];
       const fz_buf_t *b0 = &k0->b[replicated[i]], *b = &k->b[replicated[i]];
@@ -2044,10 +2068,10 @@ static void saved_header_fields(fz_log_t* L, int W) {
 
 /* Do the ranks' backward outputs (those given) hold the W = 1 run's bits? */
 static int world_backward_is_reference(const fz_world_t* wd) {
-  static const int outputs[] = {B_DX, B_DTW, B_DWR, B_DW13, B_DW2, B_DWS13, B_DWS2};
+  static const int outputs[] = {B_DX, B_DTW, B_DWR, B_DBR, B_DW13, B_DW2, B_DWS13, B_DWS2};
   int same = 1;
   for (int r = 0; r < wd->W && same; r++)
-    for (int i = 0; i < 7 && same; i++) {
+    for (int i = 0; i < (int)(sizeof outputs / sizeof outputs[0]) && same; i++) {
       const fz_rank_t* k = &wd->rk[r];
       const fz_buf_t* b = &k->b[outputs[i]];
       if (memcmp(b->p, b->before, b->bytes) == 0) continue; /* (not given) */

@@ -3,7 +3,7 @@
  * gradients backward receives:
  *     L = sum(y * dy) + d_aux_loss * aux_loss + d_z_loss * z_loss
  * For ~10 random entries of each input tensor (x, w_router, w13, w2, ws13, ws2, and
- * topk_weight in replay), (L(v + eps) - L(v - eps)) / 2 eps must match the analytic
+ * topk_weight in replay; b_router with the router logit bias), (L(v + eps) - L(v - eps)) / 2 eps must match the analytic
  * gradient to 1e-5 relative (abs floor 1e-7: L's rounding, ~1e-16 |L| over 2 eps).
  * Top-K is discrete: an entry whose perturbation changes the routing is skipped. */
 #include <math.h>
@@ -69,6 +69,7 @@ static int check_gradients(const mok_config_t* cfg, int64_t T, int W, int zero_d
   } params[] = {
       {"x", p->x, T * H, "dx"},
       {"w_router", replay ? NULL : p->w_router, E * H, "d_w_router"},
+      {"b_router", cfg->use_router_bias ? p->b_router : NULL, E, "d_b_router"},
       {"w13", p->w13, E * 2 * F * H, "d_w13"},
       {"w2", p->w2, E * H * F, "d_w2"},
       {"ws13", Fs ? p->ws13 : NULL, 2 * Fs * H, "d_ws13"},
@@ -178,6 +179,25 @@ static int group_limited_losses(void) {
   return check_gradients(&c, 12, 1, 1);
 }
 
+/* The router logit bias (gpt-oss: softmax, top-4 of 32 there): its gradient is the
+ * dlogits' sum over tokens; through the weights, the losses (aux on dy's path, both
+ * alone) and on W = 2 (the replicated tree). */
+static int router_bias(void) {
+  mok_config_t c = small_config();
+  c.use_router_bias = 1;
+  return check_gradients(&c, 12, 1, 0) + check_gradients(&c, 12, 2, 0);
+}
+
+static int router_bias_losses(void) {
+  mok_config_t c = small_config();
+  c.use_router_bias = 1;
+  c.score = MOK_SCORE_SIGMOID;
+  c.use_bias_select = 1;
+  c.aux_loss_coef = 1.0f;
+  c.z_loss_coef = 0.5f;
+  return check_gradients(&c, 12, 1, 1);
+}
+
 static int replay(void) {
   mok_config_t c = small_config();
   c.routing = MOK_ROUTING_REPLAY;
@@ -206,6 +226,8 @@ const test_case_t suite_grad[] = {
     {"router_losses_sigmoid", router_losses_sigmoid},
     {"group_limited", group_limited},
     {"group_limited_losses", group_limited_losses},
+    {"router_bias", router_bias},
+    {"router_bias_losses", router_bias_losses},
     {"replay", replay},
     {"two_ranks", two_ranks},
     {"two_ranks_replay", two_ranks_replay},

@@ -4,6 +4,8 @@
  *  - exact_group_*: group-limited routing (cfg.n_group) likewise, with the reference's
  *    own direct implementation of the group choice; each case also checks that the
  *    groups changed some token's experts (else it would test nothing).
+ *  - exact_router_bias, ...: the router and expert variants (mok.h) likewise, each
+ *    checked to change the routing or y against the same problem without it.
  *  - bf16_*: BF16 numerics against EXACT on the same inputs (problem.c gives EXACT the
  *    same bf16-representable values): relative error <= 2e-2 for y, dx and every weight
  *    gradient; routing (up to near-ties of the selection key) and tokens_per_expert
@@ -74,21 +76,34 @@ static mok_config_t grouped(mok_config_t c, int64_t E, int64_t K, int n_group, i
   return c;
 }
 
-static int exact_groups_vs_reference(mok_config_t c, int64_t T, int W) {
+/* A variant of the layer (c) against the same problem without it (off), EXACT: the
+ * reference's forward with it, and it matters (the routing differs, with `routing`; else
+ * y does). */
+static int exact_variant_vs_reference(mok_config_t c, mok_config_t off, int64_t T, int W, int routing,
+                                      const char* what) {
   int bad = exact_vs_reference(c, T, W);
-  mok_config_t flat = c;
-  flat.n_group = flat.topk_group = 0;
-  c.numerics = flat.numerics = MOK_NUMERICS_EXACT;
-  mok_problem_t* pg = test_problem(&c, T, test_case_seed());
-  mok_problem_t* pf = test_problem(&flat, T, test_case_seed());
-  TEST_ASSERT(pg && pf, "problems");
+  c.numerics = off.numerics = MOK_NUMERICS_EXACT;
+  mok_problem_t* pv = test_problem(&c, T, test_case_seed());
+  mok_problem_t* po = test_problem(&off, T, test_case_seed());
+  TEST_ASSERT(pv && po, "problems");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
   o.backward = 0;
-  TEST_ASSERT(!test_run(pg, &o) && !test_run(pf, &o), "forward");
-  TEST_ASSERT(memcmp(pg->out_topk_idx, pf->out_topk_idx, (size_t)(T * c.K) * 4) != 0,
-              "n_group = %d, topk_group = %d: every token chose as without groups (the case tests nothing)",
-              c.n_group, c.topk_group);
+  TEST_ASSERT(!test_run(pv, &o) && !test_run(po, &o), "forward");
+  if (routing)
+    TEST_ASSERT(memcmp(pv->out_topk_idx, po->out_topk_idx, (size_t)(T * c.K) * 4) != 0,
+                "%s: every token chose as without it (the case tests nothing)", what);
+  else
+    TEST_ASSERT(memcmp(pv->y, po->y, (size_t)(T * c.H) * 8) != 0, "%s: y as without it (the case tests nothing)",
+                what);
   return bad;
+}
+
+static int exact_groups_vs_reference(mok_config_t c, int64_t T, int W) {
+  mok_config_t flat = c;
+  flat.n_group = flat.topk_group = 0;
+  char what[64];
+  snprintf(what, sizeof what, "n_group = %d, topk_group = %d", c.n_group, c.topk_group);
+  return exact_variant_vs_reference(c, flat, T, W, 1, what);
 }
 
 /* DeepSeek-V3's router: sigmoid scores, bias_select for the choice, weights from the
@@ -128,6 +143,16 @@ static int exact_group_edges(void) {
   return bad + exact_groups_vs_reference(c, 100, 1);
 }
 
+/* gpt-oss's router: softmax over the biased logits, top-K, normalised. */
+static int exact_router_bias(void) {
+  mok_config_t c = layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_FUSED), off = c;
+  c.use_router_bias = 1;
+  int bad = exact_variant_vs_reference(c, off, 100, 1, 1, "use_router_bias");
+  c.score = off.score = MOK_SCORE_SIGMOID, c.use_bias_select = off.use_bias_select = 1;
+  c.n_group = off.n_group = 4, c.topk_group = off.topk_group = 2; /* with groups too */
+  return bad + exact_variant_vs_reference(c, off, 100, 2, 1, "use_router_bias with groups");
+}
+
 /* Runs the same problem in BF16 and EXACT numerics and compares every output. */
 static int bf16_vs_exact(mok_config_t c, int64_t T, int W) {
   mok_config_t ce = c;
@@ -148,7 +173,7 @@ static int bf16_vs_exact(mok_config_t c, int64_t T, int W) {
     return 1; /* different routing: the rest cannot be compared */
   return test_close(&b, &e,
                     "y topk_weight aux_loss z_loss dx d_topk_weight d_w_router d_w13 d_w2 "
-                    "d_ws13 d_ws2",
+                    "d_ws13 d_ws2 d_b_router",
                     2e-2, "bf16 vs exact");
 }
 
@@ -172,6 +197,12 @@ static int bf16_group_limited(void) {
   return bf16_vs_exact(c, 256, 2);
 }
 
+static int bf16_router_bias(void) {
+  mok_config_t c = layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_FUSED);
+  c.use_router_bias = 1;
+  return bf16_vs_exact(c, 256, 2);
+}
+
 static int bf16_replay(void) {
   return bf16_vs_exact(layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_REPLAY), 256, 1);
 }
@@ -191,9 +222,11 @@ const test_case_t suite_numerics[] = {
     {"exact_group_top2", exact_group_top2},
     {"exact_group_max", exact_group_max},
     {"exact_group_edges", exact_group_edges},
+    {"exact_router_bias", exact_router_bias},
     {"bf16_softmax", bf16_softmax},
     {"bf16_group_limited", bf16_group_limited},
     {"bf16_sigmoid_bias", bf16_sigmoid_bias},
+    {"bf16_router_bias", bf16_router_bias},
     {"bf16_replay", bf16_replay},
     {"bf16_fp32_accum", bf16_fp32_accum},
     TEST_END,

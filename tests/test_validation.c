@@ -27,6 +27,7 @@ typedef struct {
   uint16_t *x, *w_router, *w13, *w2, *ws13, *ws2, *dy, *y, *dx;
   void *d_w_router, *d_w13, *d_w2, *d_ws13, *d_ws2; /* bf16 or fp32 */
   float *bias, *topk_weight, *d_topk_weight, *aux, *z;
+  float *b_router, *d_b_router; /* the variants' tensors (mok.h), given whether on or off */
   int32_t *topk_idx, *tokens_per_expert;
   void *saved, *workspace;
   mok_forward_args_t fa;
@@ -52,12 +53,14 @@ static uint16_t* random_bf16(int64_t n, double scale, uint64_t* s) {
   return p;
 }
 
-/* A valid context and valid arguments of both calls; each case breaks one thing. */
-static int fix_init(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad) {
+/* A valid context and valid arguments of both calls; each case breaks one thing.
+ * variants: the config's router and expert variants on (mok.h), else off. */
+static int fix_init_with(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad, int variants) {
   memset(f, 0, sizeof *f);
   f->cfg = base_config();
   f->cfg.routing = routing;
   f->cfg.wgrad = wgrad;
+  if (variants) f->cfg.use_router_bias = routing == MOK_ROUTING_FUSED;
   f->ctx = test_context(&f->cfg, NULL);
   if (!f->ctx) return 1;
   if (mok_workspace_size(f->ctx, &f->ws_bytes) || mok_saved_size(f->ctx, &f->sv_bytes)) return 1;
@@ -77,6 +80,9 @@ static int fix_init(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad) {
   f->d_w2 = test_alloc(E_ * H_ * F_ * wg);
   f->d_ws13 = test_alloc(2 * FS_ * H_ * wg);
   f->d_ws2 = test_alloc(H_ * FS_ * wg);
+  f->b_router = test_alloc(E_ * 4 + 256);
+  for (int e = 0; e < E_; e++) f->b_router[e] = 0.25f - 0.0625f * (float)e;
+  f->d_b_router = test_alloc(E_ * 4 + 256);
   f->bias = test_alloc(E_ * 4);
   for (int e = 0; e < E_; e++) f->bias[e] = 0.001f * (float)e;
   f->topk_idx = test_alloc(T_ * K_ * 4);
@@ -95,7 +101,7 @@ static int fix_init(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad) {
 
   mok_forward_args_t* a = &f->fa;
   a->num_tokens = T_;
-  a->x = f->x, a->w_router = f->w_router, a->bias_select = f->bias;
+  a->x = f->x, a->w_router = f->w_router, a->bias_select = f->bias, a->b_router = f->b_router;
   a->w13 = f->w13, a->w2 = f->w2, a->ws13 = f->ws13, a->ws2 = f->ws2;
   a->topk_idx = f->topk_idx, a->topk_weight = f->topk_weight;
   a->y = f->y, a->tokens_per_expert = f->tokens_per_expert, a->aux_loss = f->aux, a->z_loss = f->z;
@@ -110,6 +116,7 @@ static int fix_init(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad) {
   b->d_topk_weight = routing == MOK_ROUTING_REPLAY ? f->d_topk_weight : NULL;
   b->d_w_router = routing == MOK_ROUTING_REPLAY ? NULL : f->d_w_router;
   b->d_w13 = f->d_w13, b->d_w2 = f->d_w2, b->d_ws13 = f->d_ws13, b->d_ws2 = f->d_ws2;
+  b->d_b_router = f->d_b_router;
   b->workspace = f->workspace, b->workspace_bytes = f->ws_bytes;
 
   int n = 0;
@@ -131,9 +138,12 @@ static int fix_init(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad) {
   f->bwd_out[n++] = (buf_t){"d_w2", f->d_w2, E_ * H_ * F_ * wg};
   f->bwd_out[n++] = (buf_t){"d_ws13", f->d_ws13, 2 * FS_ * H_ * wg};
   f->bwd_out[n++] = (buf_t){"d_ws2", f->d_ws2, H_ * FS_ * wg};
+  f->bwd_out[n++] = (buf_t){"d_b_router", f->d_b_router, E_ * 4};
   f->num_bwd_out = n;
   return 0;
 }
+
+static int fix_init(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad) { return fix_init_with(f, routing, wgrad, 0); }
 
 static void poison(const buf_t* b, int n) {
   for (int i = 0; i < n; i++) memset(b[i].ptr, POISON, b[i].bytes);
@@ -324,6 +334,7 @@ static int create_argument(void) {
   RULE(c.group_score = (mok_group_score_t)2, "group_score");
   RULE(c.group_score = (mok_group_score_t)-1, "group_score");
   RULE((c.routing = MOK_ROUTING_REPLAY, c.use_bias_select = 0, c.n_group = 4, c.topk_group = 2), "n_group");
+  RULE((c.routing = MOK_ROUTING_REPLAY, c.use_bias_select = 0, c.use_router_bias = 1), "use_router_bias");
 #undef RULE
   mok_cpu_comm_t* none = NULL;
   TEST_ASSERT(mok_cpu_comm_create(0, &none) == A && none == NULL, "cpu_comm_create(0)");
@@ -601,6 +612,72 @@ static int empty_batch(void) {
   return 0;
 }
 
+/* The variants' tensors (mok.h): each required one NULL, each misaligned; valid calls
+ * with every variant on (bf16 and fp32 gradients); their empty batch zeroes the bf16
+ * gradients and the fp32 d_b_router (written whatever cfg.wgrad), adds nothing to fp32
+ * accumulators. */
+static int variant_arguments(void) {
+  int bad = 0;
+  fix_t f;
+  TEST_ASSERT(!fix_init_with(&f, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1), "fixture");
+  mok_forward_args_t a;
+  mok_backward_args_t b;
+  const mok_status_t N = MOK_STATUS_NULL_POINTER, M = MOK_STATUS_MISALIGNED_POINTER;
+#define FWD(field, value, status) \
+  (a = f.fa, a.field = (value), bad += expect_fwd(&f, &a, status, #field, #field " = " #value))
+#define BWD(field, value, status) \
+  (b = f.ba, b.field = (value), bad += expect_bwd(&f, &b, status, -1, #field, #field " = " #value))
+  FWD(b_router, NULL, N);
+  FWD(b_router, (const float*)((const char*)f.b_router + 2), M);
+  TEST_ASSERT(!good_forward(&f), "forward with every variant");
+  BWD(d_b_router, (float*)((char*)f.d_b_router + 4), M);
+  b = f.ba, b.d_b_router = NULL; /* optional, as d_w_router */
+  poison(f.bwd_out, f.num_bwd_out);
+  mok_status_t s = mok_backward(f.ctx, &b);
+  TEST_ASSERT(s == MOK_STATUS_SUCCESS, "backward without d_b_router: %s: %s", mok_status_string(s),
+              mok_context_last_error(f.ctx));
+#undef FWD
+#undef BWD
+  for (int wgrad = 0; wgrad < 2; wgrad++) {
+    TEST_ASSERT(!fix_init_with(&f, MOK_ROUTING_FUSED, (mok_wgrad_t)wgrad, 1), "fixture (wgrad %d)", wgrad);
+    TEST_ASSERT(!good_forward(&f), "forward (wgrad %d)", wgrad);
+    poison(f.bwd_out, f.num_bwd_out);
+    s = mok_backward(f.ctx, &f.ba);
+    TEST_ASSERT(s == MOK_STATUS_SUCCESS, "backward (wgrad %d): %s: %s", wgrad, mok_status_string(s),
+                mok_context_last_error(f.ctx));
+    TEST_ASSERT(touched(f.bwd_out + f.num_bwd_out - 1, 1), "d_b_router not written (wgrad %d)", wgrad);
+    b = f.ba, b.num_tokens = 0;
+    a = f.fa, a.num_tokens = 0;
+    poison(f.bwd_out, f.num_bwd_out);
+    TEST_ASSERT(!mok_forward(f.ctx, &a) && !mok_backward(f.ctx, &b), "empty batch (wgrad %d)", wgrad);
+    const buf_t* d = &f.bwd_out[f.num_bwd_out - 1];
+    for (size_t k = 0; k < d->bytes; k++)
+      TEST_ASSERT(((const uint8_t*)d->ptr)[k] == (wgrad == MOK_WGRAD_BF16 ? 0 : POISON),
+                  "empty batch (wgrad %d): %s[%zu] = %d", wgrad, d->name, k, ((const uint8_t*)d->ptr)[k]);
+  }
+  return bad;
+}
+
+/* The CUDA kernels have none of the variants yet: each refused at create by name
+ * (UNSUPPORTED_SHAPE, on a shape the kernels take otherwise), or BACKEND_UNAVAILABLE
+ * without a CUDA backend. */
+static int create_backend_variants(void) {
+  static const char* const names[] = {"use_router_bias"};
+  int bad = 0;
+  for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++) {
+    mok_config_t c = base_config();
+    c.backend = MOK_BACKEND_CUDA;
+    c.F = c.Fs = 64;
+    if (i == 0) c.use_router_bias = 1;
+#ifndef MOK_HAVE_CUDA
+    bad += expect_create(&c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda", names[i]);
+#else
+    bad += expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, -1, names[i], names[i]);
+#endif
+  }
+  return bad;
+}
+
 static int status_strings(void) {
   for (int i = 0; i < MOK_STATUS_COUNT_; i++) {
     const char* s = mok_status_string((mok_status_t)i);
@@ -665,6 +742,8 @@ const test_case_t suite_validation[] = {
     {"backward_invalid_saved", backward_invalid_saved},
     {"invalid_context", invalid_context},
     {"empty_batch", empty_batch},
+    {"variant_arguments", variant_arguments},
+    {"create_backend_variants", create_backend_variants},
     {"status_strings", status_strings},
     {"version", version},
     {"comm_unique_id", comm_unique_id},

@@ -31,7 +31,7 @@
 #endif
 
 #define MAX_RANK_LIST 8
-#define MAX_VIEWS 16
+#define MAX_VIEWS MOK_PROBLEM_MAX_OUTPUTS
 
 /* ---- named shapes: tokens per rank, H, F, E, K (DESIGN section 7) ---- */
 

@@ -64,10 +64,10 @@ static void set_real(const mok_problem_t* p, void* dst, int64_t i, double v) {
 
 void mok_problem_destroy(mok_problem_t* p) {
   if (!p) return;
-  void* bufs[] = {p->x, p->w_router, p->bias_select, p->w13, p->w2, p->ws13, p->ws2, p->dy,
+  void* bufs[] = {p->x, p->w_router, p->bias_select, p->b_router, p->w13, p->w2, p->ws13, p->ws2, p->dy,
                   p->topk_idx, p->topk_weight, p->d_aux_loss, p->d_z_loss, p->y, p->dx,
                   p->out_topk_idx, p->out_topk_weight, p->d_topk_weight, p->tokens_per_expert,
-                  p->aux_loss, p->z_loss, p->d_w_router, p->d_w13, p->d_w2, p->d_ws13,
+                  p->aux_loss, p->z_loss, p->d_w_router, p->d_b_router, p->d_w13, p->d_w2, p->d_ws13,
                   p->d_ws2};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
   free(p);
@@ -86,9 +86,9 @@ static void problem_init(mok_problem_t* p, const mok_config_t* cfg, int64_t T_gl
 
 /* The problem's buffers, in mok_problem_t's order, and the bytes of each: what
  * mok_problem_create allocates and mok_problem_host_bytes counts. */
-enum { PB_X, PB_W_ROUTER, PB_BIAS, PB_W13, PB_W2, PB_WS13, PB_WS2, PB_DY, PB_IDX, PB_TW, PB_DAUX, PB_DZ,
-       PB_Y, PB_DX, PB_OUT_IDX, PB_OUT_TW, PB_DTW, PB_TPE, PB_AUX, PB_Z, PB_DWR, PB_DW13, PB_DW2,
-       PB_DWS13, PB_DWS2, NUM_PROBLEM_BUFFERS };
+enum { PB_X, PB_W_ROUTER, PB_BIAS, PB_B_ROUTER, PB_W13, PB_W2, PB_WS13, PB_WS2, PB_DY, PB_IDX, PB_TW,
+       PB_DAUX, PB_DZ, PB_Y, PB_DX, PB_OUT_IDX, PB_OUT_TW, PB_DTW, PB_TPE, PB_AUX, PB_Z, PB_DWR, PB_DBR,
+       PB_DW13, PB_DW2, PB_DWS13, PB_DWS2, NUM_PROBLEM_BUFFERS };
 
 static void problem_buffer_sizes(const mok_problem_t* p, size_t n[NUM_PROBLEM_BUFFERS]) {
   const mok_config_t* c = &p->cfg;
@@ -97,6 +97,7 @@ static void problem_buffer_sizes(const mok_problem_t* p, size_t n[NUM_PROBLEM_BU
   n[PB_X] = T * H * a;
   n[PB_W_ROUTER] = E * H * a;
   n[PB_BIAS] = E * r;
+  n[PB_B_ROUTER] = E * r;
   n[PB_W13] = E * 2 * F * H * a;
   n[PB_W2] = E * H * F * a;
   n[PB_WS13] = 2 * Fs * H * a;
@@ -115,6 +116,7 @@ static void problem_buffer_sizes(const mok_problem_t* p, size_t n[NUM_PROBLEM_BU
   n[PB_AUX] = r;
   n[PB_Z] = r;
   n[PB_DWR] = E * H * w;
+  n[PB_DBR] = E * r;
   n[PB_DW13] = E * 2 * F * H * w;
   n[PB_DW2] = E * H * F * w;
   n[PB_DWS13] = 2 * Fs * H * w;
@@ -133,6 +135,7 @@ mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint6
   p->x = alloc0(n[PB_X]);
   p->w_router = alloc0(n[PB_W_ROUTER]);
   p->bias_select = alloc0(n[PB_BIAS]);
+  p->b_router = alloc0(n[PB_B_ROUTER]);
   p->w13 = alloc0(n[PB_W13]);
   p->w2 = alloc0(n[PB_W2]);
   p->ws13 = alloc0(n[PB_WS13]);
@@ -151,12 +154,14 @@ mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint6
   p->aux_loss = alloc0(n[PB_AUX]);
   p->z_loss = alloc0(n[PB_Z]);
   p->d_w_router = alloc0(n[PB_DWR]);
+  p->d_b_router = alloc0(n[PB_DBR]);
   p->d_w13 = alloc0(n[PB_DW13]);
   p->d_w2 = alloc0(n[PB_DW2]);
   p->d_ws13 = alloc0(n[PB_DWS13]);
   p->d_ws2 = alloc0(n[PB_DWS2]);
   if (!p->x || !p->w13 || !p->w2 || !p->dy || !p->y || !p->dx || !p->d_w13 || !p->d_w2 ||
-      !p->ws13 || !p->ws2 || !p->d_ws13 || !p->d_ws2 || !p->d_w_router || !p->topk_idx) {
+      !p->ws13 || !p->ws2 || !p->d_ws13 || !p->d_ws2 || !p->d_w_router || !p->topk_idx || !p->b_router ||
+      !p->d_b_router) {
     mok_problem_destroy(p);
     return MOK_STATUS_OUT_OF_MEMORY;
   }
@@ -184,6 +189,8 @@ mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint6
   free(perm);
   set_real(p, p->d_aux_loss, 0, 1.0 + 0.25 * uniform(&s));
   set_real(p, p->d_z_loss, 0, 1.0 + 0.25 * uniform(&s));
+  /* the variants' tensors last, so that the draws above do not depend on them */
+  for (int64_t e = 0; e < E; e++) set_real(p, p->b_router, e, 0.5 * uniform(&s));
   *out = p;
   return MOK_STATUS_SUCCESS;
 }
@@ -258,7 +265,7 @@ static mok_config_t rank_config(const mok_config_t* c, const mok_run_opts_t* o, 
  * outputs, saved, the forward's and the backward's workspaces, its experts' weight
  * gradients and whole replicated ones. mok_problem_run_bytes counts the same. */
 enum { RB_X, RB_W13, RB_W2, RB_DY, RB_IDX, RB_TW, RB_Y, RB_DX, RB_DTW, RB_SAVED, RB_WS, RB_WS_BWD,
-       RB_DW13, RB_DW2, RB_DWR, RB_DWS13, RB_DWS2, RB_TPE, RB_AUX, RB_Z, NUM_RANK_BUFFERS };
+       RB_DW13, RB_DW2, RB_DWR, RB_DBR, RB_DWS13, RB_DWS2, RB_TPE, RB_AUX, RB_Z, NUM_RANK_BUFFERS };
 
 static void rank_buffer_sizes(const mok_problem_t* p, int W, int64_t T, size_t ws_bytes, size_t sv_bytes,
                               size_t n[NUM_RANK_BUFFERS]) {
@@ -280,6 +287,7 @@ static void rank_buffer_sizes(const mok_problem_t* p, int W, int64_t T, size_t w
   n[RB_DW13] = El * 2 * F * H * w;
   n[RB_DW2] = El * H * F * w;
   n[RB_DWR] = E * H * w;
+  n[RB_DBR] = E * r;
   n[RB_DWS13] = 2 * Fs * H * w;
   n[RB_DWS2] = H * Fs * w;
   n[RB_TPE] = E * 4;
@@ -298,7 +306,7 @@ static void* rank_main(void* arg) {
   mok_context_t* ctx = NULL;
   void *x = NULL, *w13 = NULL, *w2 = NULL, *dy = NULL, *y = NULL, *dx = NULL, *idx = NULL,
        *tw = NULL, *dtw = NULL, *saved = NULL, *ws = NULL, *ws_bwd = NULL, *dw13 = NULL, *dw2 = NULL,
-       *dwr = NULL, *dws13 = NULL, *dws2 = NULL, *tpe = NULL, *aux = NULL, *z = NULL;
+       *dwr = NULL, *dws13 = NULL, *dws2 = NULL, *tpe = NULL, *aux = NULL, *z = NULL, *dbr = NULL;
   mok_config_t cfg = rank_config(c, o, j->rank, T, j->comm);
   mok_status_t s = mok_context_create(&cfg, &ctx);
   if (s) RANK_FAIL(j, s, "rank %d: create: %s", j->rank, mok_last_create_error());
@@ -322,13 +330,14 @@ static void* rank_main(void* arg) {
   dw13 = alloc0(n[RB_DW13]);
   dw2 = alloc0(n[RB_DW2]);
   dwr = alloc0(n[RB_DWR]);
+  dbr = alloc0(n[RB_DBR]);
   dws13 = alloc0(n[RB_DWS13]);
   dws2 = alloc0(n[RB_DWS2]);
   tpe = alloc0(n[RB_TPE]);
   aux = alloc0(n[RB_AUX]);
   z = alloc0(n[RB_Z]);
   if (!x || !w13 || !w2 || !dy || !idx || !tw || !y || !dx || !dtw || !saved || !ws || !ws_bwd || !dw13 ||
-      !dw2 || !dwr || !dws13 || !dws2 || !tpe || !aux || !z)
+      !dw2 || !dwr || !dws13 || !dws2 || !tpe || !aux || !z || !dbr)
     RANK_FAIL(j, MOK_STATUS_OUT_OF_MEMORY, "rank %d: out of host memory", j->rank);
   const int replay = c->routing == MOK_ROUTING_REPLAY;
   mok_forward_args_t fa = {0};
@@ -336,6 +345,7 @@ static void* rank_main(void* arg) {
   fa.x = x;
   fa.w_router = p->w_router;
   fa.bias_select = c->use_bias_select ? p->bias_select : NULL;
+  fa.b_router = c->use_router_bias ? p->b_router : NULL;
   fa.w13 = w13;
   fa.w2 = w2;
   fa.ws13 = Fs ? p->ws13 : NULL;
@@ -366,6 +376,7 @@ static void* rank_main(void* arg) {
   ba.dx = dx;
   ba.d_topk_weight = replay ? dtw : NULL;
   ba.d_w_router = replay ? NULL : dwr;
+  ba.d_b_router = c->use_router_bias ? dbr : NULL;
   ba.d_w13 = dw13;
   ba.d_w2 = dw2;
   ba.d_ws13 = Fs ? dws13 : NULL;
@@ -406,6 +417,7 @@ static void* rank_main(void* arg) {
     memcpy(p->z_loss, z, r);
     if (o->backward) {
       memcpy(p->d_w_router, dwr, E * H * w);
+      memcpy(p->d_b_router, dbr, E * r);
       memcpy(p->d_ws13, dws13, 2 * Fs * H * w);
       memcpy(p->d_ws2, dws2, H * Fs * w);
     }
@@ -413,7 +425,7 @@ static void* rank_main(void* arg) {
 done:
   if (ctx) mok_context_destroy(ctx);
   void* bufs[] = {x, w13, w2, dy, y, dx, idx, tw, dtw, saved, ws, ws_bwd, dw13, dw2, dwr, dws13,
-                  dws2, tpe, aux, z};
+                  dws2, tpe, aux, z, dbr};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
   return NULL;
 }
@@ -468,8 +480,8 @@ size_t mok_problem_host_bytes(const mok_config_t* cfg, int64_t T_global) {
 size_t mok_problem_outputs_bytes(const mok_config_t* cfg, int64_t T_global, int with_backward) {
   mok_problem_t p = {0};
   problem_init(&p, cfg, T_global, 0);
-  mok_tensor_view_t v[16];
-  const int m = mok_problem_outputs(&p, with_backward, v, 16);
+  mok_tensor_view_t v[MOK_PROBLEM_MAX_OUTPUTS];
+  const int m = mok_problem_outputs(&p, with_backward, v, MOK_PROBLEM_MAX_OUTPUTS);
   size_t sum = 0;
   for (int i = 0; i < m; i++) sum += (size_t)v[i].count * v[i].elem;
   return sum;
@@ -592,7 +604,7 @@ int mok_problem_outputs(const mok_problem_t* p, int with_backward, mok_tensor_vi
   const int act_kind = p->act == 2 ? 0 : 2, real_kind = p->real == 4 ? 1 : 2;
   const int w_kind = p->wgrad_elem == 2 ? 0 : p->wgrad_elem == 4 ? 1 : 2;
   const int replay = c->routing == MOK_ROUTING_REPLAY;
-  mok_tensor_view_t all[16];
+  mok_tensor_view_t all[MOK_PROBLEM_MAX_OUTPUTS];
   int n = 0;
 #define VIEW(nm, ptr, cnt, el, kd) all[n++] = (mok_tensor_view_t){nm, ptr, cnt, el, kd}
   VIEW("y", p->y, T * H, p->act, act_kind);
@@ -609,6 +621,7 @@ int mok_problem_outputs(const mok_problem_t* p, int with_backward, mok_tensor_vi
       VIEW("d_topk_weight", p->d_topk_weight, T * K, p->real, real_kind);
     else
       VIEW("d_w_router", p->d_w_router, E * H, p->wgrad_elem, w_kind);
+    if (!replay && c->use_router_bias) VIEW("d_b_router", p->d_b_router, E, p->real, real_kind);
     VIEW("d_w13", p->d_w13, E * 2 * F * H, p->wgrad_elem, w_kind);
     VIEW("d_w2", p->d_w2, E * H * F, p->wgrad_elem, w_kind);
     if (Fs) {
@@ -742,14 +755,14 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
   cudaGraph_t graph = NULL;
   cudaGraphExec_t exec = NULL;
   int met = 0; /* passed the first meeting: takes part in the second */
-  enum { X, WR, BIAS, W13, W2, WS13, WS2, DY, IDX, TW, DAUX, DZ, Y, DX, DTW, TPE, AUX, Z, DWR, DW13, DW2,
-         DWS13, DWS2, SAVED, WS, WS_BWD, NBUF };
+  enum { X, WR, BIAS, BR, W13, W2, WS13, WS2, DY, IDX, TW, DAUX, DZ, Y, DX, DTW, TPE, AUX, Z, DWR, DBR, DW13,
+         DW2, DWS13, DWS2, SAVED, WS, WS_BWD, NBUF };
 #define SLICE(ptr, offset) ((ptr) ? (void*)((char*)(ptr) + (offset)) : NULL)
   void* idx_host = replay ? (void*)p->topk_idx : (void*)p->out_topk_idx;
   void* tw_host = replay ? p->topk_weight : p->out_topk_weight;
   dev_buf_t b[NBUF] = {
       [X] = {SLICE(p->x, t0 * H * a), 0, T * H * a, 0}, [WR] = {p->w_router, 0, E * H * a, 0},
-      [BIAS] = {p->bias_select, 0, E * r, 0}, [W13] = {SLICE(p->w13, e0 * 2 * F * H * a), 0, El * 2 * F * H * a, 0},
+      [BIAS] = {p->bias_select, 0, E * r, 0}, [BR] = {p->b_router, 0, E * r, 0}, [W13] = {SLICE(p->w13, e0 * 2 * F * H * a), 0, El * 2 * F * H * a, 0},
       [W2] = {SLICE(p->w2, e0 * H * F * a), 0, El * H * F * a, 0}, [WS13] = {p->ws13, 0, 2 * Fs * H * a, 0},
       [WS2] = {p->ws2, 0, H * Fs * a, 0}, [DY] = {SLICE(p->dy, t0 * H * a), 0, T * H * a, 0},
       [IDX] = {SLICE(idx_host, t0 * K * 4), 0, T * K * 4, !replay},
@@ -759,7 +772,7 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
       [DTW] = {SLICE(p->d_topk_weight, t0 * K * r), 0, T * K * r, 1},
       [TPE] = {p->tokens_per_expert, 0, E * 4, rep ? 1 : 2},
       [AUX] = {p->aux_loss, 0, r, rep ? 1 : 2}, [Z] = {p->z_loss, 0, r, rep ? 1 : 2},
-      [DWR] = {p->d_w_router, 0, E * H * w, rep ? 1 : 2},
+      [DWR] = {p->d_w_router, 0, E * H * w, rep ? 1 : 2}, [DBR] = {p->d_b_router, 0, E * r, rep ? 1 : 2},
       [DW13] = {SLICE(p->d_w13, e0 * 2 * F * H * w), 0, El * 2 * F * H * w, 1},
       [DW2] = {SLICE(p->d_w2, e0 * H * F * w), 0, El * H * F * w, 1},
       [DWS13] = {p->d_ws13, 0, 2 * Fs * H * w, rep ? 1 : 2}, [DWS2] = {p->d_ws2, 0, H * Fs * w, rep ? 1 : 2},
@@ -828,6 +841,7 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
   fa.x = b[X].dev;
   fa.w_router = b[WR].dev;
   fa.bias_select = c->use_bias_select ? b[BIAS].dev : NULL;
+  fa.b_router = c->use_router_bias ? b[BR].dev : NULL;
   fa.w13 = b[W13].dev;
   fa.w2 = b[W2].dev;
   fa.ws13 = Fs ? b[WS13].dev : NULL;
@@ -859,6 +873,7 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
   ba.dx = b[DX].dev;
   ba.d_topk_weight = replay ? b[DTW].dev : NULL;
   ba.d_w_router = replay ? NULL : b[DWR].dev;
+  ba.d_b_router = c->use_router_bias ? b[DBR].dev : NULL;
   ba.d_w13 = b[DW13].dev;
   ba.d_w2 = b[DW2].dev;
   ba.d_ws13 = Fs ? b[DWS13].dev : NULL;

@@ -24,6 +24,7 @@ typedef struct {
   void* x;            /* [T_global, H] */
   void* w_router;     /* [E, H] */
   void* bias_select;  /* [E] real */
+  void* b_router;     /* [E] real, the router logit bias (cfg.use_router_bias), ~ U(-0.5, 0.5) */
   void* w13;          /* [E, 2F, H] */
   void* w2;           /* [E, H, F] */
   void* ws13;         /* [2Fs, H] */
@@ -43,6 +44,7 @@ typedef struct {
   void* aux_loss;     /* [1] real */
   void* z_loss;       /* [1] real */
   void* d_w_router;   /* [E, H] wgrad dtype (bf16/act, or fp32 accumulators) */
+  void* d_b_router;   /* [E] real (use_router_bias), whatever the wgrad dtype */
   void* d_w13;        /* [E, 2F, H] */
   void* d_w2;         /* [E, H, F] */
   void* d_ws13;       /* [2Fs, H] */
@@ -65,7 +67,9 @@ typedef struct {
   size_t elem;   /* bytes per element */
   int kind;      /* 0 bf16, 1 fp32, 2 double, 3 int32 */
 } mok_tensor_view_t;
-/* Outputs of the last run that the config produces; returns how many were written. */
+/* Outputs of the last run that the config produces (at most MOK_PROBLEM_MAX_OUTPUTS);
+ * returns how many were written. */
+#define MOK_PROBLEM_MAX_OUTPUTS 20
 int mok_problem_outputs(const mok_problem_t* p, int with_backward, mok_tensor_view_t* views,
                         int max_views);
 

@@ -16,7 +16,7 @@ from pathlib import Path
 # ---- mok.h constants -------------------------------------------------------------
 
 MOK_VERSION_MAJOR = 0
-MOK_VERSION_MINOR = 3
+MOK_VERSION_MINOR = 4
 MOK_VERSION_PATCH = 0
 MOK_VERSION_CODE = MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH
 MOK_REDUCE_CHUNK_TOKENS = 64
@@ -88,6 +88,7 @@ class MokConfig(ctypes.Structure):
         ("n_group", ctypes.c_int),
         ("topk_group", ctypes.c_int),
         ("group_score", _c_enum),
+        ("use_router_bias", ctypes.c_int),
         ("Fs", ctypes.c_int64),
         ("wgrad", _c_enum),
         ("numerics", _c_enum),
@@ -122,6 +123,7 @@ class MokConfig(ctypes.Structure):
         c.n_group = 0
         c.topk_group = 0
         c.group_score = MOK_GROUP_SCORE_TOP2
+        c.use_router_bias = 0
         c.Fs = 0
         c.wgrad = MOK_WGRAD_BF16
         c.numerics = MOK_NUMERICS_BF16
@@ -146,6 +148,7 @@ class MokForwardArgs(ctypes.Structure):
         ("x", ctypes.c_void_p),
         ("w_router", ctypes.c_void_p),
         ("bias_select", ctypes.c_void_p),
+        ("b_router", ctypes.c_void_p),
         ("w13", ctypes.c_void_p),
         ("w2", ctypes.c_void_p),
         ("ws13", ctypes.c_void_p),
@@ -183,6 +186,7 @@ class MokBackwardArgs(ctypes.Structure):
         ("dx", ctypes.c_void_p),
         ("d_topk_weight", ctypes.c_void_p),
         ("d_w_router", ctypes.c_void_p),
+        ("d_b_router", ctypes.c_void_p),
         ("d_w13", ctypes.c_void_p),
         ("d_w2", ctypes.c_void_p),
         ("d_ws13", ctypes.c_void_p),

@@ -13,6 +13,7 @@
  *   dx[t] = ((dx_0 + dx_1) + ...) + router path + shared path.
  *   expert weight gradients: over the expert's rows in global token order (all rows
  *   of an expert live on its owner, in that order, whatever W is).
+ *   router logit bias: logits = (x w_router^T) + b_router, one addition after the sum.
  *   replicated sums (loss statistics, router and shared-expert gradients): a partial per
  *   chunk of MOK_REDUCE_CHUNK_TOKENS tokens (increasing t), combined by the fixed tree
  *   of mok_tree_mid over the global chunk list; each rank sums the subtrees inside its
@@ -297,12 +298,14 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
   int32_t* counts = WS(st, counts, int32_t); /* [E] this rank, then [W, E] all ranks */
   REAL* scores = WS(st, tok, REAL);     /* [T, E + 1] */
 
-  /* 1. routing: logits = x w_router^T, scores, top-K, weights */
+  /* 1. routing: logits = x w_router^T (+ b_router), scores, top-K, weights */
   if (fused) {
     FN(gemm)(st, T, E, H, x, H, 1, a->w_router, 1, H, logits, E);
 #pragma omp parallel for schedule(static) num_threads(st->nt)
     for (int64_t t = 0; t < T; t++) {
       REAL* s = scores + t * (E + 1);
+      if (c->use_router_bias) /* the logit bias: one addition after the dot product */
+        for (int64_t e = 0; e < E; e++) logits[t * E + e] = logits[t * E + e] + ((const REAL*)a->b_router)[e];
       s[E] = FN(scores)(c, logits + t * E, s, E);
       /* selection keys s + bias_select; chosen: taken, or outside the kept groups */
       REAL key[MOK_MAX_EXPERTS];
@@ -486,16 +489,33 @@ static void FN(write_wgrad)(const FN(step_t)* st, void* dst, const REAL* v, int6
   }
 }
 
+/* fp32 (double) gradient out, whatever cfg.wgrad (d_b_router): written, or added into */
+static void FN(write_real_grad)(const FN(step_t)* st, REAL* dst, const REAL* v, int64_t n) {
+  const int add = st->ctx->cfg.wgrad == MOK_WGRAD_FP32_ACCUM;
+  for (int64_t i = 0; i < n; i++) dst[i] = add ? dst[i] + v[i] : v[i];
+}
+
 typedef struct {
   FN(step_t)* st;
   const mok_backward_args_t* a;
   const ACT* dlogits; /* [T, E] */
   const ACT* d_a_s;   /* [T, 2Fs] */
   int fused;
+  int64_t at_ws13, at_ws2, at_b_router, len; /* the pieces of a replicated-gradient vector */
 } FN(grad_leaf_t);
 
-/* replicated gradients of one chunk: [dW_router (E, H) | dws13 (2Fs, H) | dws2 (H, Fs)],
- * each a sum over the chunk's tokens in increasing t (the GEMM's k) */
+/* The replicated gradients' vector: [dW_router (E, H) | dws13 (2Fs, H) | dws2 (H, Fs) |
+ * d_b_router (E, with use_router_bias)]. */
+static void FN(grad_layout)(const FN(step_t)* st, FN(grad_leaf_t)* L) {
+  const int64_t H = st->H, E = st->E, Fs = st->Fs;
+  L->at_ws13 = E * H;
+  L->at_ws2 = L->at_ws13 + 2 * Fs * H;
+  L->at_b_router = L->at_ws2 + H * Fs;
+  L->len = L->at_b_router + (st->ctx->cfg.use_router_bias ? E : 0);
+}
+
+/* replicated gradients of one chunk (grad_layout's pieces), each a sum over the chunk's
+ * tokens in increasing t (the GEMM's k; d_b_router's plain sums of dlogits alike) */
 static void FN(grad_leaf)(const void* p, int64_t chunk, REAL* out) {
   const FN(grad_leaf_t)* L = p;
   FN(step_t)* st = L->st;
@@ -507,9 +527,14 @@ static void FN(grad_leaf)(const void* p, int64_t chunk, REAL* out) {
   else
     memset(out, 0, (size_t)(E * H) * sizeof(REAL));
   if (Fs > 0) {
-    FN(gemm)(st, 2 * Fs, H, ct, L->d_a_s + t0 * 2 * Fs, 1, 2 * Fs, x, H, 1, out + E * H, H);
-    FN(gemm)(st, H, Fs, ct, (const ACT*)L->a->dy + t0 * H, 1, H, st->sh + t0 * Fs, Fs, 1,
-             out + E * H + 2 * Fs * H, Fs);
+    FN(gemm)(st, 2 * Fs, H, ct, L->d_a_s + t0 * 2 * Fs, 1, 2 * Fs, x, H, 1, out + L->at_ws13, H);
+    FN(gemm)(st, H, Fs, ct, (const ACT*)L->a->dy + t0 * H, 1, H, st->sh + t0 * Fs, Fs, 1, out + L->at_ws2, Fs);
+  }
+  if (L->len > L->at_b_router) { /* d_b_router[e] = sum_t dlogits[t, e] */
+    REAL* db = out + L->at_b_router;
+    for (int64_t e = 0; e < E; e++) db[e] = 0;
+    for (int64_t t = t0; t < t0 + ct; t++)
+      for (int64_t e = 0; e < E; e++) db[e] = db[e] + LD(L->dlogits[t * E + e]);
   }
 }
 
@@ -678,15 +703,17 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
 
   /* 6. replicated gradients over all ranks by the fixed tree */
   if (fused || Fs > 0) {
-    FN(grad_leaf_t) L = {st, a, dlogits, d_a_s, fused};
+    FN(grad_leaf_t) L = {st, a, dlogits, d_a_s, fused, 0, 0, 0, 0};
+    FN(grad_layout)(st, &L);
     REAL* tot;
-    s = FN(tree_sum)(st, T_all, E * H + 3 * Fs * H, &L, FN(grad_leaf), &tot);
+    s = FN(tree_sum)(st, T_all, L.len, &L, FN(grad_leaf), &tot);
     if (s) return s;
     if (fused && a->d_w_router) FN(write_wgrad)(st, a->d_w_router, tot, E * H);
     if (Fs > 0) {
-      FN(write_wgrad)(st, a->d_ws13, tot + E * H, 2 * Fs * H);
-      FN(write_wgrad)(st, a->d_ws2, tot + E * H + 2 * Fs * H, H * Fs);
+      FN(write_wgrad)(st, a->d_ws13, tot + L.at_ws13, 2 * Fs * H);
+      FN(write_wgrad)(st, a->d_ws2, tot + L.at_ws2, H * Fs);
     }
+    if (c->use_router_bias && a->d_b_router) FN(write_real_grad)(st, (REAL*)a->d_b_router, tot + L.at_b_router, E);
   }
   /* peers read this rank's ret_rows (dx_j) in step 5: the tree's barriers, or the
    * next call's first barrier, keep them until everyone is done */
