@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 4
+#define MOK_VERSION_MINOR 5
 #define MOK_VERSION_PATCH 0
 #define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
 
@@ -183,6 +183,16 @@ typedef struct {
    * routing only (else MOK_STATUS_INVALID_ARGUMENT); CPU backend (CUDA:
    * MOK_STATUS_UNSUPPORTED_SHAPE). 0 = off. */
   int use_router_bias;
+  /* expert biases (gpt-oss): args->b13 [E/W, 2F] and b2 [E/W, H], bf16 like the weights
+   * they follow, are added in fp32 before the bf16 rounding of the routed experts' a and o:
+   *   a = bf16((x·w13[e]^T) + b13[e]), o = bf16((h·w2[e]^T) + b2[e])
+   * (each the dot product's fp32 sum, then one fp32 addition). Their gradients are
+   * d_b13[e] = sum over the expert's rows of d_a, d_b2[e] = sum over them of dy_j (the
+   * bf16 rows that dw13 and dw2 use), fp32 sums over the rows in global token order (the
+   * order of the weight gradients' sums), written or added into per cfg.wgrad like
+   * d_w13 and d_w2. The shared expert has none. CPU backend (CUDA:
+   * MOK_STATUS_UNSUPPORTED_SHAPE). 0 = off. */
+  int use_expert_bias;
   /* shared expert, applied to every token; Fs = 0 means none */
   int64_t Fs;
   /* outputs and execution */
@@ -211,7 +221,7 @@ typedef struct {
 #define MOK_CONFIG_INIT                                                              \
   {                                                                                  \
     sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
-        MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, 0, MOK_GROUP_SCORE_TOP2, 0, 0, \
+        MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, 0, MOK_GROUP_SCORE_TOP2, 0, 0, 0, \
         MOK_WGRAD_BF16, MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0,      \
         MOK_CTA_PAIRS_AUTO, NULL, MOK_GATE_UP_SAVE, MOK_SAVED_KEEP                   \
   }
@@ -230,6 +240,8 @@ typedef struct {
   const float* b_router;     /* [E] fp32 router logit bias, when use_router_bias */
   const void* w13;           /* [E/W, 2F, H] bf16: rows 0..F-1 gate, F..2F-1 up */
   const void* w2;            /* [E/W, H, F] bf16 */
+  const void* b13;           /* [E/W, 2F] bf16 expert bias of a, when use_expert_bias */
+  const void* b2;            /* [E/W, H] bf16 expert bias of o, when use_expert_bias */
   const void* ws13;          /* [2Fs, H] bf16, when Fs > 0 */
   const void* ws2;           /* [H, Fs] bf16, when Fs > 0 */
   int32_t* topk_idx;         /* [T, K] int32: replay input; fused: written if not NULL */
@@ -255,6 +267,8 @@ typedef struct {
   const void* w_router;      /* [E, H] bf16 */
   const void* w13;           /* [E/W, 2F, H] bf16 */
   const void* w2;            /* [E/W, H, F] bf16 */
+  const void* b13;           /* [E/W, 2F] bf16, when use_expert_bias (gate|up is recomputed
+                                from it under MOK_GATE_UP_RECOMPUTE) */
   const void* ws13;          /* [2Fs, H] bf16 */
   const void* ws2;           /* [H, Fs] bf16 */
   const void* dy;            /* [T, H] bf16, gradient of y */
@@ -280,6 +294,8 @@ typedef struct {
                                 MOK_WGRAD_FP32_ACCUM; optional, as d_w_router */
   void* d_w13;               /* [E/W, 2F, H] */
   void* d_w2;                /* [E/W, H, F] */
+  void* d_b13;               /* [E/W, 2F] (use_expert_bias), as d_w13: bf16 written or fp32 added into */
+  void* d_b2;                /* [E/W, H] (use_expert_bias), as d_w2 */
   void* d_ws13;              /* [2Fs, H], summed over ranks by mok's fixed tree */
   void* d_ws2;               /* [H, Fs], summed over ranks by mok's fixed tree */
   void* workspace;

@@ -204,6 +204,10 @@ static mok_status_t cuda_variants(const mok_config_t* c) {
     return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
                    "cfg.use_router_bias = %d: the router logit bias is CPU-only so far (the CUDA kernels have "
                    "none); use cfg.backend = MOK_BACKEND_CPU, or use_router_bias = 0", c->use_router_bias);
+  if (c->use_expert_bias)
+    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                   "cfg.use_expert_bias = %d: the expert biases are CPU-only so far (the CUDA kernels have "
+                   "none); use cfg.backend = MOK_BACKEND_CPU, or use_expert_bias = 0", c->use_expert_bias);
   return MOK_STATUS_SUCCESS;
 }
 #endif
@@ -593,6 +597,8 @@ static mok_status_t backward_no_tokens(mok_context_t* ctx, const mok_backward_ar
     s = zero_output(ctx, a->d_b_router, (size_t)c->E * (size_t)ctx->real_size, a->stream);
   if (!s) s = zero_output(ctx, a->d_w13, El * 2 * F * H * g, a->stream);
   if (!s) s = zero_output(ctx, a->d_w2, El * H * F * g, a->stream);
+  if (!s && c->use_expert_bias) s = zero_output(ctx, a->d_b13, El * 2 * F * g, a->stream);
+  if (!s && c->use_expert_bias) s = zero_output(ctx, a->d_b2, El * H * g, a->stream);
   if (!s) s = zero_output(ctx, a->d_ws13, 2 * Fs * H * g, a->stream);
   if (!s) s = zero_output(ctx, a->d_ws2, H * Fs * g, a->stream);
   return s;
@@ -617,6 +623,8 @@ mok_status_t mok_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
       {"b_router", a->b_router, fused && c->use_router_bias, T16},
       {"w13", a->w13, 1, T16},
       {"w2", a->w2, 1, T16},
+      {"b13", a->b13, c->use_expert_bias, T16},
+      {"b2", a->b2, c->use_expert_bias, T16},
       {"ws13", a->ws13, shared, T16},
       {"ws2", a->ws2, shared, T16},
       {"topk_idx", a->topk_idx, !fused && tok, T16},
@@ -669,6 +677,7 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
       {"w_router", a->w_router, fused, T16},
       {"w13", a->w13, 1, T16},
       {"w2", a->w2, 1, T16},
+      {"b13", a->b13, c->use_expert_bias, T16},
       {"ws13", a->ws13, shared, T16},
       {"ws2", a->ws2, shared, T16},
       {"dy", a->dy, tok, T16},
@@ -681,6 +690,8 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
       {"d_b_router", a->d_b_router, 0, wa},
       {"d_w13", a->d_w13, 1, wa},
       {"d_w2", a->d_w2, 1, wa},
+      {"d_b13", a->d_b13, c->use_expert_bias, wa},
+      {"d_b2", a->d_b2, c->use_expert_bias, wa},
       {"d_ws13", a->d_ws13, shared, wa},
       {"d_ws2", a->d_ws2, shared, wa},
       {"workspace", a->workspace, 1, WS256},

@@ -18,12 +18,17 @@ static void matvec(const double* w, const double* in, int64_t n_len, int64_t k_l
   }
 }
 
-/* o[H] = w2 · (silu(gate) * up), with gate|up = w13 · x; w13 [2F, H], w2 [H, F] */
-static void swiglu(const double* w13, const double* w2, const double* x, int64_t H, int64_t F,
-                   double* a, double* h, double* o) {
+/* o[H] = w2 · (silu(gate) * up) + b2, with gate|up = w13 · x + b13; w13 [2F, H], w2 [H, F],
+ * the expert biases b13 [2F], b2 [H] or NULL */
+static void swiglu(const double* w13, const double* w2, const double* b13, const double* b2, const double* x,
+                   int64_t H, int64_t F, double* a, double* h, double* o) {
   matvec(w13, x, 2 * F, H, a);
+  if (b13)
+    for (int64_t f = 0; f < 2 * F; f++) a[f] += b13[f];
   for (int64_t f = 0; f < F; f++) h[f] = silu(a[f]) * a[F + f];
   matvec(w2, h, H, F, o);
+  if (b2)
+    for (int64_t i = 0; i < H; i++) o[i] += b2[i];
 }
 
 /* Group-limited routing (mok.h, cfg.n_group), directly. A group's score: the sum of
@@ -117,11 +122,13 @@ void test_reference_forward(const mok_problem_t* p, double* y, int32_t* topk_idx
     for (int64_t j = 0; j < K; j++) {
       int64_t e = idx[j];
       tokens_per_expert[e]++;
-      swiglu(w13 + e * 2 * F * H, w2 + e * H * F, xt, H, F, a, h, o);
+      const int eb = c->use_expert_bias;
+      swiglu(w13 + e * 2 * F * H, w2 + e * H * F, eb ? (const double*)p->b13 + e * 2 * F : NULL,
+             eb ? (const double*)p->b2 + e * H : NULL, xt, H, F, a, h, o);
       for (int64_t i = 0; i < H; i++) yt[i] += g[j] * o[i];
     }
     if (Fs) {
-      swiglu(p->ws13, p->ws2, xt, H, Fs, a, h, o);
+      swiglu(p->ws13, p->ws2, NULL, NULL, xt, H, Fs, a, h, o);
       for (int64_t i = 0; i < H; i++) yt[i] += o[i];
     }
   }

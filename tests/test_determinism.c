@@ -44,12 +44,13 @@ static mok_config_t grouped_layer(void) {
 
 /* The router and expert variants (mok.h), each alone on the layer (v < NUM_VARIANTS),
  * then all at once (v = NUM_VARIANTS). */
-enum { NUM_VARIANTS = 1 };
-static const char* const kVariant[NUM_VARIANTS + 1] = {"use_router_bias", "all variants"};
+enum { NUM_VARIANTS = 2 };
+static const char* const kVariant[NUM_VARIANTS + 1] = {"use_router_bias", "use_expert_bias", "all variants"};
 
 static mok_config_t variant_layer(int v) {
   mok_config_t c = layer();
   if (v == 0 || v == NUM_VARIANTS) c.use_router_bias = 1;
+  if (v == 1 || v == NUM_VARIANTS) c.use_expert_bias = 1;
   return c;
 }
 
@@ -236,10 +237,11 @@ static int gate_up_sizes(const mok_config_t* save, const mok_config_t* redo) {
 
 static int gate_up_recompute(void) {
   int bad = 0;
-  for (int i = 0; i < 3; i++) {
+  for (int i = 0; i < 4; i++) {
     mok_config_t c = layer();
     if (i == 1) c.routing = MOK_ROUTING_REPLAY, c.wgrad = MOK_WGRAD_FP32_ACCUM;
     if (i == 2) c.numerics = MOK_NUMERICS_EXACT;
+    if (i == 3) c = variant_layer(NUM_VARIANTS); /* (recomputed with the variants' rules) */
     mok_config_t r = c;
     r.gate_up = MOK_GATE_UP_RECOMPUTE;
     mok_problem_t* ps = test_problem(&c, 256, test_case_seed());
@@ -304,6 +306,8 @@ static void copy_weights(mok_problem_t* dst, const mok_problem_t* src) {
   memcpy(dst->ws2, src->ws2, (size_t)(c->H * c->Fs) * 2);
   memcpy(dst->bias_select, src->bias_select, (size_t)c->E * 4);
   memcpy(dst->b_router, src->b_router, (size_t)c->E * 4);
+  memcpy(dst->b13, src->b13, (size_t)(c->E * 2 * c->F) * 2);
+  memcpy(dst->b2, src->b2, (size_t)(c->E * c->H) * 2);
 }
 
 /* The forward of token t alone (T_global = 1, on W = 1 and on W = 2 where rank 1 has no

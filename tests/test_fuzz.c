@@ -346,12 +346,12 @@ static int describe_cfg(char* b, size_t n, const mok_config_t* c) {
   return snprintf(b, n,
                   "T=%lld H=%lld F=%lld E=%lld K=%lld W=%d rank=%d Fs=%lld routing=%d score=%d normalize=%d "
                   "route_scale=%.9g bias=%d aux=%.9g z=%.9g n_group=%d topk_group=%d group_score=%d "
-                  "router_bias=%d wgrad=%d numerics=%d backend=%d capacity=%lld "
+                  "router_bias=%d expert_bias=%d wgrad=%d numerics=%d backend=%d capacity=%lld "
                   "threads=%d timeout=%.9g ctas=%d pairs=%d gate_up=%d saved_use=%d size=%zu version=%d comm=%s",
                   (long long)c->T, (long long)c->H, (long long)c->F, (long long)c->E, (long long)c->K, c->W, c->rank,
                   (long long)c->Fs, (int)c->routing, (int)c->score, c->normalize, (double)c->route_scale,
                   c->use_bias_select, (double)c->aux_loss_coef, (double)c->z_loss_coef, c->n_group, c->topk_group,
-                  (int)c->group_score, c->use_router_bias, (int)c->wgrad,
+                  (int)c->group_score, c->use_router_bias, c->use_expert_bias, (int)c->wgrad,
                   (int)c->numerics, (int)c->backend, (long long)c->capacity, c->num_threads, c->comm_timeout_s,
                   c->num_ctas, (int)c->cta_pairs, (int)c->gate_up, (int)c->saved_use, c->struct_size, c->version,
                   c->cpu_comm ? "set" : "NULL");
@@ -438,7 +438,8 @@ static int same_layer(const mok_config_t* a, const mok_config_t* b) {
          a->score == b->score && a->normalize == b->normalize && a->route_scale == b->route_scale &&
          a->use_bias_select == b->use_bias_select && a->aux_loss_coef == b->aux_loss_coef &&
          a->z_loss_coef == b->z_loss_coef && a->n_group == b->n_group && a->topk_group == b->topk_group &&
-         a->group_score == b->group_score && a->use_router_bias == b->use_router_bias && a->Fs == b->Fs &&
+         a->group_score == b->group_score && a->use_router_bias == b->use_router_bias &&
+         a->use_expert_bias == b->use_expert_bias && a->Fs == b->Fs &&
          a->numerics == b->numerics && a->wgrad == b->wgrad;
 }
 
@@ -523,6 +524,7 @@ static void random_layer(uint64_t* s, int W, int64_t max_E, mok_config_t* c) {
   }
   /* the router and expert variants, each on now and then */
   c->use_router_bias = c->routing == MOK_ROUTING_FUSED && pct(s, 30);
+  c->use_expert_bias = pct(s, 30);
 }
 
 static int64_t absurd_dim(uint64_t* s) {
@@ -710,7 +712,7 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
   const int mismatch = x->W > 1 && num_muts == 1 && muts[0] == C_VALID && pct(&s, 40);
   if (mismatch) { /* one rank's layer differs in one field */
     mok_config_t* c = &x->c[rnd_in(&s, 0, x->W - 1)].cfg;
-    switch (rnd_in(&s, 0, 9)) {
+    switch (rnd_in(&s, 0, 10)) {
       case 0: c->H += 1; break;
       case 1: c->F += 1; break;
       case 2: c->K = c->K > 1 ? c->K - 1 : 1 + (c->E > 1); break;
@@ -723,6 +725,7 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
         if (c->routing == MOK_ROUTING_FUSED) c->use_router_bias = !c->use_router_bias;
         else c->aux_loss_coef += 0.5f;
         break;
+      case 9: c->use_expert_bias = !c->use_expert_bias; break;
       default: c->aux_loss_coef += 0.5f; break;
     }
   }
@@ -828,17 +831,17 @@ static int fuzz_create(void) {
 /* ---- a world: W ranks' contexts and buffers over one global batch ---- */
 
 enum {
-  B_X, B_WR, B_BIAS, B_BR, B_W13, B_W2, B_WS13, B_WS2, B_DY, B_DAUX, B_DZ, /* inputs */
+  B_X, B_WR, B_BIAS, B_BR, B_W13, B_W2, B_B13, B_B2, B_WS13, B_WS2, B_DY, B_DAUX, B_DZ, /* inputs */
   B_IDX, B_TW,                                                      /* replay inputs, fused outputs */
   B_Y, B_TPE, B_AUX, B_Z, B_SAVED, B_SAVED2,                        /* forward outputs; a second saved */
-  B_DX, B_DTW, B_DWR, B_DBR, B_DW13, B_DW2, B_DWS13, B_DWS2,        /* backward outputs (gradients: B_DWR ..) */
+  B_DX, B_DTW, B_DWR, B_DBR, B_DW13, B_DW2, B_DB13, B_DB2, B_DWS13, B_DWS2, /* backward outputs (gradients: B_DWR ..) */
   B_WS, B_WS_BWD,                                                   /* workspaces: not compared */
   B_NUM
 };
 static const char* const kBufName[B_NUM] = {
-    "x", "w_router", "bias_select", "b_router", "w13", "w2", "ws13", "ws2", "dy", "d_aux_loss", "d_z_loss",
+    "x", "w_router", "bias_select", "b_router", "w13", "w2", "b13", "b2", "ws13", "ws2", "dy", "d_aux_loss", "d_z_loss",
     "topk_idx", "topk_weight", "y", "tokens_per_expert", "aux_loss", "z_loss", "saved", "saved (second)", "dx",
-    "d_topk_weight", "d_w_router", "d_b_router", "d_w13", "d_w2", "d_ws13", "d_ws2", "workspace",
+    "d_topk_weight", "d_w_router", "d_b_router", "d_w13", "d_w2", "d_b13", "d_b2", "d_ws13", "d_ws2", "workspace",
     "backward workspace"};
 
 typedef struct {
@@ -1106,6 +1109,8 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
       {B_BR, (size_t)E * re, rk, re, p->b_router},
       {B_W13, (size_t)(El * 2 * F * H) * a, ak, a, (const char*)p->w13 + k->e0 * 2 * F * H * a},
       {B_W2, (size_t)(El * H * F) * a, ak, a, (const char*)p->w2 + k->e0 * H * F * a},
+      {B_B13, (size_t)(El * 2 * F) * a, ak, a, (const char*)p->b13 + k->e0 * 2 * F * a},
+      {B_B2, (size_t)(El * H) * a, ak, a, (const char*)p->b2 + k->e0 * H * a},
       {B_WS13, (size_t)(2 * Fs * H) * a, ak, a, p->ws13},
       {B_WS2, (size_t)(H * Fs) * a, ak, a, p->ws2},
       {B_DY, (size_t)(n * H) * a, ak, a, (const char*)p->dy + k->t0 * H * a},
@@ -1125,6 +1130,8 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
       {B_DBR, (size_t)E * re, rk, re, NULL}, /* (fp32 whatever cfg.wgrad: re is g where it accumulates) */
       {B_DW13, (size_t)(El * 2 * F * H) * g, gk, g, NULL},
       {B_DW2, (size_t)(El * H * F) * g, gk, g, NULL},
+      {B_DB13, (size_t)(El * 2 * F) * g, gk, g, NULL},
+      {B_DB2, (size_t)(El * H) * g, gk, g, NULL},
       {B_DWS13, (size_t)(2 * Fs * H) * g, gk, g, NULL},
       {B_DWS2, (size_t)(H * Fs) * g, gk, g, NULL},
       {B_WS, k->ws_bytes, 3, 4, NULL},
@@ -1151,6 +1158,8 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
   fa->b_router = GIVE((wd->fused && c->use_router_bias) || (o & OPT_VAR_IN), B_BR);
   fa->w13 = b[B_W13].p;
   fa->w2 = b[B_W2].p;
+  fa->b13 = GIVE(c->use_expert_bias || (o & OPT_VAR_IN), B_B13);
+  fa->b2 = GIVE(c->use_expert_bias || (o & OPT_VAR_IN), B_B2);
   fa->ws13 = GIVE(shared || (o & OPT_SHARED), B_WS13);
   fa->ws2 = GIVE(shared || (o & OPT_SHARED), B_WS2);
   fa->topk_idx = GIVE(wd->fused ? (o & OPT_IDX) : tok || (o & OPT_IDX0), B_IDX);
@@ -1170,6 +1179,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
   ba->w_router = GIVE(wd->fused || (o & OPT_WR), B_WR);
   ba->w13 = b[B_W13].p;
   ba->w2 = b[B_W2].p;
+  ba->b13 = fa->b13;
   ba->ws13 = GIVE(shared || (o & OPT_SHARED), B_WS13);
   ba->ws2 = GIVE(shared || (o & OPT_SHARED), B_WS2);
   ba->dy = GIVE(tok || (o & OPT_DY0), B_DY);
@@ -1183,6 +1193,8 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
   ba->d_b_router = GIVE(o & OPT_DBR, B_DBR);
   ba->d_w13 = b[B_DW13].p;
   ba->d_w2 = b[B_DW2].p;
+  ba->d_b13 = GIVE(c->use_expert_bias || (o & OPT_VAR_IN), B_DB13);
+  ba->d_b2 = GIVE(c->use_expert_bias || (o & OPT_VAR_IN), B_DB2);
   ba->d_ws13 = GIVE(shared || (o & OPT_SHARED), B_DWS13);
   ba->d_ws2 = GIVE(shared || (o & OPT_SHARED), B_DWS2);
   ba->workspace = b[wd->pl.same_ws ? B_WS : B_WS_BWD].p;
@@ -1193,7 +1205,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
 
 /* ---- what a forward and a backward of a rank must give: api.c's rules ---- */
 
-enum { REQ_NONE, REQ_ALWAYS, REQ_TOK, REQ_FUSED, REQ_BIAS, REQ_SHARED, REQ_REPLAY_TOK, REQ_ROUTER_BIAS };
+enum { REQ_NONE, REQ_ALWAYS, REQ_TOK, REQ_FUSED, REQ_BIAS, REQ_SHARED, REQ_REPLAY_TOK, REQ_ROUTER_BIAS, REQ_EXPERT_BIAS };
 typedef struct {
   const char* name;
   size_t off;   /* in the arguments */
@@ -1206,7 +1218,8 @@ typedef struct {
 static const fz_field_t kFwdFields[] = {
     FF(x, B_X, REQ_TOK, 16), FF(w_router, B_WR, REQ_FUSED, 16), FF(bias_select, B_BIAS, REQ_BIAS, 16),
     FF(b_router, B_BR, REQ_ROUTER_BIAS, 16),
-    FF(w13, B_W13, REQ_ALWAYS, 16), FF(w2, B_W2, REQ_ALWAYS, 16), FF(ws13, B_WS13, REQ_SHARED, 16),
+    FF(w13, B_W13, REQ_ALWAYS, 16), FF(w2, B_W2, REQ_ALWAYS, 16), FF(b13, B_B13, REQ_EXPERT_BIAS, 16),
+    FF(b2, B_B2, REQ_EXPERT_BIAS, 16), FF(ws13, B_WS13, REQ_SHARED, 16),
     FF(ws2, B_WS2, REQ_SHARED, 16), FF(topk_idx, B_IDX, REQ_REPLAY_TOK, 16),
     FF(topk_weight, B_TW, REQ_REPLAY_TOK, 16), FF(y, B_Y, REQ_TOK, 16),
     FF(tokens_per_expert, B_TPE, REQ_NONE, 4), FF(aux_loss, B_AUX, REQ_NONE, 4), FF(z_loss, B_Z, REQ_NONE, 4),
@@ -1215,10 +1228,12 @@ static const fz_field_t kFwdFields[] = {
 #define BF(nm, b, req, al) {#nm, offsetof(mok_backward_args_t, nm), b, req, al}
 static const fz_field_t kBwdFields[] = {
     BF(x, B_X, REQ_TOK, 16), BF(w_router, B_WR, REQ_FUSED, 16), BF(w13, B_W13, REQ_ALWAYS, 16),
-    BF(w2, B_W2, REQ_ALWAYS, 16), BF(ws13, B_WS13, REQ_SHARED, 16), BF(ws2, B_WS2, REQ_SHARED, 16),
+    BF(w2, B_W2, REQ_ALWAYS, 16), BF(b13, B_B13, REQ_EXPERT_BIAS, 16), BF(ws13, B_WS13, REQ_SHARED, 16),
+    BF(ws2, B_WS2, REQ_SHARED, 16),
     BF(dy, B_DY, REQ_TOK, 16), BF(d_aux_loss, B_DAUX, REQ_NONE, 4), BF(d_z_loss, B_DZ, REQ_NONE, 4),
     BF(saved, B_SAVED, REQ_ALWAYS, 256), BF(dx, B_DX, REQ_TOK, 16), BF(d_topk_weight, B_DTW, REQ_REPLAY_TOK, 16),
     BF(d_w_router, B_DWR, REQ_NONE, 0), BF(d_b_router, B_DBR, REQ_NONE, 0), BF(d_w13, B_DW13, REQ_ALWAYS, 0), BF(d_w2, B_DW2, REQ_ALWAYS, 0),
+    BF(d_b13, B_DB13, REQ_EXPERT_BIAS, 0), BF(d_b2, B_DB2, REQ_EXPERT_BIAS, 0),
     BF(d_ws13, B_DWS13, REQ_SHARED, 0), BF(d_ws2, B_DWS2, REQ_SHARED, 0), BF(workspace, B_WS_BWD, REQ_ALWAYS, 256)};
 #undef BF
 enum { kNumFwdFields = sizeof kFwdFields / sizeof kFwdFields[0], kNumBwdFields = sizeof kBwdFields / sizeof kBwdFields[0] };
@@ -1240,6 +1255,7 @@ static int required(int req, const mok_config_t* c, int64_t T) {
     case REQ_SHARED: return c->Fs > 0;
     case REQ_REPLAY_TOK: return !fused && tok;
     case REQ_ROUTER_BIAS: return fused && c->use_router_bias;
+    case REQ_EXPERT_BIAS: return c->use_expert_bias;
     default: return 0;
   }
 }
@@ -1452,6 +1468,8 @@ static const void* reference_of(const fz_world_t* wd, const fz_rank_t* k, int id
     case B_DBR: ref = p->d_b_router; break;
     case B_DW13: ref = (const char*)p->d_w13 + k->e0 * 2 * F * H * g; break;
     case B_DW2: ref = (const char*)p->d_w2 + k->e0 * H * F * g; break;
+    case B_DB13: ref = (const char*)p->d_b13 + k->e0 * 2 * F * g; break;
+    case B_DB2: ref = (const char*)p->d_b2 + k->e0 * H * g; break;
     case B_DWS13: ref = p->d_ws13; break;
     case B_DWS2: ref = p->d_ws2; break;
     default: return NULL;
@@ -1515,6 +1533,8 @@ static int world_check(fz_log_t* L, fz_world_t* wd, const char* call, int backwa
           case B_DBR: given = wd->fused && k->c.cfg.use_router_bias ? a->d_b_router : NULL; break;
           case B_DW13: given = a->d_w13; break;
           case B_DW2: given = a->d_w2; break;
+          case B_DB13: given = k->c.cfg.use_expert_bias ? a->d_b13 : NULL; break;
+          case B_DB2: given = k->c.cfg.use_expert_bias ? a->d_b2 : NULL; break;
           case B_DWS13: given = wd->Fs ? a->d_ws13 : NULL; break;
           case B_DWS2: given = wd->Fs ? a->d_ws2 : NULL; break;
           default: break;
@@ -1529,6 +1549,8 @@ static int world_check(fz_log_t* L, fz_world_t* wd, const char* call, int backwa
           case B_DBR: given = wd->fused && k->c.cfg.use_router_bias ? a->d_b_router : NULL; break;
           case B_DW13: given = a->d_w13; break;
           case B_DW2: given = a->d_w2; break;
+          case B_DB13: given = k->c.cfg.use_expert_bias ? a->d_b13 : NULL; break;
+          case B_DB2: given = k->c.cfg.use_expert_bias ? a->d_b2 : NULL; break;
           case B_DWS13: given = wd->Fs ? a->d_ws13 : NULL; break;
           case B_DWS2: given = wd->Fs ? a->d_ws2 : NULL; break;
           case B_SAVED: case B_SAVED2:
@@ -2068,7 +2090,7 @@ static void saved_header_fields(fz_log_t* L, int W) {
 
 /* Do the ranks' backward outputs (those given) hold the W = 1 run's bits? */
 static int world_backward_is_reference(const fz_world_t* wd) {
-  static const int outputs[] = {B_DX, B_DTW, B_DWR, B_DBR, B_DW13, B_DW2, B_DWS13, B_DWS2};
+  static const int outputs[] = {B_DX, B_DTW, B_DWR, B_DBR, B_DW13, B_DW2, B_DB13, B_DB2, B_DWS13, B_DWS2};
   int same = 1;
   for (int r = 0; r < wd->W && same; r++)
     for (int i = 0; i < (int)(sizeof outputs / sizeof outputs[0]) && same; i++) {

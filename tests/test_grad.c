@@ -3,7 +3,7 @@
  * gradients backward receives:
  *     L = sum(y * dy) + d_aux_loss * aux_loss + d_z_loss * z_loss
  * For ~10 random entries of each input tensor (x, w_router, w13, w2, ws13, ws2, and
- * topk_weight in replay; b_router with the router logit bias), (L(v + eps) - L(v - eps)) / 2 eps must match the analytic
+ * topk_weight in replay; b_router, b13, b2 with the router and expert biases), (L(v + eps) - L(v - eps)) / 2 eps must match the analytic
  * gradient to 1e-5 relative (abs floor 1e-7: L's rounding, ~1e-16 |L| over 2 eps).
  * Top-K is discrete: an entry whose perturbation changes the routing is skipped. */
 #include <math.h>
@@ -72,6 +72,8 @@ static int check_gradients(const mok_config_t* cfg, int64_t T, int W, int zero_d
       {"b_router", cfg->use_router_bias ? p->b_router : NULL, E, "d_b_router"},
       {"w13", p->w13, E * 2 * F * H, "d_w13"},
       {"w2", p->w2, E * H * F, "d_w2"},
+      {"b13", cfg->use_expert_bias ? p->b13 : NULL, E * 2 * F, "d_b13"},
+      {"b2", cfg->use_expert_bias ? p->b2 : NULL, E * H, "d_b2"},
       {"ws13", Fs ? p->ws13 : NULL, 2 * Fs * H, "d_ws13"},
       {"ws2", Fs ? p->ws2 : NULL, H * Fs, "d_ws2"},
       {"topk_weight", replay ? p->topk_weight : NULL, T * K, "d_topk_weight"},
@@ -198,6 +200,16 @@ static int router_bias_losses(void) {
   return check_gradients(&c, 12, 1, 1);
 }
 
+/* The expert biases (gpt-oss): d_b13 and d_b2 sum d_a and dy_j over each expert's rows;
+ * on W = 1 and 2 (the rows of an expert from two ranks), and in replay routing. */
+static int expert_bias(void) {
+  mok_config_t c = small_config();
+  c.use_expert_bias = 1;
+  int bad = check_gradients(&c, 12, 1, 0) + check_gradients(&c, 12, 2, 0);
+  c.routing = MOK_ROUTING_REPLAY;
+  return bad + check_gradients(&c, 12, 1, 0);
+}
+
 static int replay(void) {
   mok_config_t c = small_config();
   c.routing = MOK_ROUTING_REPLAY;
@@ -228,6 +240,7 @@ const test_case_t suite_grad[] = {
     {"group_limited_losses", group_limited_losses},
     {"router_bias", router_bias},
     {"router_bias_losses", router_bias_losses},
+    {"expert_bias", expert_bias},
     {"replay", replay},
     {"two_ranks", two_ranks},
     {"two_ranks_replay", two_ranks_replay},

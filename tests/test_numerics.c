@@ -153,6 +153,15 @@ static int exact_router_bias(void) {
   return bad + exact_variant_vs_reference(c, off, 100, 2, 1, "use_router_bias with groups");
 }
 
+/* gpt-oss's experts: the biases of a and o, fused and replay (y differs without them). */
+static int exact_expert_bias(void) {
+  mok_config_t c = layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_FUSED), off = c;
+  c.use_expert_bias = 1;
+  int bad = exact_variant_vs_reference(c, off, 100, 2, 0, "use_expert_bias");
+  c.routing = off.routing = MOK_ROUTING_REPLAY;
+  return bad + exact_variant_vs_reference(c, off, 100, 1, 0, "use_expert_bias, replay");
+}
+
 /* Runs the same problem in BF16 and EXACT numerics and compares every output. */
 static int bf16_vs_exact(mok_config_t c, int64_t T, int W) {
   mok_config_t ce = c;
@@ -173,7 +182,7 @@ static int bf16_vs_exact(mok_config_t c, int64_t T, int W) {
     return 1; /* different routing: the rest cannot be compared */
   return test_close(&b, &e,
                     "y topk_weight aux_loss z_loss dx d_topk_weight d_w_router d_w13 d_w2 "
-                    "d_ws13 d_ws2 d_b_router",
+                    "d_ws13 d_ws2 d_b_router d_b13 d_b2",
                     2e-2, "bf16 vs exact");
 }
 
@@ -203,6 +212,12 @@ static int bf16_router_bias(void) {
   return bf16_vs_exact(c, 256, 2);
 }
 
+static int bf16_expert_bias(void) {
+  mok_config_t c = layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_FUSED);
+  c.use_expert_bias = 1;
+  return bf16_vs_exact(c, 256, 2);
+}
+
 static int bf16_replay(void) {
   return bf16_vs_exact(layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_REPLAY), 256, 1);
 }
@@ -223,10 +238,12 @@ const test_case_t suite_numerics[] = {
     {"exact_group_max", exact_group_max},
     {"exact_group_edges", exact_group_edges},
     {"exact_router_bias", exact_router_bias},
+    {"exact_expert_bias", exact_expert_bias},
     {"bf16_softmax", bf16_softmax},
     {"bf16_group_limited", bf16_group_limited},
     {"bf16_sigmoid_bias", bf16_sigmoid_bias},
     {"bf16_router_bias", bf16_router_bias},
+    {"bf16_expert_bias", bf16_expert_bias},
     {"bf16_replay", bf16_replay},
     {"bf16_fp32_accum", bf16_fp32_accum},
     TEST_END,

@@ -68,7 +68,7 @@ void mok_problem_destroy(mok_problem_t* p) {
                   p->topk_idx, p->topk_weight, p->d_aux_loss, p->d_z_loss, p->y, p->dx,
                   p->out_topk_idx, p->out_topk_weight, p->d_topk_weight, p->tokens_per_expert,
                   p->aux_loss, p->z_loss, p->d_w_router, p->d_b_router, p->d_w13, p->d_w2, p->d_ws13,
-                  p->d_ws2};
+                  p->d_ws2, p->b13, p->b2, p->d_b13, p->d_b2};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
   free(p);
 }
@@ -88,7 +88,7 @@ static void problem_init(mok_problem_t* p, const mok_config_t* cfg, int64_t T_gl
  * mok_problem_create allocates and mok_problem_host_bytes counts. */
 enum { PB_X, PB_W_ROUTER, PB_BIAS, PB_B_ROUTER, PB_W13, PB_W2, PB_WS13, PB_WS2, PB_DY, PB_IDX, PB_TW,
        PB_DAUX, PB_DZ, PB_Y, PB_DX, PB_OUT_IDX, PB_OUT_TW, PB_DTW, PB_TPE, PB_AUX, PB_Z, PB_DWR, PB_DBR,
-       PB_DW13, PB_DW2, PB_DWS13, PB_DWS2, NUM_PROBLEM_BUFFERS };
+       PB_DW13, PB_DW2, PB_DWS13, PB_DWS2, PB_B13, PB_B2, PB_DB13, PB_DB2, NUM_PROBLEM_BUFFERS };
 
 static void problem_buffer_sizes(const mok_problem_t* p, size_t n[NUM_PROBLEM_BUFFERS]) {
   const mok_config_t* c = &p->cfg;
@@ -121,6 +121,10 @@ static void problem_buffer_sizes(const mok_problem_t* p, size_t n[NUM_PROBLEM_BU
   n[PB_DW2] = E * H * F * w;
   n[PB_DWS13] = 2 * Fs * H * w;
   n[PB_DWS2] = H * Fs * w;
+  n[PB_B13] = E * 2 * F * a;
+  n[PB_B2] = E * H * a;
+  n[PB_DB13] = E * 2 * F * w;
+  n[PB_DB2] = E * H * w;
 }
 
 mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint64_t seed,
@@ -159,7 +163,11 @@ mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint6
   p->d_w2 = alloc0(n[PB_DW2]);
   p->d_ws13 = alloc0(n[PB_DWS13]);
   p->d_ws2 = alloc0(n[PB_DWS2]);
-  if (!p->x || !p->w13 || !p->w2 || !p->dy || !p->y || !p->dx || !p->d_w13 || !p->d_w2 ||
+  p->b13 = alloc0(n[PB_B13]);
+  p->b2 = alloc0(n[PB_B2]);
+  p->d_b13 = alloc0(n[PB_DB13]);
+  p->d_b2 = alloc0(n[PB_DB2]);
+  if (!p->b13 || !p->b2 || !p->d_b13 || !p->d_b2 || !p->x || !p->w13 || !p->w2 || !p->dy || !p->y || !p->dx || !p->d_w13 || !p->d_w2 ||
       !p->ws13 || !p->ws2 || !p->d_ws13 || !p->d_ws2 || !p->d_w_router || !p->topk_idx || !p->b_router ||
       !p->d_b_router) {
     mok_problem_destroy(p);
@@ -191,6 +199,8 @@ mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint6
   set_real(p, p->d_z_loss, 0, 1.0 + 0.25 * uniform(&s));
   /* the variants' tensors last, so that the draws above do not depend on them */
   for (int64_t e = 0; e < E; e++) set_real(p, p->b_router, e, 0.5 * uniform(&s));
+  fill_act(p, p->b13, E * 2 * F, 0.5, &s);
+  fill_act(p, p->b2, E * H, 0.5, &s);
   *out = p;
   return MOK_STATUS_SUCCESS;
 }
@@ -265,7 +275,8 @@ static mok_config_t rank_config(const mok_config_t* c, const mok_run_opts_t* o, 
  * outputs, saved, the forward's and the backward's workspaces, its experts' weight
  * gradients and whole replicated ones. mok_problem_run_bytes counts the same. */
 enum { RB_X, RB_W13, RB_W2, RB_DY, RB_IDX, RB_TW, RB_Y, RB_DX, RB_DTW, RB_SAVED, RB_WS, RB_WS_BWD,
-       RB_DW13, RB_DW2, RB_DWR, RB_DBR, RB_DWS13, RB_DWS2, RB_TPE, RB_AUX, RB_Z, NUM_RANK_BUFFERS };
+       RB_DW13, RB_DW2, RB_DWR, RB_DBR, RB_DWS13, RB_DWS2, RB_TPE, RB_AUX, RB_Z, RB_B13, RB_B2, RB_DB13, RB_DB2,
+       NUM_RANK_BUFFERS };
 
 static void rank_buffer_sizes(const mok_problem_t* p, int W, int64_t T, size_t ws_bytes, size_t sv_bytes,
                               size_t n[NUM_RANK_BUFFERS]) {
@@ -293,6 +304,10 @@ static void rank_buffer_sizes(const mok_problem_t* p, int W, int64_t T, size_t w
   n[RB_TPE] = E * 4;
   n[RB_AUX] = r;
   n[RB_Z] = r;
+  n[RB_B13] = El * 2 * F * a;
+  n[RB_B2] = El * H * a;
+  n[RB_DB13] = El * 2 * F * w;
+  n[RB_DB2] = El * H * w;
 }
 
 static void* rank_main(void* arg) {
@@ -306,7 +321,8 @@ static void* rank_main(void* arg) {
   mok_context_t* ctx = NULL;
   void *x = NULL, *w13 = NULL, *w2 = NULL, *dy = NULL, *y = NULL, *dx = NULL, *idx = NULL,
        *tw = NULL, *dtw = NULL, *saved = NULL, *ws = NULL, *ws_bwd = NULL, *dw13 = NULL, *dw2 = NULL,
-       *dwr = NULL, *dws13 = NULL, *dws2 = NULL, *tpe = NULL, *aux = NULL, *z = NULL, *dbr = NULL;
+       *dwr = NULL, *dws13 = NULL, *dws2 = NULL, *tpe = NULL, *aux = NULL, *z = NULL, *dbr = NULL, *b13 = NULL,
+       *b2 = NULL, *db13 = NULL, *db2 = NULL;
   mok_config_t cfg = rank_config(c, o, j->rank, T, j->comm);
   mok_status_t s = mok_context_create(&cfg, &ctx);
   if (s) RANK_FAIL(j, s, "rank %d: create: %s", j->rank, mok_last_create_error());
@@ -336,7 +352,11 @@ static void* rank_main(void* arg) {
   tpe = alloc0(n[RB_TPE]);
   aux = alloc0(n[RB_AUX]);
   z = alloc0(n[RB_Z]);
-  if (!x || !w13 || !w2 || !dy || !idx || !tw || !y || !dx || !dtw || !saved || !ws || !ws_bwd || !dw13 ||
+  b13 = dup_slice(p->b13, e0 * 2 * F * a, n[RB_B13]);
+  b2 = dup_slice(p->b2, e0 * H * a, n[RB_B2]);
+  db13 = alloc0(n[RB_DB13]);
+  db2 = alloc0(n[RB_DB2]);
+  if (!b13 || !b2 || !db13 || !db2 || !x || !w13 || !w2 || !dy || !idx || !tw || !y || !dx || !dtw || !saved || !ws || !ws_bwd || !dw13 ||
       !dw2 || !dwr || !dws13 || !dws2 || !tpe || !aux || !z || !dbr)
     RANK_FAIL(j, MOK_STATUS_OUT_OF_MEMORY, "rank %d: out of host memory", j->rank);
   const int replay = c->routing == MOK_ROUTING_REPLAY;
@@ -348,6 +368,8 @@ static void* rank_main(void* arg) {
   fa.b_router = c->use_router_bias ? p->b_router : NULL;
   fa.w13 = w13;
   fa.w2 = w2;
+  fa.b13 = c->use_expert_bias ? b13 : NULL;
+  fa.b2 = c->use_expert_bias ? b2 : NULL;
   fa.ws13 = Fs ? p->ws13 : NULL;
   fa.ws2 = Fs ? p->ws2 : NULL;
   fa.topk_idx = idx;
@@ -366,6 +388,7 @@ static void* rank_main(void* arg) {
   ba.w_router = p->w_router;
   ba.w13 = w13;
   ba.w2 = w2;
+  ba.b13 = fa.b13;
   ba.ws13 = fa.ws13;
   ba.ws2 = fa.ws2;
   ba.dy = dy;
@@ -379,6 +402,8 @@ static void* rank_main(void* arg) {
   ba.d_b_router = c->use_router_bias ? dbr : NULL;
   ba.d_w13 = dw13;
   ba.d_w2 = dw2;
+  ba.d_b13 = c->use_expert_bias ? db13 : NULL;
+  ba.d_b2 = c->use_expert_bias ? db2 : NULL;
   ba.d_ws13 = Fs ? dws13 : NULL;
   ba.d_ws2 = Fs ? dws2 : NULL;
   ba.workspace = ws_bwd; /* (not forward's: filled with 0xff before each step, below) */
@@ -410,6 +435,8 @@ static void* rank_main(void* arg) {
     memcpy((char*)p->d_topk_weight + t0 * K * r, dtw, T * K * r);
     memcpy((char*)p->d_w13 + e0 * 2 * F * H * w, dw13, El * 2 * F * H * w);
     memcpy((char*)p->d_w2 + e0 * H * F * w, dw2, El * H * F * w);
+    memcpy((char*)p->d_b13 + e0 * 2 * F * w, db13, El * 2 * F * w);
+    memcpy((char*)p->d_b2 + e0 * H * w, db2, El * H * w);
   }
   if (j->rank == 0) { /* replicated and global results: rank 0's copy */
     memcpy(p->tokens_per_expert, tpe, E * 4);
@@ -425,7 +452,7 @@ static void* rank_main(void* arg) {
 done:
   if (ctx) mok_context_destroy(ctx);
   void* bufs[] = {x, w13, w2, dy, y, dx, idx, tw, dtw, saved, ws, ws_bwd, dw13, dw2, dwr, dws13,
-                  dws2, tpe, aux, z, dbr};
+                  dws2, tpe, aux, z, dbr, b13, b2, db13, db2};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
   return NULL;
 }
@@ -624,6 +651,10 @@ int mok_problem_outputs(const mok_problem_t* p, int with_backward, mok_tensor_vi
     if (!replay && c->use_router_bias) VIEW("d_b_router", p->d_b_router, E, p->real, real_kind);
     VIEW("d_w13", p->d_w13, E * 2 * F * H, p->wgrad_elem, w_kind);
     VIEW("d_w2", p->d_w2, E * H * F, p->wgrad_elem, w_kind);
+    if (c->use_expert_bias) {
+      VIEW("d_b13", p->d_b13, E * 2 * F, p->wgrad_elem, w_kind);
+      VIEW("d_b2", p->d_b2, E * H, p->wgrad_elem, w_kind);
+    }
     if (Fs) {
       VIEW("d_ws13", p->d_ws13, 2 * Fs * H, p->wgrad_elem, w_kind);
       VIEW("d_ws2", p->d_ws2, H * Fs, p->wgrad_elem, w_kind);

@@ -27,6 +27,8 @@ typedef struct {
   void* b_router;     /* [E] real, the router logit bias (cfg.use_router_bias), ~ U(-0.5, 0.5) */
   void* w13;          /* [E, 2F, H] */
   void* w2;           /* [E, H, F] */
+  void* b13;          /* [E, 2F] the expert biases (cfg.use_expert_bias), ~ U(-0.5, 0.5) */
+  void* b2;           /* [E, H] */
   void* ws13;         /* [2Fs, H] */
   void* ws2;          /* [H, Fs] */
   void* dy;           /* [T_global, H] */
@@ -47,6 +49,8 @@ typedef struct {
   void* d_b_router;   /* [E] real (use_router_bias), whatever the wgrad dtype */
   void* d_w13;        /* [E, 2F, H] */
   void* d_w2;         /* [E, H, F] */
+  void* d_b13;        /* [E, 2F] wgrad dtype (use_expert_bias) */
+  void* d_b2;         /* [E, H] */
   void* d_ws13;       /* [2Fs, H] */
   void* d_ws2;        /* [H, Fs] */
   size_t wgrad_elem;  /* bytes per weight-gradient element */

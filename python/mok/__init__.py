@@ -26,7 +26,7 @@ from . import _lib as _lib_module
 # from another version, or if the config mirror does not match it)
 _lib_module.lib()
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "MoE",

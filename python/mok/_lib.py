@@ -16,7 +16,7 @@ from pathlib import Path
 # ---- mok.h constants -------------------------------------------------------------
 
 MOK_VERSION_MAJOR = 0
-MOK_VERSION_MINOR = 4
+MOK_VERSION_MINOR = 5
 MOK_VERSION_PATCH = 0
 MOK_VERSION_CODE = MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH
 MOK_REDUCE_CHUNK_TOKENS = 64
@@ -89,6 +89,7 @@ class MokConfig(ctypes.Structure):
         ("topk_group", ctypes.c_int),
         ("group_score", _c_enum),
         ("use_router_bias", ctypes.c_int),
+        ("use_expert_bias", ctypes.c_int),
         ("Fs", ctypes.c_int64),
         ("wgrad", _c_enum),
         ("numerics", _c_enum),
@@ -124,6 +125,7 @@ class MokConfig(ctypes.Structure):
         c.topk_group = 0
         c.group_score = MOK_GROUP_SCORE_TOP2
         c.use_router_bias = 0
+        c.use_expert_bias = 0
         c.Fs = 0
         c.wgrad = MOK_WGRAD_BF16
         c.numerics = MOK_NUMERICS_BF16
@@ -151,6 +153,8 @@ class MokForwardArgs(ctypes.Structure):
         ("b_router", ctypes.c_void_p),
         ("w13", ctypes.c_void_p),
         ("w2", ctypes.c_void_p),
+        ("b13", ctypes.c_void_p),
+        ("b2", ctypes.c_void_p),
         ("ws13", ctypes.c_void_p),
         ("ws2", ctypes.c_void_p),
         ("topk_idx", ctypes.c_void_p),
@@ -176,6 +180,7 @@ class MokBackwardArgs(ctypes.Structure):
         ("w_router", ctypes.c_void_p),
         ("w13", ctypes.c_void_p),
         ("w2", ctypes.c_void_p),
+        ("b13", ctypes.c_void_p),
         ("ws13", ctypes.c_void_p),
         ("ws2", ctypes.c_void_p),
         ("dy", ctypes.c_void_p),
@@ -189,6 +194,8 @@ class MokBackwardArgs(ctypes.Structure):
         ("d_b_router", ctypes.c_void_p),
         ("d_w13", ctypes.c_void_p),
         ("d_w2", ctypes.c_void_p),
+        ("d_b13", ctypes.c_void_p),
+        ("d_b2", ctypes.c_void_p),
         ("d_ws13", ctypes.c_void_p),
         ("d_ws2", ctypes.c_void_p),
         ("workspace", ctypes.c_void_p),

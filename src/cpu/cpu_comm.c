@@ -80,7 +80,7 @@ static int same_layer(const mok_config_t* a, const mok_config_t* b) {
          a->route_scale == b->route_scale && a->use_bias_select == b->use_bias_select &&
          a->aux_loss_coef == b->aux_loss_coef && a->z_loss_coef == b->z_loss_coef &&
          a->n_group == b->n_group && a->topk_group == b->topk_group && a->group_score == b->group_score &&
-         a->use_router_bias == b->use_router_bias &&
+         a->use_router_bias == b->use_router_bias && a->use_expert_bias == b->use_expert_bias &&
          a->Fs == b->Fs && a->numerics == b->numerics && a->wgrad == b->wgrad;
 }
 

@@ -14,6 +14,9 @@
  *   expert weight gradients: over the expert's rows in global token order (all rows
  *   of an expert live on its owner, in that order, whatever W is).
  *   router logit bias: logits = (x w_router^T) + b_router, one addition after the sum.
+ *   expert biases: a = bf16((x w13^T) + b13), o = bf16((h w2^T) + b2), likewise; their
+ *   gradients d_b13, d_b2 sum d_a and dy_j over the expert's rows in global token order
+ *   (the rows of the weight gradients' sums, in their order).
  *   replicated sums (loss statistics, router and shared-expert gradients): a partial per
  *   chunk of MOK_REDUCE_CHUNK_TOKENS tokens (increasing t), combined by the fixed tree
  *   of mok_tree_mid over the global chunk list; each rank sums the subtrees inside its
@@ -261,16 +264,20 @@ static void FN(stats_leaf)(const void* p, int64_t chunk, REAL* out) {
 /* ---- gate|up and SwiGLU: forward, and backward again under MOK_GATE_UP_RECOMPUTE (the
  * same blocks, so the same bits as forward kept) ---- */
 
-/* One block of n rows of x [n, H]: a = bf16(x w13^T) [n, 2F] (gate | up), then
- * h = bf16(silu(gate) up) [n, F]. acc: [n, 2F] real scratch. */
+/* One block of n rows of x [n, H]: a = bf16(x w13^T (+ b13)) [n, 2F] (gate | up), then
+ * h = bf16(silu(gate) up) [n, F]. b13: [2F] expert bias or NULL. acc: [n, 2F] real
+ * scratch. */
 static void FN(gate_up_block)(FN(step_t)* st, int64_t n, int64_t F, const ACT* x, const ACT* w13,
-                              ACT* ar, ACT* hr, REAL* acc) {
+                              const ACT* b13, ACT* ar, ACT* hr, REAL* acc) {
   FN(gemm)(st, n, 2 * F, st->H, x, st->H, 1, w13, 1, st->H, acc, 2 * F);
 #pragma omp parallel for schedule(static) num_threads(st->nt)
   for (int64_t i = 0; i < n; i++)
     for (int64_t f = 0; f < F; f++) {
-      ar[i * 2 * F + f] = ST(acc[i * 2 * F + f]);
-      ar[i * 2 * F + F + f] = ST(acc[i * 2 * F + F + f]);
+      REAL* ai = acc + i * 2 * F;
+      if (b13) /* the expert bias: one addition after the dot product, before the rounding */
+        ai[f] = ai[f] + LD(b13[f]), ai[F + f] = ai[F + f] + LD(b13[F + f]);
+      ar[i * 2 * F + f] = ST(ai[f]);
+      ar[i * 2 * F + F + f] = ST(ai[F + f]);
       REAL gate = LD(ar[i * 2 * F + f]), up = LD(ar[i * 2 * F + F + f]);
       hr[i * F + f] = ST(gate / ((REAL)1 + EXP(-gate)) * up);
     }
@@ -419,13 +426,16 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
     for (int64_t r = 0; r < W; r++) n += counts_all[r * E + e];
     const ACT* w13 = (const ACT*)a->w13 + le * 2 * F * H;
     const ACT* w2 = (const ACT*)a->w2 + le * H * F;
+    const ACT* b13 = c->use_expert_bias ? (const ACT*)a->b13 + le * 2 * F : NULL;
+    const ACT* b2 = c->use_expert_bias ? (const ACT*)a->b2 + le * H : NULL;
     for (int64_t b = 0; b < n; b += MOK_ROW_BLOCK) {
       const int64_t rb = FN(block_rows)(n, b), row = r0 + b;
       ACT* hr = st->h_rows + row * F;
-      FN(gate_up_block)(st, rb, F, st->x_rows + row * H, w13, st->a_rows + row * 2 * F, hr, acc);
+      FN(gate_up_block)(st, rb, F, st->x_rows + row * H, w13, b13, st->a_rows + row * 2 * F, hr, acc);
       FN(gemm)(st, rb, H, F, hr, F, 1, w2, 1, F, acc, H);
 #pragma omp parallel for schedule(static) num_threads(st->nt)
-      for (int64_t i = 0; i < rb * H; i++) ret[row * H + i] = ST(acc[i]);
+      for (int64_t i = 0; i < rb * H; i++) /* o = bf16(h w2^T (+ b2)): one addition, then the rounding */
+        ret[row * H + i] = ST(b2 ? acc[i] + LD(b2[i % H]) : acc[i]);
     }
   }
   /* shared expert on this rank's tokens: o_s = bf16(h_s ws2^T), kept in tok as REAL */
@@ -433,7 +443,7 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
   for (int64_t b = 0; Fs > 0 && b < T; b += MOK_ROW_BLOCK) {
     const int64_t rb = FN(block_rows)(T, b);
     ACT* hr = st->sh + b * Fs;
-    FN(gate_up_block)(st, rb, Fs, x + b * H, a->ws13, st->sa + b * 2 * Fs, hr, acc);
+    FN(gate_up_block)(st, rb, Fs, x + b * H, a->ws13, NULL, st->sa + b * 2 * Fs, hr, acc);
     FN(gemm)(st, rb, H, Fs, hr, Fs, 1, a->ws2, 1, Fs, acc, H);
 #pragma omp parallel for schedule(static) num_threads(st->nt)
     for (int64_t i = 0; i < rb * H; i++) shared_o[b * H + i] = LD(ST(acc[i]));
@@ -595,10 +605,12 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
     for (int64_t r = 0; r < W; r++) n += st->counts_all[r * E + e];
     const ACT* w13 = (const ACT*)a->w13 + le * 2 * F * H;
     const ACT* w2 = (const ACT*)a->w2 + le * H * F;
+    const ACT* b13 = c->use_expert_bias ? (const ACT*)a->b13 + le * 2 * F : NULL;
     for (int64_t b = 0; b < n; b += MOK_ROW_BLOCK) {
       const int64_t rb = FN(block_rows)(n, b), row = r0 + b;
       if (redo)
-        FN(gate_up_block)(st, rb, F, st->x_rows + row * H, w13, st->a_rows + row * 2 * F, st->h_rows + row * F, acc);
+        FN(gate_up_block)(st, rb, F, st->x_rows + row * H, w13, b13, st->a_rows + row * 2 * F, st->h_rows + row * F,
+                          acc);
       FN(gemm)(st, rb, F, H, dy_rows + row * H, H, 1, w2, F, 1, acc, F);
       FN(swiglu_backward)(st, rb, F, st->a_rows + row * 2 * F, acc, d_a + row * 2 * F);
       FN(gemm)(st, rb, H, 2 * F, d_a + row * 2 * F, 2 * F, 1, w13, H, 1, acc, H);
@@ -610,6 +622,20 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
     FN(write_wgrad)(st, (char*)a->d_w2 + le * H * F * wsize, acc, H * F);
     FN(gemm)(st, 2 * F, H, n, d_a + r0 * 2 * F, 1, 2 * F, st->x_rows + r0 * H, H, 1, acc, H);
     FN(write_wgrad)(st, (char*)a->d_w13 + le * 2 * F * H * wsize, acc, 2 * F * H);
+    if (c->use_expert_bias) { /* d_b13[e] = sum of d_a, d_b2[e] = sum of dy_j: over the rows in order */
+      for (int64_t f = 0; f < 2 * F; f++) {
+        REAL sum = 0;
+        for (int64_t i = r0; i < r0 + n; i++) sum = sum + LD(d_a[i * 2 * F + f]);
+        acc[f] = sum;
+      }
+      FN(write_wgrad)(st, (char*)a->d_b13 + le * 2 * F * wsize, acc, 2 * F);
+      for (int64_t h = 0; h < H; h++) {
+        REAL sum = 0;
+        for (int64_t i = r0; i < r0 + n; i++) sum = sum + LD(dy_rows[i * H + h]);
+        acc[h] = sum;
+      }
+      FN(write_wgrad)(st, (char*)a->d_b2 + le * H * wsize, acc, H);
+    }
     r0 += n;
   }
   s = FN(sync)(st);
@@ -674,7 +700,8 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
   for (int64_t b = 0; Fs > 0 && b < T; b += MOK_ROW_BLOCK) {
     const int64_t rb = FN(block_rows)(T, b);
     if (redo) /* (sh is read again by the replicated gradients, step 6) */
-      FN(gate_up_block)(st, rb, Fs, (const ACT*)a->x + b * H, a->ws13, st->sa + b * 2 * Fs, st->sh + b * Fs, acc);
+      FN(gate_up_block)(st, rb, Fs, (const ACT*)a->x + b * H, a->ws13, NULL, st->sa + b * 2 * Fs, st->sh + b * Fs,
+                        acc);
     FN(gemm)(st, rb, Fs, H, dy + b * H, H, 1, a->ws2, Fs, 1, acc, Fs);
     FN(swiglu_backward)(st, rb, Fs, st->sa + b * 2 * Fs, acc, d_a_s + b * 2 * Fs);
   }
