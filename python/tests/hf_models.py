@@ -1,0 +1,195 @@
+"""Tiny transformers models for the mok.transformers tests (test_transformers.py on the
+CPU, test_cuda_transformers.py on a GPU): each family's own config and model classes,
+random weights, no downloads. Shapes the CUDA kernels take too (H, F multiples of 64,
+E a multiple of 8).
+
+make_model(family, ...) builds one with bf16-representable weights (so that mok's bf16
+copies of a float32 model's weights are the weights themselves); batch() gives token
+ids with a padded sequence; step() runs forward + backward and returns what the tests
+compare; check_close() and check_routing() compare two steps."""
+import copy
+
+import torch
+import transformers
+
+H, F, E, K, LAYERS, VOCAB = 128, 64, 8, 2, 2, 128
+TOL = 2e-2  # mok's bf16 rounding points (a, h, o, y, ...) against a float32 eager model
+NEAR_TIE = 5e-3  # routing may differ only where two of the top K + 1 probabilities are this close
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64, num_experts_per_tok=K, output_router_logits=True,
+               router_aux_loss_coef=0.02, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+# family: (config class, causal-LM class, the family's own config fields)
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(moe_intermediate_size=F, num_experts=E, intermediate_size=2 * F, head_dim=32, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=F, num_local_experts=E, head_dim=32)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=F, num_experts=E)),  # norm_topk_prob False
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(moe_intermediate_size=F, num_experts=E, intermediate_size=2 * F, shared_expert_intermediate_size=F)),
+    # one MoE layer (the first is dense): its input is the same bits in eager and mok copies
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(moe_intermediate_size=F, n_routed_experts=E, intermediate_size=2 * F, n_shared_experts=1,
+                         n_group=2, topk_group=1, first_k_dense_replace=1, num_key_value_heads=4, kv_lora_rank=32,
+                         q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(intermediate_size=F, num_local_experts=E, head_dim=32,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0), layer_types=None)),
+}
+FUSED = ("qwen3_moe", "mixtral", "olmoe")       # the families fuse() runs
+REPLAY = FUSED + ("qwen2_moe",)                 # and those whose experts the replay path runs (deepseek_v3
+                                                # too: test_transformers.py, one MoE layer)
+
+
+def config(family, **overrides):
+    cfg_name, _, extra = FAMILIES[family]
+    kw = dict(_COMMON, num_hidden_layers=LAYERS, experts_implementation="eager", attn_implementation="eager")
+    kw.update(extra)
+    kw.update(overrides)
+    return getattr(transformers, cfg_name)(**kw)
+
+
+def make_model(family, dtype=torch.float32, device="cpu", seed=0, **overrides):
+    """The family's causal LM with random bf16-representable weights; routers and
+    experts drawn at 1/sqrt(fan_in) (so that routing is well separated and the experts
+    matter to the logits), the rest as the model initialises it."""
+    _, model_name, _ = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config(family, **overrides))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") or name.endswith("mlp.router.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 1.5 / p.shape[-1] ** 0.5)
+            elif "experts." in name and p.dim() == 3:
+                fan_in = p.shape[-1] if name.endswith("gate_up_proj") or name.endswith("down_proj") else p.shape[-2]
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+            p.copy_(p.bfloat16().float())
+    return model.to(device=device, dtype=dtype).train()
+
+
+def batch(device="cpu", seqs=3, seq=32, seed=5):
+    """(input_ids, attention_mask, labels): the last sequence padded for its last 7
+    positions (masked out of the attention, the labels and transformers' aux loss)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (seqs, seq), generator=g)
+    mask = torch.ones(seqs, seq, dtype=torch.long)
+    mask[-1, -7:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def routers(model):
+    """The sparse-MoE blocks' router modules, in layer order."""
+    return [m.gate for n, m in model.named_modules() if n.endswith("mlp") and hasattr(m, "gate")]
+
+
+def _forcing_hook(record, force):
+    """A forward hook on a router (which returns logits, weights, indices): records its
+    own choice and logits, and with `force` (a list of [T, K] indices, one a layer)
+    makes the block use those experts instead, their weights recomputed from the
+    router's probabilities as the router does (softmax, gather, normalised where it
+    normalises: Mixtral always, the others per norm_topk_prob)."""
+    def hook(mod, args, out):
+        logits, weights, idx = out[0], out[1], out[2]
+        record.append((idx.detach(), logits.detach()))
+        if force is None:
+            return None
+        chosen = force[len(record) - 1].to(device=idx.device, dtype=idx.dtype)
+        w = logits.float().softmax(-1).gather(-1, chosen)
+        if getattr(mod, "norm_topk_prob", True):
+            w = w / w.sum(-1, keepdim=True)
+        return (logits, w.to(weights.dtype), chosen, *out[3:])
+    return hook
+
+
+def step(model, inputs, output_router_logits=True, force=None):
+    """forward + backward of the model's loss (cross-entropy + its aux loss); returns
+    the outputs, every parameter's gradient by name, and each MoE layer's routing
+    (`routing`: the [T, K] experts the layer used and its router's [T, E] logits, None
+    where the router did not run; `own`: the router's own choice and logits). force:
+    per-layer experts that the model's routers must use (_forcing_hook)."""
+    ids, mask, labels = inputs
+    base = getattr(model, "_orig_mod", model)  # the model itself, under torch.compile
+    seen = []
+    hooks = [r.register_forward_hook(_forcing_hook(seen, force)) for r in routers(base)]
+    model.zero_grad(set_to_none=True)
+    try:
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=output_router_logits)
+    finally:
+        for h in hooks:
+            h.remove()
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in base.named_parameters() if p.grad is not None}
+    fused = [m for m in base.modules() if type(m).__name__ == "MokSparseMoeBlock"]
+    if fused:  # mok's own choice of experts (the router module, when it ran, only gave logits)
+        logits = [lg for _, lg in seen] if seen else [None] * len(fused)
+        routing = [(m.topk_idx.long(), lg) for m, lg in zip(fused, logits)]
+    elif force is not None:
+        routing = [(f, lg) for f, (_, lg) in zip(force, seen)]
+    else:
+        routing = seen
+    aux, router_logits = getattr(out, "aux_loss", None), getattr(out, "router_logits", None)  # (not every family's)
+    return dict(loss=out.loss.detach(), logits=out.logits.detach(),
+                aux_loss=None if aux is None else aux.detach(),
+                router_logits=None if not router_logits else [r.detach() for r in router_logits],
+                grads=grads, routing=routing, own=seen)
+
+
+def compare(eager, model, inputs, output_router_logits=True, tol=TOL):
+    """The mok model's step against the eager model's with the same experts chosen:
+    mok's step first, then eager's with its routers made to use mok's choices (a choice
+    is discrete: where two probabilities are nearly tied, mok's bf16 logits may pick the
+    other expert, and that token's output then differs by a whole expert's). Values and
+    gradients within tol; mok's choices the eager routers' own except near ties
+    (check_routing). Returns (mok's step, eager's)."""
+    got = step(model, inputs, output_router_logits)
+    ref = step(eager, inputs, output_router_logits, force=[idx for idx, _ in got["routing"]])
+    check_close(got, ref, tol)
+    check_routing(got["routing"], ref["own"])
+    return got, ref
+
+
+def rel_err(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm()) if b.norm() > 0 else float((a - b).norm())
+
+
+def check_close(got, ref, tol=TOL):
+    """loss, logits, aux loss and every parameter's gradient within tol (relative norm)"""
+    errs = {"loss": rel_err(got["loss"], ref["loss"]), "logits": rel_err(got["logits"], ref["logits"])}
+    if ref["aux_loss"] is not None:
+        errs["aux_loss"] = rel_err(got["aux_loss"], ref["aux_loss"])
+    assert got["grads"].keys() == ref["grads"].keys(), sorted(set(got["grads"]) ^ set(ref["grads"]))
+    for n in ref["grads"]:
+        errs["grad " + n] = rel_err(got["grads"][n], ref["grads"][n])
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"above {tol}: {bad}"
+    return errs
+
+
+def check_routing(got, ref):
+    """Each layer's experts (got: [(idx, logits)] a layer) the same as the reference
+    router's own choice (ref: the same), except for tokens whose top K + 1
+    probabilities (the reference router's) hold a near tie."""
+    assert len(got) == len(ref) == LAYERS, (len(got), len(ref))
+    for layer, ((gi, _), (ri, rl)) in enumerate(zip(got, ref)):
+        assert gi.shape == ri.shape
+        differ = (gi.cpu() != ri.cpu()).any(-1)
+        top = rl.float().softmax(-1).topk(ri.shape[1] + 1, dim=-1).values.cpu()
+        gap = (top[:, :-1] - top[:, 1:]).min(-1).values
+        assert bool((gap[differ] < NEAR_TIE).all()), \
+            f"layer {layer}: {int(differ.sum())} tokens routed otherwise, gaps {gap[differ].tolist()}"
+        assert float(differ.float().mean()) <= 0.05, f"layer {layer}: {float(differ.float().mean()):.1%} differ"
+
+
+def mok_copy(model, path, layers=LAYERS, **options):
+    """A copy of the model whose MoE runs in mok: path "replay" (experts_implementation
+    "mok") or "fused" (mok.transformers.fuse); `layers` MoE layers expected."""
+    import mok.transformers as mt
+
+    m = copy.deepcopy(model)
+    names = mt.replay(m, **options) if path == "replay" else mt.fuse(m, **options)
+    assert len(names) == layers, names
+    return m
