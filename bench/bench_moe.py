@@ -8,7 +8,8 @@ sorted by expert (stable argsort), torch._grouped_mm for the gate|up and down
 projections, SwiGLU, weighted scatter back with index_add_, under torch.compile.
 Both run the same weights, inputs and routing (bias_select adds the same selection
 bias to both); "skewed" routing makes E/32 experts (at least one) hot: every token
-selects them. Times: CUDA events around --steps back-to-back steps (the host queues
+selects them; "groups" (deepseek-v3) is DeepSeek-V3's own group-limited router in both
+(shapes.ROUTERS). Times: CUDA events around --steps back-to-back steps (the host queues
 the next step while the GPU runs, as in training), median of 3 such runs; "iso ms":
 one step at a time from an idle GPU (its host launch latency exposed), median of --steps.
 --rounds N: mok and the peer timed N times a row, in turn (the peer first in odd
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import mok  # noqa: E402
 from ep_peer import route  # noqa: E402  (bench/ is this script's directory)
-from shapes import SHAPES, hot_experts, step_flops  # noqa: E402
+from shapes import ROUTERS, SHAPES, hot_experts, step_flops  # noqa: E402
 
 # mok.MoE's memory options, set from --recompute-gate-up and --reuse-saved
 LAYER_OPTIONS = {"recompute_gate_up": False, "reuse_saved": False}
@@ -170,12 +171,13 @@ def ceiling_tflops(n=8192, steps=10, out=None, warm=0.0):
     return 2 * n**3 / ms / 1e9
 
 
-def peer_forward(x, w_router, bias, w13, w2, K):
-    """The PyTorch peer layer: routing in fp32, grouped GEMMs in bf16."""
+def peer_forward(x, w_router, bias, w13, w2, K, router):
+    """The PyTorch peer layer: routing in fp32 (router: route's options), grouped GEMMs
+    in bf16."""
     T, H = x.shape
     E, twoF, _ = w13.shape
     Fd = twoF // 2
-    idx, g = route(x, w_router, bias, K)
+    idx, g = route(x, w_router, bias, K, **router)
     flat = idx.flatten()
     order = torch.argsort(flat, stable=True)
     token = order // K
@@ -205,19 +207,21 @@ def step_fingerprint(y, x, params):
 
 
 class Problem:
-    """One named shape on the GPU: a mok.MoE layer (seeded weights; "skewed" makes E/32
-    experts, at least one, hot through bias_select), x and dy, and one training step of
-    mok or of the PyTorch peer on them (the same weights, inputs and routing)."""
+    """One named shape on the GPU: a mok.MoE layer (seeded weights; routing "skewed"
+    makes E/32 experts, at least one, hot through bias_select; a mode of shapes.ROUTERS
+    is the shape's own router), x and dy, and one training step of mok or of the PyTorch
+    peer on them (the same weights, inputs and routing)."""
 
-    def __init__(self, name, skewed=False):
+    def __init__(self, name, routing="uniform"):
         T, H, Fd, E, K = SHAPES[name]
         torch.manual_seed(0)
         self.K = K
+        self.router = ROUTERS.get(name, {}).get(routing, {})
         self.layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda",
-                             **LAYER_OPTIONS)
+                             **self.router, **LAYER_OPTIONS)
         with torch.no_grad():
             self.layer.bias_select.zero_()
-            if skewed:
+            if routing == "skewed":
                 self.layer.bias_select[: hot_experts(E)] = 1.0
         self.x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
         self.dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -245,7 +249,7 @@ class Problem:
             self.bias = self.layer.bias_select.detach().float()
         self.zero()
         w = self.layer
-        y = self.peer(self.x, w.w_router, self.bias, w.w13, w.w2, self.K)
+        y = self.peer(self.x, w.w_router, self.bias, w.w13, w.w2, self.K, self.router)
         y.backward(self.dy)
         return y
 
@@ -266,16 +270,16 @@ def warm_up(step, seconds):
         torch.cuda.synchronize()
 
 
-def profile_shape(name, skewed, warm=0.0):
+def profile_shape(name, routing, warm=0.0):
     """MOK_PROFILE=1: the library prints CTA time per task kind at each mok.synchronize().
     warm > 0: the peer's steps run that many seconds first (mok's own would all be
     traced), so the traced step runs at a sustained run's clock."""
-    pb = Problem(name, skewed)
+    pb = Problem(name, routing)
     for _ in range(2):
         pb.mok_step()
     mok.synchronize()
     warm_up(pb.peer_step, warm)
-    print(f"{name} {'skewed' if skewed else 'uniform'}: one step", file=sys.stderr, flush=True)
+    print(f"{name} {routing}: one step", file=sys.stderr, flush=True)
     pb.mok_step()
     mok.synchronize()
     pb.release()
@@ -357,11 +361,11 @@ def kernel_times(name, steps=5, warm=0.0):
     pb.release()
 
 
-def bench_shape(name, skewed, steps, ceiling, mok_only=False, rounds=1):
+def bench_shape(name, routing, steps, ceiling, mok_only=False, rounds=1):
     T, H, Fd, E, K = SHAPES[name]
-    pb = Problem(name, skewed)
+    pb = Problem(name, routing)
     x, params, mok_step, peer_step = pb.x, pb.params, pb.mok_step, pb.peer_step
-    result = {"shape": name, "routing": "skewed" if skewed else "uniform", "T": T, "H": H, "F": Fd, "E": E, "K": K}
+    result = {"shape": name, "routing": routing, "T": T, "H": H, "F": Fd, "E": E, "K": K}
     fl = step_flops(T, H, Fd, E, K)
 
     # ---- mok ----
@@ -424,6 +428,12 @@ def bench_shape(name, skewed, steps, ceiling, mok_only=False, rounds=1):
     return result
 
 
+def routings(name, uniform_only):
+    """The routing modes a shape is timed with: uniform, then skewed and the shape's own
+    routers (shapes.ROUTERS) unless uniform_only."""
+    return ["uniform"] if uniform_only else ["uniform", "skewed", *ROUTERS.get(name, {})]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -455,8 +465,8 @@ def main():
         return
     if args.profile:
         for name in args.shapes.split(","):
-            for skewed in ([False] if args.uniform_only else [False, True]):
-                profile_shape(name, skewed, args.warm)
+            for routing in routings(name, args.uniform_only):
+                profile_shape(name, routing, args.warm)
         return
     global SAMPLER
     SAMPLER = GpuSampler()
@@ -476,8 +486,8 @@ def main():
     print("-" * len(hdr))
     rows = []
     for name in args.shapes.split(","):
-        for skewed in ([False] if args.uniform_only else [False, True]):
-            r = bench_shape(name, skewed, args.steps, ceiling, args.mok_only, args.rounds)
+        for routing in routings(name, args.uniform_only):
+            r = bench_shape(name, routing, args.steps, ceiling, args.mok_only, args.rounds)
             rows.append(r)
             m, p = r["mok"], r.get("peer", {})  # (no peer with --mok-only)
             det = lambda d: "yes" if d else "no"  # noqa: E731

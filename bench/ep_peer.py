@@ -35,12 +35,22 @@ def grouped_mm(a, b, offs):
     return torch.cat(out) if out else a.new_zeros(0, b.shape[-1])
 
 
-def route(x, w_router, bias, K):
-    """Top-K experts and normalised weights of each token (fp32 scores)."""
-    scores = torch.softmax(F.linear(x, w_router).float(), dim=-1)
-    _, idx = torch.topk(scores + bias, K, dim=-1)
+def route(x, w_router, bias, K, score="softmax", route_scale=1.0, n_group=0, topk_group=0):
+    """Top-K experts and normalised weights of each token (fp32 scores; sigmoid scores
+    as DeepSeek-V3's; n_group > 1: its group-limited choice, the top-K among the
+    experts of the topk_group groups with the largest top-2 sums of score + bias)."""
+    logits = F.linear(x, w_router).float()
+    scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
+    key = scores + bias
+    if n_group > 1:
+        T, E = key.shape
+        group_score = key.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
+        kept = torch.zeros_like(group_score, dtype=torch.bool)
+        kept.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+        key = key.masked_fill(~kept.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    _, idx = torch.topk(key, K, dim=-1)
     g = scores.gather(1, idx)
-    return idx, g / g.sum(-1, keepdim=True)
+    return idx, g / g.sum(-1, keepdim=True) * route_scale
 
 
 def ep_moe(x, w_router, bias, w13_local, w2_local, K, group=None):

@@ -5,6 +5,16 @@ SHAPES = {
     "gpt-oss-120b": (16384, 2880, 2880, 128, 4),
     "mixtral-8x7b": (8192, 4096, 14336, 8, 2),
     "deepseek-v3": (8192, 7168, 2048, 256, 8),
+    "kimi-k2": (8192, 7168, 2048, 384, 8),
+    "qwen3.5": (16384, 4096, 1024, 512, 10),
+}
+
+# Routing modes beside "uniform" and "skewed" (bench_moe.py): a shape's own router where
+# it is not the default one (softmax, normalised, bias_select zero). "groups":
+# DeepSeek-V3's group-limited routing (sigmoid scores, the best 4 of 8 groups by their
+# top-2 sums, weights normalised then scaled by 2.5), mok.MoE's options and the peer's.
+ROUTERS = {
+    "deepseek-v3": {"groups": dict(score="sigmoid", route_scale=2.5, n_group=8, topk_group=4)},
 }
 
 

@@ -138,7 +138,7 @@ typedef struct {
   int64_t T;           /* max tokens per call on this rank (a call may pass fewer; 0 allowed) */
   int64_t H;           /* hidden size */
   int64_t F;           /* expert ffn size */
-  int64_t E;           /* experts in all */
+  int64_t E;           /* experts in all, 1 <= E <= 1024 */
   int64_t K;           /* experts per token, 1 <= K <= E */
   int W;               /* expert-parallel ranks; E % W == 0 */
   int rank;            /* this rank, 0 <= rank < W; owns experts rank*E/W .. */
@@ -150,8 +150,8 @@ typedef struct {
   int use_bias_select; /* bias_select [E] fp32 is added to scores for selection only */
   float aux_loss_coef; /* alpha of the load-balancing loss; 0 disables it */
   float z_loss_coef;   /* beta of the router z-loss; 0 disables it */
-  /* group-limited routing (DeepSeek-V3: n_group 8, topk_group 4; fused routing, CPU
-   * backend; the CUDA backend runs n_group 0 or 1 only, else MOK_STATUS_UNSUPPORTED_SHAPE).
+  /* group-limited routing (DeepSeek-V3: n_group 8, topk_group 4; fused routing, both
+   * backends, the same choice and bits).
    * The E experts form n_group groups of E / n_group consecutive experts (group i:
    * experts i E/n_group ..). Per token, from the selection keys key[e] = s[e] +
    * bias_select[e] (fp32: the same rounding as for the top-K; s[e] without bias_select):

@@ -278,19 +278,12 @@ static mok_status_t validate_config(const mok_config_t* c) {
     return CFG_ERR(MOK_STATUS_BACKEND_UNAVAILABLE,
                    "cfg.backend = MOK_BACKEND_CUDA: this build of mok has no CUDA backend (built without nvcc)");
 #else
-    /* the kernels' router chooses among all E experts: one group is today's routing */
-    if (c->n_group > 1)
-      return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
-                     "cfg.n_group = %d: group-limited routing is CPU-only so far (the CUDA kernels choose "
-                     "among all E experts); use cfg.backend = MOK_BACKEND_CPU, or n_group 0 or 1", c->n_group);
-    /* the kernels' tiles: 64-wide TMA boxes along H, F, Fs; E in one warp's 8 registers */
+    /* the kernels' tiles: 64-wide TMA boxes along H, F, Fs (E: any up to MOK_MAX_EXPERTS,
+     * a router warp's 32 registers a lane; K: a lane a slot) */
     if (c->H % 64 || c->F % 64 || c->Fs % 64)
       return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
                      "cfg.H = %lld, cfg.F = %lld, cfg.Fs = %lld: the CUDA backend needs multiples of 64",
                      (long long)c->H, (long long)c->F, (long long)c->Fs);
-    if (c->E % 8 || c->E > 256)
-      return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
-                     "cfg.E = %lld: the CUDA backend needs E a multiple of 8 and at most 256", (long long)c->E);
     if (c->K > 32)
       return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "cfg.K = %lld: the CUDA backend needs K <= 32", (long long)c->K);
     if (c->W > 1) {
@@ -312,7 +305,7 @@ static mok_status_t validate_config(const mok_config_t* c) {
 #endif
   }
   if (c->E > MOK_MAX_EXPERTS)
-    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "cfg.E = %lld: the CPU backend runs E <= %d",
+    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE, "cfg.E = %lld: mok runs E <= %d (both backends)",
                    (long long)c->E, MOK_MAX_EXPERTS);
   /* sizes must fit: every dimension an int32 (row positions and the kernels' indices),
    * the largest buffers [W T K, H] and the weights below 2^53 elements (so the products

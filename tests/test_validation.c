@@ -371,40 +371,46 @@ static int create_nonfinite(void) {
 
 /* Without nvcc the library has no CUDA backend: BACKEND_UNAVAILABLE. With it, a shape
  * the kernels take creates (a GPU) or gives BACKEND_UNAVAILABLE (no device), and one
- * they do not take (F = 32) gives UNSUPPORTED_SHAPE. EXACT numerics is CPU-only, and so
- * is group-limited routing (n_group > 1: UNSUPPORTED_SHAPE, before any device is asked). */
+ * they do not take (F = 32, K = 33) gives UNSUPPORTED_SHAPE. EXACT numerics is CPU-only.
+ * The kernels take any E up to MOK_MAX_EXPERTS and group-limited routing. */
+static int cuda_takes(const mok_config_t* c, const char* what) {
+#ifndef MOK_HAVE_CUDA
+  return expect_create(c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda", what);
+#else
+  mok_context_t* ctx = NULL;
+  mok_status_t s = mok_context_create(c, &ctx);
+  if (s == MOK_STATUS_SUCCESS) {
+    mok_context_destroy(ctx);
+    return 0;
+  }
+  return check_outcome(what, s, MOK_STATUS_BACKEND_UNAVAILABLE, -1, mok_last_create_error(),
+                       "backend|CUDA|cuda|device|GPU", ctx ? "*ctx (not NULL)" : NULL);
+#endif
+}
+
 static int create_backend(void) {
   int bad = 0;
   mok_config_t c = base_config();
   c.backend = MOK_BACKEND_CUDA;
-#ifndef MOK_HAVE_CUDA
-  bad += expect_create(&c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda",
-                       "cuda backend not built");
-#else
+#ifdef MOK_HAVE_CUDA
   bad += expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, -1, "F", "cuda backend, F = 32");
+#endif
   c.F = c.Fs = 64;
-  mok_context_t* ctx = NULL;
-  mok_status_t s = mok_context_create(&c, &ctx);
-  if (s == MOK_STATUS_SUCCESS)
-    mok_context_destroy(ctx);
-  else
-    bad += check_outcome("cuda backend, no device", s, MOK_STATUS_BACKEND_UNAVAILABLE, -1,
-                         mok_last_create_error(), "backend|CUDA|cuda|device|GPU",
-                         ctx ? "*ctx (not NULL)" : NULL);
+  bad += cuda_takes(&c, "cuda backend");
+  mok_config_t v = c;
+  v.n_group = 4, v.topk_group = 2;
+  bad += cuda_takes(&v, "cuda backend, n_group = 4");
+  v = c, v.E = 3, v.K = 2;
+  bad += cuda_takes(&v, "cuda backend, E = 3");
+  v = c, v.E = 1024, v.K = 32;  /* the most experts (internal.h: MOK_MAX_EXPERTS) */
+  bad += cuda_takes(&v, "cuda backend, E = 1024, K = 32");
+#ifdef MOK_HAVE_CUDA
+  v.K = 33;
+  bad += expect_create(&v, MOK_STATUS_UNSUPPORTED_SHAPE, -1, "K", "cuda backend, K = 33");
 #endif
   c.numerics = MOK_NUMERICS_EXACT;
   bad += expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, MOK_STATUS_INVALID_ARGUMENT, "numerics",
                        "EXACT numerics on cuda");
-  /* group-limited routing is CPU-only so far: a shape the kernels take otherwise */
-  c = base_config();
-  c.backend = MOK_BACKEND_CUDA;
-  c.F = c.Fs = 64;
-  c.n_group = 4, c.topk_group = 2;
-#ifndef MOK_HAVE_CUDA
-  bad += expect_create(&c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda", "n_group = 4, no cuda backend");
-#else
-  bad += expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, -1, "n_group", "n_group = 4 on cuda");
-#endif
   return bad;
 }
 

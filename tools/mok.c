@@ -47,6 +47,8 @@ static const shape_t kShapes[] = {
     {"gpt-oss-120b", 16384, 2880, 2880, 128, 4, 0, 1},
     {"mixtral-8x7b", 8192, 4096, 14336, 8, 2, 0, 1},
     {"deepseek-v3", 8192, 7168, 2048, 256, 8, 0, 1},
+    {"kimi-k2", 8192, 7168, 2048, 384, 8, 0, 1},
+    {"qwen3.5", 16384, 4096, 1024, 512, 10, 0, 1},
 };
 #define NUM_SHAPES ((int)(sizeof kShapes / sizeof kShapes[0]))
 

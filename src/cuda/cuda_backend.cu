@@ -137,6 +137,9 @@ static cudaError_t copy_now(void* dst, const void* src, size_t bytes) {
 // capacity (rows from every rank).
 static int64_t recv_rows(const mok_config_t& c, int64_t T) { return c.W == 1 ? T * c.K : c.capacity; }
 
+// logits' and dlogits' row stride (Shape::Ep): E rounded up to 8.
+static int64_t router_stride(const mok_config_t& c) { return (c.E + 7) / 8 * 8; }
+
 static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   Shape s{};
   s.T = (int)T, s.H = (int)c.H, s.F = (int)c.F, s.E = (int)c.E, s.K = (int)c.K, s.Fs = (int)c.Fs;
@@ -146,6 +149,9 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   s.score = c.score;
   s.normalize = c.normalize != 0;
   s.use_bias = c.use_bias_select != 0;
+  s.Ep = (int)router_stride(c);
+  s.n_group = c.n_group, s.topk_group = c.topk_group;
+  s.group_top2 = c.group_score == MOK_GROUP_SCORE_TOP2;
   s.route_scale = c.route_scale, s.aux_coef = c.aux_loss_coef, s.z_coef = c.z_loss_coef;
   s.nb = cdiv(T, 128);
   s.ns = std::max(cdiv(T, kSubTokens), c.W > 1 ? 1 : 0);  // (W > 1: one DISPATCH and DG task publishes even at T = 0)
@@ -205,7 +211,7 @@ static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   s.idx = p.take(T * c.K * 4);
   s.g = p.take(T * c.K * 4);
   s.pos = p.take(T * c.K * 4);
-  s.logits = p.take(T * c.E * 4);
+  s.logits = p.take(T * router_stride(c) * 4);
   s.counts = p.take(c.E * 4);
   s.expert_off = p.take((c.E + 1) * 4);
   s.tile_band = p.take((int64_t)make_shape(c, T, true).max_mt * 4);
@@ -314,7 +320,7 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   w.d_a = p.take(own_da * R * 2 * c.F * 2);
   w.dx_rows = p.take(own_dy * Rx * c.H * 2);  // (reused: where dy_rows are, after every WG2)
   const int64_t fused = c.routing == MOK_ROUTING_FUSED, shared = c.Fs > 0;  // (else unused)
-  w.dlogits = p.take(fused * T * c.E * 2);
+  w.dlogits = p.take(fused * T * router_stride(c) * 2);
   w.d_a_s = p.take(own_da * T * 2 * c.Fs * 2);
   w.dx_router = p.take(!bwd_dx_router_in_h(c) * fused * T * c.H * 4);
   w.dx_shared = p.take(shared * T * c.H * 4);
@@ -672,10 +678,11 @@ static mok_status_t encode_map(mok_context_t* ctx, CUtensorMap* map, const void*
 
 // A 2-D map [rows, cols] (cols contiguous), boxes of box_rows x 64. Loads use 64-row
 // boxes, the epilogues' TMA stores kStoreRows-row boxes (sm90_common.cuh).
+// ld: the row stride in elements (0: cols); a multiple of 8 (TMA's 16-byte strides).
 static mok_status_t make_map(mok_context_t* ctx, CUtensorMap* map, const void* base, int64_t rows, int64_t cols,
-                             const char* name, uint32_t box_rows = 64) {
+                             const char* name, uint32_t box_rows = 64, int64_t ld = 0) {
   const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)std::max<int64_t>(rows, 1)};
-  const cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
+  const cuuint64_t strides[1] = {(cuuint64_t)(ld ? ld : cols) * 2};
   const cuuint32_t box[2] = {64, box_rows};
   return encode_map(ctx, map, base, 2, dims, strides, box, name);
 }
@@ -903,7 +910,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   MAP_TRY(make_map(ctx, &p.m_xrows, p.sv.x_rows, R, H, "x_rows"));
   MAP_TRY(make_map(ctx, &p.m_hrows, p.sv.h_rows, R, F, "h_rows"));
   MAP_TRY(make_map(ctx, &p.m_da, p.d_a, R, 2 * F, "d_a"));
-  MAP_TRY(make_map(ctx, &p.m_dlog, p.s.fused ? p.dlogits : nullptr, T, E, "dlogits"));
+  MAP_TRY(make_map(ctx, &p.m_dlog, p.s.fused ? p.dlogits : nullptr, T, E, "dlogits", 64, p.s.Ep));
   MAP_TRY(make_map(ctx, &p.m_ws13, Fs ? a->ws13 : nullptr, 2 * Fs, H, "ws13"));
   MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
   MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));

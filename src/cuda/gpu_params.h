@@ -116,7 +116,7 @@ struct SavedView {
   int32_t* idx;       // [T, K]
   float* g;           // [T, K] final weights
   int32_t* pos;       // [T, K] row of slot (t, j) in the expert rows
-  float* logits;      // [T, E]
+  float* logits;      // [T, Ep]
   int32_t* counts;    // [E] rows per expert
   int32_t* expert_off;// [E + 1] first row of each expert
   int32_t* tile_band; // [max_mt] the band of each expert m-tile (expert_band_order)
@@ -200,8 +200,12 @@ struct Shape {
   int T, H, F, E, K, Fs;
   int W, rank;  // expert-parallel ranks and this one (experts rank*e_loc .. + e_loc)
   int e_loc;    // experts per rank (E / W)
+  int Ep;       // the row stride of logits and dlogits: E rounded up to 8 (16-byte rows for
+                // the fp32 stores and the bf16 TMA maps; the columns past E are zero)
   int fused, score, normalize, use_bias;
   float route_scale, aux_coef, z_coef;
+  int n_group, topk_group;  // group-limited routing (mok.h cfg.n_group) when n_group > 1
+  int group_top2;           // a group's score: its two largest selection keys (1) or the largest
   int nb;       // token blocks of 128 (routing, shared-expert m-tiles)
   int ns;       // token blocks of kSubTokens (memory-bound token tasks: more of them)
   int nd;       // the forward's DISPATCH tasks: W = 1 ns, W > 1 the stream tasks (kMaxStreams)
@@ -288,7 +292,7 @@ struct FwdParams {
   float* out_w;               // fused, or null
   SavedView sv;
   // workspace
-  float* logits;        // [T, E]
+  float* logits;        // [T, Ep]
   float* scores;        // [T, E]
   float* lse;           // [T]
   int32_t* rank;        // [T, K] slot's rank among its block's rows of that expert
@@ -313,7 +317,7 @@ struct BwdParams {
   CUtensorMap m_xrows;  // x_rows [R, H]
   CUtensorMap m_hrows;  // h_rows [R, F]
   CUtensorMap m_da;     // d_a [R, 2F]
-  CUtensorMap m_dlog;   // dlogits [T, E]
+  CUtensorMap m_dlog;   // dlogits [T, E], rows Ep apart
   CUtensorMap m_ws13;   // ws13 [2Fs, H]
   CUtensorMap m_ws2;    // ws2 [H, Fs]
   CUtensorMap m_sh;     // sh [T, Fs]
@@ -364,7 +368,7 @@ struct BwdParams {
   bf16* dy_rows;        // [R, H]
   bf16* d_a;            // [R, 2F]
   bf16* dx_rows;        // [R, H]
-  bf16* dlogits;        // [T, E]
+  bf16* dlogits;        // [T, Ep]
   bf16* d_a_s;          // [T, 2Fs]
   float* dx_router;     // [T, H]
   float* dx_shared;     // [T, H]

@@ -35,6 +35,8 @@ constexpr int kStages = 4;
 constexpr int kBoxBytes = 64 * 64 * 2;
 constexpr int kStageBytes = 6 * kBoxBytes;  // A boxes 0-1, then B boxes 0-3
 constexpr int kEpiBytes = 32 * 1024;       // the epilogue buffer: two 128 x 64 bf16 boxes
+// The router's experts at most (MOK_MAX_EXPERTS): a warp per token, 32 a lane (token_scores)
+constexpr int kMaxRouterExperts = 1024;
 
 // One operand of a tile: the tensor map and, per box, the row (K-major) or the mn start
 // (MN-major): two boxes for A, four for B; k0 is the first k (inner coordinate for
@@ -63,7 +65,7 @@ struct alignas(1024) Smem {
   uint8_t stage[kStages][kStageBytes];
   union {  // never in use at once (dg_task takes the scratch after epi_acquire)
     alignas(1024) uint8_t epi[kEpiBytes];    // an output tile on its way to global memory
-    float warp_scratch[kThreads / 32][256];  // per warp: one token's expert scores
+    float warp_scratch[kThreads / 32][kMaxRouterExperts];  // per warp: one token's expert scores
   };
   alignas(128) uint8_t maps[2][128];  // tensor maps in the making (cut_maps)
   uint64_t full[kStages];
@@ -882,16 +884,27 @@ __device__ __forceinline__ __nv_bfloat16 to_bf(float v) { return __float2bfloat1
 // The two bf16 of a pack_bf16x2 word as floats: the first (low half), the second (high).
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
-// One token's router scores, in a warp: lane holds experts lane + 32 i (i < 8, E <= 256).
-// prob = softmax of the logits, score = the router score (softmax or sigmoid), both 0
-// past E; returns logsumexp. Sums: a lane's experts in increasing i, then the warp's
-// fixed butterfly. Forward and backward call this one function: the same bits.
-__device__ __forceinline__ float token_scores(const float* logits, int E, int score, float (&prob)[8],
-                                              float (&sc)[8]) {
+// A token's softmax probability and router score of logit l, given the logits' max m and
+// sum of exp(l - m): one expression each, so that every caller gets the same bits.
+__device__ __forceinline__ float router_prob(float l, float m, float sum) {
+  return __fdiv_rn(__expf(__fsub_rn(l, m)), sum);
+}
+__device__ __forceinline__ float router_score(float l, float prob, int score) {
+  return score == MOK_SCORE_SOFTMAX ? prob : __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-l)));
+}
+// One token's router scores, in a warp: lane holds experts lane + 32 i (i < NR; E <= 32
+// NR: NR = 8 up to 256 experts, 16 up to 512, 32 up to 1024). prob = softmax of the
+// logits, score = the router score (softmax or sigmoid), both 0 past E; returns
+// logsumexp. Sums: a lane's experts in increasing i, then the warp's fixed butterfly
+// (token_softmax_sums: the same order without the arrays). Forward and backward call
+// these functions: the same bits.
+template <int NR>
+__device__ __forceinline__ float token_scores(const float* logits, int E, int score, float (&prob)[NR],
+                                              float (&sc)[NR]) {
   const int lane = threadIdx.x % 32;
-  float l[8], m = -INFINITY;
+  float l[NR], m = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < 8; i++) {
+  for (int i = 0; i < NR; i++) {
     l[i] = lane + 32 * i < E ? logits[lane + 32 * i] : -INFINITY;
     m = fmaxf(m, l[i]);
   }
@@ -899,15 +912,31 @@ __device__ __forceinline__ float token_scores(const float* logits, int E, int sc
   for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
   float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < 8; i++) sum = __fadd_rn(sum, lane + 32 * i < E ? __expf(__fsub_rn(l[i], m)) : 0.f);
+  for (int i = 0; i < NR; i++) sum = __fadd_rn(sum, lane + 32 * i < E ? __expf(__fsub_rn(l[i], m)) : 0.f);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(~0u, sum, o));
 #pragma unroll
-  for (int i = 0; i < 8; i++) {
+  for (int i = 0; i < NR; i++) {
     const bool in = lane + 32 * i < E;
-    prob[i] = in ? __fdiv_rn(__expf(__fsub_rn(l[i], m)), sum) : 0.f;
-    sc[i] = score == MOK_SCORE_SOFTMAX ? prob[i] : (in ? __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-l[i]))) : 0.f);
+    prob[i] = in ? router_prob(l[i], m, sum) : 0.f;
+    sc[i] = in ? router_score(l[i], prob[i], score) : 0.f;
   }
+  return __fadd_rn(m, __logf(sum));
+}
+// token_scores' max m and sum of exp(l - m) for any E (<= kMaxRouterExperts), the
+// logits read again instead of held: a lane's experts in increasing i, then the same
+// butterfly (the lanes past E add nothing: the same bits as token_scores); returns
+// logsumexp.
+__device__ __forceinline__ float token_softmax_sums(const float* logits, int E, float& m, float& sum) {
+  const int lane = threadIdx.x % 32;
+  m = -INFINITY;
+  for (int e = lane; e < E; e += 32) m = fmaxf(m, logits[e]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+  sum = 0.f;
+  for (int e = lane; e < E; e += 32) sum = __fadd_rn(sum, __expf(__fsub_rn(logits[e], m)));
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) sum = __fadd_rn(sum, __shfl_xor_sync(~0u, sum, o));
   return __fadd_rn(m, __logf(sum));
 }
 

@@ -118,6 +118,143 @@ __device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
   return v;
 }
 
+// A token's slots in the router backward, lane j holding slot j (K <= 32): its expert
+// (0 if the saved index is out of range: raised, *bad set), d_g times route_scale, and
+// the warp's S = sum_j s_j and dot = sum_j dgn_j s_j / S over the slots in order (g_j =
+// route_scale s_j / S). sw: the token's scores [E] in the warp's scratch.
+struct TokenSlots {
+  int e;
+  float dgn, S, dot;
+};
+__device__ __forceinline__ TokenSlots token_slots(const BwdParams& p, const float* sw, int t, bool& bad) {
+  const int E = p.s.E, K = p.s.K, lane = threadIdx.x % 32;
+  TokenSlots ts;
+  ts.e = lane < K ? p.sv.idx[(int64_t)t * K + lane] : 0;
+  if ((uint32_t)ts.e >= (uint32_t)E) {  // (sw's index)
+    ts.e = 0, bad = true;
+    raise_error(p.st, MOK_STATUS_INVALID_SAVED);
+  }
+  ts.dgn = lane < K ? __fmul_rn(p.dg[(int64_t)t * K + lane], p.s.route_scale) : 0.f;
+  __syncwarp();  // (sw's scores written)
+  ts.S = 0.f, ts.dot = 0.f;
+  for (int j = 0; j < K; j++) ts.S = __fadd_rn(ts.S, sw[__shfl_sync(~0u, ts.e, j)]);
+  for (int j = 0; j < K; j++) {
+    const float v = sw[__shfl_sync(~0u, ts.e, j)];
+    ts.dot = __fadd_rn(ts.dot, __fmul_rn(__shfl_sync(~0u, ts.dgn, j), __fdiv_rn(v, ts.S)));
+  }
+  __syncwarp();  // (sw read)
+  return ts;
+}
+
+// The router backward of tokens t0 + warp, t0 + warp + 8, ... < t1 (a warp a token, lane
+// holding experts lane + 32 i, i < NR: E <= 32 NR): dlogits from the saved logits, the
+// slots' d_g and the losses' terms. Returns whether a saved expert index was out of range
+// (raised). The caller has acquired sm.epi, where warp_scratch is.
+template <int NR>
+__device__ __forceinline__ bool router_backward(Smem& sm, const BwdParams& p, int t0, int t1) {
+  const Shape& s = p.s;
+  const int E = s.E, K = s.K, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
+  const float T_all = (float)p.sv.header[4], TK = T_all * (float)K;  // (the tokens of every rank)
+  bool bad = false;
+  for (int t = t0 + warp; t < t1; t += kThreads / 32) {
+    float sc[NR], pz[NR], ds[NR];
+    const float lse = token_scores<NR>(p.sv.logits + (int64_t)t * s.Ep, E, s.score, pz, sc);
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+      const int e = lane + 32 * i;
+      ds[i] = 0.f;
+      if (e < E && s.aux_coef != 0.f)  // d aux / d s[t, e] = d_aux alpha E f_e / T
+        ds[i] = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),
+                                    __fdiv_rn((float)p.sv.counts[e], TK)), T_all);
+    }
+    float* sw = sm.warp_scratch[warp];  // (shares sm.epi: the epi_acquire above)
+#pragma unroll
+    for (int i = 0; i < NR; i++)
+      if (lane + 32 * i < E) sw[lane + 32 * i] = sc[i];
+    const TokenSlots ts = token_slots(p, sw, t, bad);
+    const int my_e = ts.e;
+    const float my_dgn = ts.dgn, S = ts.S, dot = ts.dot;
+    for (int j = 0; j < K; j++) {
+      const int e = __shfl_sync(~0u, my_e, j);
+      const float dgn = __shfl_sync(~0u, my_dgn, j);
+      const float d = s.normalize ? __fdiv_rn(__fsub_rn(dgn, dot), S) : dgn;
+#pragma unroll
+      for (int i = 0; i < NR; i++)
+        if (lane + 32 * i == e) ds[i] = __fadd_rn(ds[i], d);
+    }
+    float dl[NR];
+    if (s.score == MOK_SCORE_SOFTMAX) {
+      float sd = 0.f;
+#pragma unroll
+      for (int i = 0; i < NR; i++) sd = __fadd_rn(sd, __fmul_rn(ds[i], sc[i]));
+      sd = warp_sum(sd);
+#pragma unroll
+      for (int i = 0; i < NR; i++) dl[i] = __fmul_rn(sc[i], __fsub_rn(ds[i], sd));
+    } else {
+#pragma unroll
+      for (int i = 0; i < NR; i++) dl[i] = __fmul_rn(__fmul_rn(ds[i], sc[i]), __fsub_rn(1.f, sc[i]));
+    }
+    if (s.z_coef != 0.f) {  // d/dl of beta mean_t lse^2 = beta 2 lse softmax(l) / T
+      const float zc = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_z, s.z_coef), 2.f), lse), T_all);
+#pragma unroll
+      for (int i = 0; i < NR; i++) dl[i] = __fadd_rn(dl[i], __fmul_rn(zc, pz[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < NR; i++)
+      if (lane + 32 * i < E) p.dlogits[(int64_t)t * s.Ep + lane + 32 * i] = to_bf(dl[i]);
+  }
+  return bad;
+}
+// router_backward for any E (up to kMaxRouterExperts; used past 256), holding no
+// per-expert arrays (32 of each would not fit beside the DG task's registers): the
+// scores, then ds, live in the warp's scratch row, a probability or score is computed
+// again from its logit where it is needed (router_prob / router_score: the same bits),
+// and every sum runs in router_backward's order (a lane's experts in increasing e, then
+// the butterfly), so E <= 256 would give router_backward<8>'s bits too.
+__device__ __forceinline__ bool router_backward_wide(Smem& sm, const BwdParams& p, int t0, int t1) {
+  const Shape& s = p.s;
+  const int E = s.E, K = s.K, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
+  const float T_all = (float)p.sv.header[4], TK = T_all * (float)K;  // (the tokens of every rank)
+  float* sw = sm.warp_scratch[warp];  // (shares sm.epi: the caller's epi_acquire)
+  bool bad = false;
+  for (int t = t0 + warp; t < t1; t += kThreads / 32) {
+    const float* lg = p.sv.logits + (int64_t)t * s.Ep;
+    float m, sum;
+    const float lse = token_softmax_sums(lg, E, m, sum);
+    for (int e = lane; e < E; e += 32) sw[e] = router_score(lg[e], router_prob(lg[e], m, sum), s.score);
+    const TokenSlots ts = token_slots(p, sw, t, bad);
+    const int my_e = ts.e;
+    const float my_dgn = ts.dgn, S = ts.S, dot = ts.dot;
+    // ds = the aux term, plus slot j's d at its expert (a token's experts are distinct:
+    // one addition each, as in router_backward; a corrupt repeat is raised above or only
+    // races within this row)
+    for (int e = lane; e < E; e += 32)
+      sw[e] = s.aux_coef != 0.f ? __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),
+                                                      __fdiv_rn((float)p.sv.counts[e], TK)), T_all)
+                                : 0.f;
+    __syncwarp();
+    if (lane < K) sw[my_e] = __fadd_rn(sw[my_e], s.normalize ? __fdiv_rn(__fsub_rn(my_dgn, dot), S) : my_dgn);
+    __syncwarp();
+    float sd = 0.f;
+    if (s.score == MOK_SCORE_SOFTMAX) {
+      for (int e = lane; e < E; e += 32) sd = __fadd_rn(sd, __fmul_rn(sw[e], router_prob(lg[e], m, sum)));
+      sd = warp_sum(sd);
+    }
+    const float zc = s.z_coef != 0.f ? __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_z, s.z_coef), 2.f), lse), T_all) : 0.f;
+    for (int e = lane; e < E; e += 32) {
+      const float pz = router_prob(lg[e], m, sum), sc = router_score(lg[e], pz, s.score);
+      float dl = s.score == MOK_SCORE_SOFTMAX ? __fmul_rn(sc, __fsub_rn(sw[e], sd))
+                                              : __fmul_rn(__fmul_rn(sw[e], sc), __fsub_rn(1.f, sc));
+      if (s.z_coef != 0.f) dl = __fadd_rn(dl, __fmul_rn(zc, pz));
+      p.dlogits[(int64_t)t * s.Ep + e] = to_bf(dl);
+    }
+    __syncwarp();  // (the next token's scores overwrite sw)
+  }
+  return bad;
+}
+
 // ---- DG: d_g, dy_j, router backward ----
 // A warp's slots stream through a ring of kDgRing units in shared memory; a unit is one
 // round of one slot: kDgInFlight 16-byte chunks of its dy row and of its o row a lane
@@ -239,68 +376,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   MOK_STALL_FROM(kStallDgRouter);
   if (s.fused) {
     epi_acquire(sm);  // warp_scratch shares sm.epi with a previous task's TMA stores
-    const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
-    const float T_all = (float)p.sv.header[4], TK = T_all * (float)K;  // (the tokens of every rank)
-    for (int t = t0 + warp; t < t1; t += kThreads / 32) {
-      float sc[8], pz[8], ds[8];
-      const float lse = token_scores(p.sv.logits + (int64_t)t * E, E, s.score, pz, sc);
-#pragma unroll
-      for (int i = 0; i < 8; i++) {
-        const int e = lane + 32 * i;
-        ds[i] = 0.f;
-        if (e < E && s.aux_coef != 0.f)  // d aux / d s[t, e] = d_aux alpha E f_e / T
-          ds[i] = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),
-                                      __fdiv_rn((float)p.sv.counts[e], TK)), T_all);
-      }
-      // g_j = route_scale s_j / S: S and sum_j dgn_j g_n_j over slots in order. Lane j
-      // holds slot j's expert and d_g (K <= 32), the loops take them by shuffle.
-      float* sw = sm.warp_scratch[warp];  // (shares sm.epi: the epi_acquire above)
-#pragma unroll
-      for (int i = 0; i < 8; i++)
-        if (lane + 32 * i < E) sw[lane + 32 * i] = sc[i];
-      int my_e = lane < K ? p.sv.idx[(int64_t)t * K + lane] : 0;
-      if ((uint32_t)my_e >= (uint32_t)E) {  // (sw's index)
-        my_e = 0, bad = true;
-        raise_error(p.st, MOK_STATUS_INVALID_SAVED);
-      }
-      const float my_dgn = lane < K ? __fmul_rn(p.dg[(int64_t)t * K + lane], s.route_scale) : 0.f;
-      __syncwarp();
-      float S = 0.f, dot = 0.f;
-      for (int j = 0; j < K; j++) S = __fadd_rn(S, sw[__shfl_sync(~0u, my_e, j)]);
-      for (int j = 0; j < K; j++) {
-        const float v = sw[__shfl_sync(~0u, my_e, j)];
-        dot = __fadd_rn(dot, __fmul_rn(__shfl_sync(~0u, my_dgn, j), __fdiv_rn(v, S)));
-      }
-      __syncwarp();
-      for (int j = 0; j < K; j++) {
-        const int e = __shfl_sync(~0u, my_e, j);
-        const float dgn = __shfl_sync(~0u, my_dgn, j);
-        const float d = s.normalize ? __fdiv_rn(__fsub_rn(dgn, dot), S) : dgn;
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-          if (lane + 32 * i == e) ds[i] = __fadd_rn(ds[i], d);
-      }
-      float dl[8];
-      if (s.score == MOK_SCORE_SOFTMAX) {
-        float sd = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) sd = __fadd_rn(sd, __fmul_rn(ds[i], sc[i]));
-        sd = warp_sum(sd);
-#pragma unroll
-        for (int i = 0; i < 8; i++) dl[i] = __fmul_rn(sc[i], __fsub_rn(ds[i], sd));
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; i++) dl[i] = __fmul_rn(__fmul_rn(ds[i], sc[i]), __fsub_rn(1.f, sc[i]));
-      }
-      if (s.z_coef != 0.f) {  // d/dl of beta mean_t lse^2 = beta 2 lse softmax(l) / T
-        const float zc = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_z, s.z_coef), 2.f), lse), T_all);
-#pragma unroll
-        for (int i = 0; i < 8; i++) dl[i] = __fadd_rn(dl[i], __fmul_rn(zc, pz[i]));
-      }
-#pragma unroll
-      for (int i = 0; i < 8; i++)
-        if (lane + 32 * i < E) p.dlogits[(int64_t)t * E + lane + 32 * i] = to_bf(dl[i]);
-    }
+    bad |= E <= 256 ? router_backward<8>(sm, p, t0, t1) : router_backward_wide(sm, p, t0, t1);
   }
   MOK_STALL_ADD(kStallDgRouter);
   // a slot rejected: no signal, so that no task after DG (every writer of an output waits

@@ -49,56 +49,126 @@ __device__ __forceinline__ uint64_t shfl_xor_u64(uint64_t v, int o) {
 }
 
 // ---- ROUTE ----
+// Group-limited routing (cfg.n_group = G > 1; mok.h, src/cpu/layer_impl.h group_limit) of
+// one token, in its warp: takes out of key (lane's experts lane + 32 i, topk_key; 0:
+// none) every expert outside the topk_group best groups. sel: the selection keys as
+// floats, sw: the warp's scratch [E]. A group's score: key1 + key2, its two largest
+// keys in the top-K order (one fp32 addition), or key1 (group_top2 0, or groups of one);
+// groups kept best first in the same order on their scores (ties to the lower group,
+// NaN last). Lane holds groups lane + 32 i (G <= E <= 32 NR).
+template <int NR>
+__device__ __forceinline__ void group_limit(const Shape& s, float* sw, const float (&sel)[NR], uint64_t (&key)[NR]) {
+  const int lane = threadIdx.x % 32, E = s.E, G = s.n_group, size = E / G;
+#pragma unroll
+  for (int i = 0; i < NR; i++)
+    if (lane + 32 * i < E) sw[lane + 32 * i] = sel[i];
+  __syncwarp();
+  uint64_t gkey[NR];
+#pragma unroll
+  for (int i = 0; i < NR; i++) {
+    const int g = lane + 32 * i;
+    gkey[i] = 0;
+    if (g >= G) continue;
+    uint64_t k1 = 0, k2 = 0;  // the group's two largest, in its experts' order
+    for (int e = g * size; e < (g + 1) * size; e++) {
+      const uint64_t k = topk_key(sw[e], e);
+      if (k > k1) k2 = k1, k1 = k;
+      else if (k > k2) k2 = k;
+    }
+    const float v1 = sw[0xffff - (int)(uint32_t)k1];
+    const float score = s.group_top2 && size > 1 ? __fadd_rn(v1, sw[0xffff - (int)(uint32_t)k2]) : v1;
+    gkey[i] = topk_key(score, g);
+  }
+  uint32_t kept = 0;  // bit i: group lane + 32 i
+  for (int n = 0; n < s.topk_group; n++) {
+    uint64_t best = 0;
+#pragma unroll
+    for (int i = 0; i < NR; i++)
+      if (!(kept >> i & 1)) best = max(best, gkey[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) best = max(best, shfl_xor_u64(best, o));
+    const int bg = 0xffff - (int)(uint32_t)best;  // (topk_group <= G: a group is left)
+    if (bg % 32 == lane) kept |= 1u << (bg / 32);
+  }
+  __syncwarp();  // (every lane's reads of sw, before it holds the kept flags [G])
+  int* const keep = reinterpret_cast<int*>(sw);
+#pragma unroll
+  for (int i = 0; i < NR; i++)
+    if (lane + 32 * i < G) keep[lane + 32 * i] = kept >> i & 1;
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < NR; i++)
+    if (lane + 32 * i < E && !keep[(lane + 32 * i) / size]) key[i] = 0;
+  __syncwarp();  // (the flags read before sw's next token)
+}
+
+// Scores, top-K and weights of tokens t0 + warp, t0 + warp + 8, ... < t1 (a warp a
+// token, lane holding experts lane + 32 i, i < NR: E <= 32 NR), from their logits.
+template <int NR>
+__device__ __forceinline__ void route_tokens(Smem& sm, const FwdParams& p, int t0, int t1) {
+  const Shape& s = p.s;
+  const int E = s.E, K = s.K, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int t = t0 + warp; t < t1; t += kThreads / 32) {
+    float prob[NR], sc[NR];
+    const float lse = token_scores<NR>(p.logits + (int64_t)t * s.Ep, E, s.score, prob, sc);
+    float sel[NR];     // the selection keys: score + bias_select
+    uint64_t key[NR];  // (0: not an expert, or one already chosen)
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+      const int e = lane + 32 * i;
+      sel[i] = s.use_bias && e < E ? __fadd_rn(sc[i], p.bias[e]) : sc[i];
+      key[i] = e < E ? topk_key(sel[i], e) : 0;
+      if (e < E) p.scores[(int64_t)t * E + e] = sc[i];
+    }
+    if (s.n_group > 1) group_limit<NR>(s, sm.warp_scratch[warp], sel, key);
+    if (lane == 0) p.lse[t] = lse;
+    // K rounds of a warp argmax; lane j keeps slot j (K <= 32)
+    float gsum = 0.f, my_g = 0.f;
+    int my_e = 0;
+    for (int j = 0; j < K; j++) {
+      uint64_t best = 0;
+#pragma unroll
+      for (int i = 0; i < NR; i++)
+        best = max(best, key[i]);
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) best = max(best, shfl_xor_u64(best, o));
+      const int be = 0xffff - (int)(uint32_t)best;  // (K <= the kept experts: one is left)
+      float gs = 0.f;  // the winner's lane takes it out and broadcasts its score
+#pragma unroll
+      for (int i = 0; i < NR; i++)
+        if (lane + 32 * i == be) key[i] = 0, gs = sc[i];
+      gs = __shfl_sync(~0u, gs, be % 32);
+      if (lane == j) my_g = gs, my_e = be;
+      gsum = __fadd_rn(gsum, gs);  // slots in order
+    }
+    if (lane < K) {
+      const float g = s.normalize ? __fdiv_rn(my_g, gsum) : my_g;
+      p.sv.idx[(int64_t)t * K + lane] = my_e;
+      p.sv.g[(int64_t)t * K + lane] = __fmul_rn(g, s.route_scale);
+    }
+  }
+}
+// route_tokens with the registers E needs: 8 a lane up to 256 experts (every named
+// shape: the code and registers the router had), 16 up to 512, 32 up to 1024.
+__device__ __forceinline__ void route_tokens_any(Smem& sm, const FwdParams& p, int t0, int t1) {
+  if (p.s.E <= 256) route_tokens<8>(sm, p, t0, t1);
+  else if (p.s.E <= 512) route_tokens<16>(sm, p, t0, t1);
+  else route_tokens<32>(sm, p, t0, t1);
+}
+
 __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) {
   const Shape& s = p.s;
   const int t0 = b * 128, t1 = min(s.T, t0 + 128), E = s.E, K = s.K;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (s.fused) {
-    for (int nt = 0; nt < cdiv(E, BN); nt++) {
+    for (int nt = 0; nt < cdiv(E, BN); nt++) {  // (logits' columns E .. Ep - 1: 0, B's rows past E)
       const Operand A = rows128(&p.m_x, t0, 0), B = wide(&p.m_wr, nt * BN, 0);
       gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-        store_tile<kStoreF32>(sm, acc, wg, w, l, t0, t1, nt * BN, E, p.logits, E);
+        store_tile<kStoreF32>(sm, acc, wg, w, l, t0, t1, nt * BN, s.Ep, p.logits, s.Ep);
       });
     }
     __syncthreads();
     MOK_STALL_FROM(kStallRouteTopK);
-    // a warp per token: lanes hold experts lane, lane + 32, ... (E <= 256)
-    for (int t = t0 + warp; t < t1; t += kThreads / 32) {
-      float prob[8], sc[8];
-      const float lse = token_scores(p.logits + (int64_t)t * E, E, s.score, prob, sc);
-      uint64_t key[8];  // (0: not an expert, or one already chosen)
-#pragma unroll
-      for (int i = 0; i < 8; i++) {
-        const int e = lane + 32 * i;
-        key[i] = e < E ? topk_key(s.use_bias ? __fadd_rn(sc[i], p.bias[e]) : sc[i], e) : 0;
-        if (e < E) p.scores[(int64_t)t * E + e] = sc[i];
-      }
-      if (lane == 0) p.lse[t] = lse;
-      // K rounds of a warp argmax; lane j keeps slot j (K <= 32)
-      float gsum = 0.f, my_g = 0.f;
-      int my_e = 0;
-      for (int j = 0; j < K; j++) {
-        uint64_t best = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-          best = max(best, key[i]);
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) best = max(best, shfl_xor_u64(best, o));
-        const int be = 0xffff - (int)(uint32_t)best;  // (K <= E: an expert is left)
-        float gs = 0.f;  // the winner's lane takes it out and broadcasts its score
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-          if (lane + 32 * i == be) key[i] = 0, gs = sc[i];
-        gs = __shfl_sync(~0u, gs, be % 32);
-        if (lane == j) my_g = gs, my_e = be;
-        gsum = __fadd_rn(gsum, gs);  // slots in order
-      }
-      if (lane < K) {
-        const float g = s.normalize ? __fdiv_rn(my_g, gsum) : my_g;
-        p.sv.idx[(int64_t)t * K + lane] = my_e;
-        p.sv.g[(int64_t)t * K + lane] = __fmul_rn(g, s.route_scale);
-      }
-    }
+    route_tokens_any(sm, p, t0, t1);
     MOK_STALL_ADD(kStallRouteTopK);
   } else {
     for (int t = t0 + (int)threadIdx.x; t < t1; t += kThreads) {

@@ -26,6 +26,7 @@ typedef struct {
   int nan_token; /* a token whose x gets a NaN, or -1 */
   int hot;       /* experts 0 .. hot - 1 get a selection bias of 2 (sigmoid scores: every
                     token picks them first), or 0 */
+  int n_group, topk_group, group_score; /* group-limited routing (cfg.n_group), or 0 */
 } gpu_shape_t;
 
 #define FUSED MOK_ROUTING_FUSED
@@ -39,35 +40,60 @@ typedef struct {
  * sigmoid, accumulation, NaN input, skewed routing with empty experts (edge cases of
  * DESIGN.md section 6). */
 static const gpu_shape_t shapes[] = {
-    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
-    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
-    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0},
-    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0},
-    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0},
-    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
-    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0},
-    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0},
-    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1, 0},
-    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
-    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0},
-    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
-    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
-    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0},
-    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0},
-    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0},
-    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0},
-    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0},
-    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0},
-    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0},
-    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0},
-    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
-    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
+    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0},
+    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0},
+    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0},
+    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0},
+    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1, 0, 0, 0, 0},
+    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0},
+    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0},
+    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
+    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
+    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
+    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
+    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0},
+    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0},
+    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
     // 4096 rows an expert: weight-gradient tasks of 2 of the 3 column tiles (two groups)
-    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0},
-    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1, 0},
+    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
     // skewed routing: 4 experts of 8192 rows, 4 empty ones whose zero gradients span
     // two column groups (2 tiles, then 1 of 64 columns) and a last row tile of 64 rows
-    {"skewed_groups", 8192, 576, 576, 8, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4},
+    {"skewed_groups", 8192, 576, 576, 8, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0},
+};
+
+#define TOP2 MOK_GROUP_SCORE_TOP2
+#define MAX1 MOK_GROUP_SCORE_MAX
+
+/* The router's variants (issue 33): E from 1 to 1024, not a multiple of 8 (the logits'
+ * rows padded to 8), more than 256 (the router warps' 16 and 32 registers a lane), K
+ * up to 32; group-limited routing: DeepSeek-V3's (8 groups of 32, the best 4 by their
+ * top-2 sums, sigmoid, bias, scale 2.5), DeepSeek-V2's largest-key groups, groups of one
+ * expert, groups beyond 256 experts. */
+static const gpu_shape_t router_shapes[] = {
+    {"e1", 200, 128, 64, 1, 1, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"e3", 300, 128, 64, 3, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"e4_sigmoid", 257, 128, 128, 4, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 0, 0, 0},
+    {"e6", 500, 192, 64, 6, 3, 0, FUSED, SOFTMAX, 0, 0, ACCUM, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0},
+    {"e60", 1000, 256, 64, 60, 4, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"e384_k8", 1024, 256, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"e512_k10", 1024, 128, 64, 512, 10, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"e1024_k32", 512, 128, 64, 1024, 32, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"e1000_replay", 300, 128, 64, 1000, 6, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
+    {"groups_v3", 1024, 256, 64, 256, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 8, 4, TOP2},
+    {"groups_v2", 700, 128, 128, 64, 6, 64, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 8, 3, MAX1},
+    {"groups_of_one", 300, 128, 64, 16, 2, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 0.f, -1, 0, 16, 5, TOP2},
+    {"groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2},
+    {"groups_e60", 400, 128, 64, 60, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 0, 6, 2, TOP2},
 };
 
 static mok_config_t shape_config(const gpu_shape_t* s) {
@@ -76,6 +102,7 @@ static mok_config_t shape_config(const gpu_shape_t* s) {
   c.routing = s->routing, c.score = s->score, c.normalize = s->normalize;
   c.use_bias_select = s->bias, c.wgrad = s->wgrad, c.route_scale = s->route_scale;
   c.aux_loss_coef = s->aux, c.z_loss_coef = s->z;
+  c.n_group = s->n_group, c.topk_group = s->topk_group, c.group_score = (mok_group_score_t)s->group_score;
   return c;
 }
 
@@ -138,10 +165,10 @@ static int same_routing(const gpu_shape_t* s, uint64_t seed, const test_outputs_
  * token's outputs and every gradient it feeds, on either backend rightly (d_w_router
  * by 1.4e-2 once, in "tall"): such an input is checked for its routing alone, and the
  * values on the next seed's input, up to 4 tries (then on the last, ties or not). */
-static int vs_cpu_with(mok_cta_pairs_t pairs) {
+static int vs_cpu_on(const gpu_shape_t* list, size_t n, mok_cta_pairs_t pairs) {
   int bad = 0;
-  for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
-    const gpu_shape_t* s = &shapes[i];
+  for (size_t i = 0; i < n; i++) {
+    const gpu_shape_t* s = &list[i];
     test_outputs_t cpu, gpu;
     int b = 0;
     for (int attempt = 0;; attempt++) {
@@ -170,7 +197,7 @@ static int vs_cpu_with(mok_cta_pairs_t pairs) {
         double e = mok_relative_error(&gpu.v[k], &cpu.v[k]);
         if (e > worst) worst = e;
       }
-      printf("    %-14s T=%-5lld H=%-5lld F=%-4lld E=%-3lld K=%-2lld Fs=%-4lld worst relative error %.2e\n", s->name,
+      printf("    %-14s T=%-5lld H=%-5lld F=%-4lld E=%-4lld K=%-2lld Fs=%-4lld worst relative error %.2e\n", s->name,
              (long long)s->T, (long long)s->H, (long long)s->F, (long long)s->E, (long long)s->K, (long long)s->Fs,
              worst);
     }
@@ -180,8 +207,10 @@ static int vs_cpu_with(mok_cta_pairs_t pairs) {
 }
 /* Both GEMM paths: CTAs in clusters of 2 whose tasks on the same weight tile share its
  * loads (paired), and every CTA alone. */
-static int gpu_vs_cpu_paired(void) { return vs_cpu_with(MOK_CTA_PAIRS_ON); }
-static int gpu_vs_cpu_unpaired(void) { return vs_cpu_with(MOK_CTA_PAIRS_OFF); }
+#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
+static int gpu_vs_cpu_paired(void) { return vs_cpu_on(shapes, COUNT(shapes), MOK_CTA_PAIRS_ON); }
+static int gpu_vs_cpu_unpaired(void) { return vs_cpu_on(shapes, COUNT(shapes), MOK_CTA_PAIRS_OFF); }
+static int router_vs_cpu(void) { return vs_cpu_on(router_shapes, COUNT(router_shapes), MOK_CTA_PAIRS_AUTO); }
 
 /* Bytes of every output of two CUDA runs with options a and b. */
 static int same_bits_runs(const gpu_shape_t* s, mok_run_opts_t a, mok_run_opts_t b, const char* what) {
@@ -221,15 +250,14 @@ static int d2_grid(void) {
   return bad;
 }
 
-/* D4: a token's y alone equals its y inside the batch. */
-static int d4_batch(void) {
-  const gpu_shape_t* s = &shapes[12];
+/* D4: a token's y alone equals its y inside the batch (tokens 0, 1, T / 2 and T - 1). */
+static int d4_of(const gpu_shape_t* s) {
   mok_problem_t* big = shape_problem(s, test_case_seed());
   TEST_ASSERT(big, "problem");
   mok_run_opts_t o = MOK_RUN_OPTS_INIT;
   o.backward = 0;
   if (run_cuda(big, &o)) return 1;
-  const int tokens[] = {0, 1, 777, 2047};
+  const int64_t tokens[] = {0, 1, s->T / 2, s->T - 1};
   for (int i = 0; i < 4; i++) {
     mok_config_t c = shape_config(s);
     mok_problem_t* one = test_problem(&c, 1, 1);
@@ -239,12 +267,18 @@ static int d4_batch(void) {
     memcpy(one->w_router, big->w_router, (size_t)s->E * s->H * 2);
     memcpy(one->w13, big->w13, (size_t)s->E * 2 * s->F * s->H * 2);
     memcpy(one->w2, big->w2, (size_t)s->E * s->H * s->F * 2);
+    memcpy(one->bias_select, big->bias_select, (size_t)s->E * big->real);
+    if (s->Fs) {
+      memcpy(one->ws13, big->ws13, (size_t)2 * s->Fs * s->H * 2);
+      memcpy(one->ws2, big->ws2, (size_t)s->H * s->Fs * 2);
+    }
     if (run_cuda(one, &o)) return 1;
-    TEST_ASSERT(memcmp(one->y, (char*)big->y + tokens[i] * row, row) == 0, "D4: token %d alone differs from in the batch",
-                tokens[i]);
+    TEST_ASSERT(memcmp(one->y, (char*)big->y + tokens[i] * row, row) == 0,
+                "D4 (%s): token %lld alone differs from in the batch", s->name, (long long)tokens[i]);
   }
   return 0;
 }
+static int d4_batch(void) { return d4_of(&shapes[12]); }
 
 /* A forward + backward step captured in a CUDA graph and replayed gives the eager bits. */
 static int graph_capture(void) {
@@ -252,6 +286,31 @@ static int graph_capture(void) {
   graph.graph = 1;
   graph.steps = 3;
   return same_bits_runs(&shapes[9], eager, graph, "graph replay") + same_bits_runs(&shapes[16], eager, graph, "graph replay (replay routing)");
+}
+
+/* The router's variants keep D1 (ten steps on one context against one), D2 (132 CTAs
+ * paired against 17) and D4: 384 experts (16 registers a lane), 1024 and K = 32, E not
+ * a multiple of 8, DeepSeek-V3's groups and groups beyond 256 experts. */
+static int router_determinism(void) {
+  static const char* const names[] = {"e3", "e384_k8", "e1024_k32", "groups_v3", "groups_e384"};
+  int bad = 0;
+  for (size_t k = 0; k < COUNT(names); k++) {
+    const gpu_shape_t* s = NULL;
+    for (size_t i = 0; i < COUNT(router_shapes); i++)
+      if (!strcmp(router_shapes[i].name, names[k])) s = &router_shapes[i];
+    TEST_ASSERT(s, "no router shape %s", names[k]);
+    mok_run_opts_t one = MOK_RUN_OPTS_INIT, ten = MOK_RUN_OPTS_INIT, full = MOK_RUN_OPTS_INIT, part = MOK_RUN_OPTS_INIT;
+    ten.steps = 10;
+    full.num_ctas = 132, full.cta_pairs = MOK_CTA_PAIRS_ON;
+    part.num_ctas = 17;
+    char what[96];
+    snprintf(what, sizeof what, "D1 ten steps (%s)", s->name);
+    bad += same_bits_runs(s, one, ten, what);
+    snprintf(what, sizeof what, "D2 132 paired vs 17 (%s)", s->name);
+    bad += same_bits_runs(s, full, part, what);
+    bad += d4_of(s);
+  }
+  return bad != 0;
 }
 
 /* Steps called from a thread other than the one that made the context give the same
@@ -756,6 +815,8 @@ const test_case_t suite_gpu[] = {
     {"d1_repeat", d1_repeat},
     {"d2_grid", d2_grid},
     {"d4_batch", d4_batch},
+    {"router_vs_cpu", router_vs_cpu},
+    {"router_determinism", router_determinism},
     {"graph_capture", graph_capture},
     {"step_thread", step_thread},
     {"gate_up_recompute", gate_up_recompute},
