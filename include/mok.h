@@ -91,6 +91,12 @@ typedef enum {
   MOK_GROUP_SCORE_TOP2 = 0, /* the sum of its two largest selection keys (DeepSeek-V3) */
   MOK_GROUP_SCORE_MAX = 1   /* its largest selection key (DeepSeek-V2) */
 } mok_group_score_t;
+/* The routed experts' activation (cfg.activation; the shared expert's is always SwiGLU). */
+typedef enum {
+  MOK_ACTIVATION_SWIGLU = 0,        /* h = silu(gate) * up */
+  MOK_ACTIVATION_SWIGLU_CLAMPED = 1 /* gpt-oss: gate and up clamped at cfg.swiglu_limit, h =
+                                       (up' + 1) * gate' * sigmoid(cfg.swiglu_alpha * gate') */
+} mok_activation_t;
 typedef enum {
   MOK_WGRAD_BF16 = 0,       /* weight gradients written as bf16 (overwriting) */
   MOK_WGRAD_FP32_ACCUM = 1  /* weight gradients added into caller fp32 buffers */
@@ -193,6 +199,23 @@ typedef struct {
    * d_w13 and d_w2. The shared expert has none. CPU backend (CUDA:
    * MOK_STATUS_UNSUPPORTED_SHAPE). 0 = off. */
   int use_expert_bias;
+  /* the clamped SwiGLU of gpt-oss (cfg.activation = MOK_ACTIVATION_SWIGLU_CLAMPED; gpt-oss:
+   * swiglu_alpha 1.702, swiglu_limit 7), for the routed experts (the shared expert keeps
+   * the plain SwiGLU). From the bf16 gate and up of a, in fp32 (limit, alpha: the floats
+   * of the config):
+   *   gate' = min(gate, limit), up' = clamp(up, -limit, limit) (NaN stays NaN),
+   *   s = sigmoid(alpha * gate'), h = bf16((up' + 1) * (gate' * s)),
+   * in that order of operations. Backward, in fp32 from the same gate and up, then
+   * rounded to bf16 (d_a): d_gate = dh (up' + 1) (s + alpha gate' s (1 - s)), zero where
+   * gate > limit; d_up = dh gate' s, zero where up > limit or up < -limit (a clamp at
+   * its bound passes the gradient, as torch.clamp does). Rules with the clamped SwiGLU:
+   * swiglu_alpha and swiglu_limit finite (else MOK_STATUS_NONFINITE_VALUE) and > 0 (else
+   * MOK_STATUS_INVALID_ARGUMENT); with MOK_ACTIVATION_SWIGLU both must be 0 (else
+   * MOK_STATUS_INVALID_ARGUMENT: set cfg.activation). CPU backend (CUDA:
+   * MOK_STATUS_UNSUPPORTED_SHAPE). */
+  mok_activation_t activation;
+  float swiglu_alpha;
+  float swiglu_limit;
   /* shared expert, applied to every token; Fs = 0 means none */
   int64_t Fs;
   /* outputs and execution */
@@ -221,9 +244,10 @@ typedef struct {
 #define MOK_CONFIG_INIT                                                              \
   {                                                                                  \
     sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
-        MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, 0, MOK_GROUP_SCORE_TOP2, 0, 0, 0, \
-        MOK_WGRAD_BF16, MOK_NUMERICS_BF16, MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0,      \
-        MOK_CTA_PAIRS_AUTO, NULL, MOK_GATE_UP_SAVE, MOK_SAVED_KEEP                   \
+        MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, 0, MOK_GROUP_SCORE_TOP2, 0, 0, \
+        MOK_ACTIVATION_SWIGLU, 0.0f, 0.0f, 0, MOK_WGRAD_BF16, MOK_NUMERICS_BF16,     \
+        MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0, MOK_CTA_PAIRS_AUTO, NULL,               \
+        MOK_GATE_UP_SAVE, MOK_SAVED_KEEP                                             \
   }
 
 /* Tensors of one forward call. bf16 tensors are uint16_t bit patterns (double in

@@ -186,14 +186,36 @@ static mok_status_t validate_groups(const mok_config_t* c) {
   return MOK_STATUS_SUCCESS;
 }
 
-/* The router and expert variants' rules (mok.h: use_router_bias), for a config whose
- * routing passed its own. */
+/* The router and expert variants' rules (mok.h: use_router_bias, activation), for a
+ * config whose routing passed its own. */
 static mok_status_t validate_variants(const mok_config_t* c) {
   if (c->use_router_bias && c->routing != MOK_ROUTING_FUSED)
     return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
                    "cfg.use_router_bias = %d: the router logit bias is a rule of fused routing; replay routing "
                    "(cfg.routing = MOK_ROUTING_REPLAY) takes the caller's weights as they are: set use_router_bias = 0",
                    c->use_router_bias);
+  if ((unsigned)c->activation > MOK_ACTIVATION_SWIGLU_CLAMPED)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.activation = %d is not a mok_activation_t", (int)c->activation);
+  if (c->activation == MOK_ACTIVATION_SWIGLU_CLAMPED) {
+    if (!isfinite(c->swiglu_alpha))
+      return CFG_ERR(MOK_STATUS_NONFINITE_VALUE, "cfg.swiglu_alpha = %g must be finite (gpt-oss: 1.702)",
+                     (double)c->swiglu_alpha);
+    if (!(c->swiglu_alpha > 0))
+      return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT, "cfg.swiglu_alpha = %g must be > 0 (gpt-oss: 1.702)",
+                     (double)c->swiglu_alpha);
+    if (!isfinite(c->swiglu_limit))
+      return CFG_ERR(MOK_STATUS_NONFINITE_VALUE, "cfg.swiglu_limit = %g must be finite (gpt-oss: 7)",
+                     (double)c->swiglu_limit);
+    if (!(c->swiglu_limit > 0))
+      return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
+                     "cfg.swiglu_limit = %g must be > 0 (gate and up are clamped at it; gpt-oss: 7)",
+                     (double)c->swiglu_limit);
+  } else if (c->swiglu_alpha != 0 || c->swiglu_limit != 0) {
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
+                   "cfg.swiglu_alpha = %g, cfg.swiglu_limit = %g: the clamped SwiGLU's parameters need "
+                   "cfg.activation = MOK_ACTIVATION_SWIGLU_CLAMPED (with the plain SwiGLU both must be 0)",
+                   (double)c->swiglu_alpha, (double)c->swiglu_limit);
+  }
   return MOK_STATUS_SUCCESS;
 }
 
@@ -208,6 +230,10 @@ static mok_status_t cuda_variants(const mok_config_t* c) {
     return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
                    "cfg.use_expert_bias = %d: the expert biases are CPU-only so far (the CUDA kernels have "
                    "none); use cfg.backend = MOK_BACKEND_CPU, or use_expert_bias = 0", c->use_expert_bias);
+  if (c->activation != MOK_ACTIVATION_SWIGLU)
+    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                   "cfg.activation = %d: the clamped SwiGLU is CPU-only so far (the CUDA kernels run the plain "
+                   "SwiGLU); use cfg.backend = MOK_BACKEND_CPU, or MOK_ACTIVATION_SWIGLU", (int)c->activation);
   return MOK_STATUS_SUCCESS;
 }
 #endif

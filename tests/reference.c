@@ -19,13 +19,23 @@ static void matvec(const double* w, const double* in, int64_t n_len, int64_t k_l
 }
 
 /* o[H] = w2 · (silu(gate) * up) + b2, with gate|up = w13 · x + b13; w13 [2F, H], w2 [H, F],
- * the expert biases b13 [2F], b2 [H] or NULL */
-static void swiglu(const double* w13, const double* w2, const double* b13, const double* b2, const double* x,
-                   int64_t H, int64_t F, double* a, double* h, double* o) {
+ * the expert biases b13 [2F], b2 [H] or NULL; with clamp (the routed experts under
+ * MOK_ACTIVATION_SWIGLU_CLAMPED) gpt-oss's h = (clamp(up, -l, l) + 1) * g * sigmoid(alpha
+ * g), g = min(gate, l) */
+static void swiglu(const mok_config_t* c, int clamp, const double* w13, const double* w2, const double* b13,
+                   const double* b2, const double* x, int64_t H, int64_t F, double* a, double* h, double* o) {
   matvec(w13, x, 2 * F, H, a);
   if (b13)
     for (int64_t f = 0; f < 2 * F; f++) a[f] += b13[f];
-  for (int64_t f = 0; f < F; f++) h[f] = silu(a[f]) * a[F + f];
+  const double l = c->swiglu_limit, alpha = c->swiglu_alpha;
+  for (int64_t f = 0; f < F; f++) {
+    if (!clamp) {
+      h[f] = silu(a[f]) * a[F + f];
+      continue;
+    }
+    const double g = fmin(a[f], l), u = fmax(-l, fmin(a[F + f], l));
+    h[f] = (u + 1.0) * g / (1.0 + exp(-alpha * g));
+  }
   matvec(w2, h, H, F, o);
   if (b2)
     for (int64_t i = 0; i < H; i++) o[i] += b2[i];
@@ -123,12 +133,12 @@ void test_reference_forward(const mok_problem_t* p, double* y, int32_t* topk_idx
       int64_t e = idx[j];
       tokens_per_expert[e]++;
       const int eb = c->use_expert_bias;
-      swiglu(w13 + e * 2 * F * H, w2 + e * H * F, eb ? (const double*)p->b13 + e * 2 * F : NULL,
+      swiglu(c, c->activation == MOK_ACTIVATION_SWIGLU_CLAMPED, w13 + e * 2 * F * H, w2 + e * H * F, eb ? (const double*)p->b13 + e * 2 * F : NULL,
              eb ? (const double*)p->b2 + e * H : NULL, xt, H, F, a, h, o);
       for (int64_t i = 0; i < H; i++) yt[i] += g[j] * o[i];
     }
     if (Fs) {
-      swiglu(p->ws13, p->ws2, NULL, NULL, xt, H, Fs, a, h, o);
+      swiglu(c, 0, p->ws13, p->ws2, NULL, NULL, xt, H, Fs, a, h, o);
       for (int64_t i = 0; i < H; i++) yt[i] += o[i];
     }
   }

@@ -44,13 +44,16 @@ static mok_config_t grouped_layer(void) {
 
 /* The router and expert variants (mok.h), each alone on the layer (v < NUM_VARIANTS),
  * then all at once (v = NUM_VARIANTS). */
-enum { NUM_VARIANTS = 2 };
-static const char* const kVariant[NUM_VARIANTS + 1] = {"use_router_bias", "use_expert_bias", "all variants"};
+enum { NUM_VARIANTS = 3 };
+static const char* const kVariant[NUM_VARIANTS + 1] = {"use_router_bias", "use_expert_bias", "clamped SwiGLU",
+                                                       "all variants"};
 
 static mok_config_t variant_layer(int v) {
   mok_config_t c = layer();
   if (v == 0 || v == NUM_VARIANTS) c.use_router_bias = 1;
   if (v == 1 || v == NUM_VARIANTS) c.use_expert_bias = 1;
+  if (v == 2 || v == NUM_VARIANTS) /* (limit 0.25: clamps active) */
+    c.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c.swiglu_alpha = 1.702f, c.swiglu_limit = 0.25f;
   return c;
 }
 

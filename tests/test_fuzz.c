@@ -346,12 +346,14 @@ static int describe_cfg(char* b, size_t n, const mok_config_t* c) {
   return snprintf(b, n,
                   "T=%lld H=%lld F=%lld E=%lld K=%lld W=%d rank=%d Fs=%lld routing=%d score=%d normalize=%d "
                   "route_scale=%.9g bias=%d aux=%.9g z=%.9g n_group=%d topk_group=%d group_score=%d "
-                  "router_bias=%d expert_bias=%d wgrad=%d numerics=%d backend=%d capacity=%lld "
+                  "router_bias=%d expert_bias=%d activation=%d alpha=%.9g limit=%.9g wgrad=%d numerics=%d "
+                  "backend=%d capacity=%lld "
                   "threads=%d timeout=%.9g ctas=%d pairs=%d gate_up=%d saved_use=%d size=%zu version=%d comm=%s",
                   (long long)c->T, (long long)c->H, (long long)c->F, (long long)c->E, (long long)c->K, c->W, c->rank,
                   (long long)c->Fs, (int)c->routing, (int)c->score, c->normalize, (double)c->route_scale,
                   c->use_bias_select, (double)c->aux_loss_coef, (double)c->z_loss_coef, c->n_group, c->topk_group,
-                  (int)c->group_score, c->use_router_bias, c->use_expert_bias, (int)c->wgrad,
+                  (int)c->group_score, c->use_router_bias, c->use_expert_bias, (int)c->activation,
+                  (double)c->swiglu_alpha, (double)c->swiglu_limit, (int)c->wgrad,
                   (int)c->numerics, (int)c->backend, (long long)c->capacity, c->num_threads, c->comm_timeout_s,
                   c->num_ctas, (int)c->cta_pairs, (int)c->gate_up, (int)c->saved_use, c->struct_size, c->version,
                   c->cpu_comm ? "set" : "NULL");
@@ -409,6 +411,14 @@ static void want_create_local(const mok_config_t* c, int comm_ranks, fz_want_t* 
   /* the router and expert variants (mok.h; api.c validate_variants) */
   if (c->use_router_bias && c->routing != MOK_ROUTING_FUSED)
     want(w, "router bias in replay routing", ARG, "cfg.use_router_bias");
+  if ((unsigned)c->activation > MOK_ACTIVATION_SWIGLU_CLAMPED) want(w, "cfg.activation", ARG, "cfg.activation");
+  else if (c->activation == MOK_ACTIVATION_SWIGLU_CLAMPED) {
+    if (!isfinite(c->swiglu_alpha)) want(w, "cfg.swiglu_alpha not finite", NONFINITE, "cfg.swiglu_alpha");
+    else if (!(c->swiglu_alpha > 0)) want(w, "cfg.swiglu_alpha <= 0", ARG, "cfg.swiglu_alpha");
+    if (!isfinite(c->swiglu_limit)) want(w, "cfg.swiglu_limit not finite", NONFINITE, "cfg.swiglu_limit");
+    else if (!(c->swiglu_limit > 0)) want(w, "cfg.swiglu_limit <= 0", ARG, "cfg.swiglu_limit");
+  } else if (c->swiglu_alpha != 0 || c->swiglu_limit != 0)
+    want(w, "clamped SwiGLU parameters without it", ARG, "cfg.swiglu_alpha|cfg.swiglu_limit");
 #ifndef MOK_HAVE_CUDA
   if (c->backend == MOK_BACKEND_CUDA) want(w, "no CUDA backend", MOK_STATUS_BACKEND_UNAVAILABLE, "cfg.backend");
 #endif
@@ -439,7 +449,8 @@ static int same_layer(const mok_config_t* a, const mok_config_t* b) {
          a->use_bias_select == b->use_bias_select && a->aux_loss_coef == b->aux_loss_coef &&
          a->z_loss_coef == b->z_loss_coef && a->n_group == b->n_group && a->topk_group == b->topk_group &&
          a->group_score == b->group_score && a->use_router_bias == b->use_router_bias &&
-         a->use_expert_bias == b->use_expert_bias && a->Fs == b->Fs &&
+         a->use_expert_bias == b->use_expert_bias && a->activation == b->activation &&
+         a->swiglu_alpha == b->swiglu_alpha && a->swiglu_limit == b->swiglu_limit && a->Fs == b->Fs &&
          a->numerics == b->numerics && a->wgrad == b->wgrad;
 }
 
@@ -525,6 +536,11 @@ static void random_layer(uint64_t* s, int W, int64_t max_E, mok_config_t* c) {
   /* the router and expert variants, each on now and then */
   c->use_router_bias = c->routing == MOK_ROUTING_FUSED && pct(s, 30);
   c->use_expert_bias = pct(s, 30);
+  if (pct(s, 30)) { /* gpt-oss's clamped SwiGLU, its limit at times among the values */
+    c->activation = MOK_ACTIVATION_SWIGLU_CLAMPED;
+    c->swiglu_alpha = (float)PICK(s, 1702, 1702, 1000, 500, 3000) / 1000.0f;
+    c->swiglu_limit = (float)PICK(s, 7000, 7000, 250, 1000, 10) / 1000.0f;
+  }
 }
 
 static int64_t absurd_dim(uint64_t* s) {
@@ -536,7 +552,7 @@ typedef enum {
   C_VALID, C_VERSION, C_STRUCT_SIZE, C_T, C_H, C_F, C_E, C_K, C_W, C_E_MOD_W, C_FS, C_CAPACITY_NEG,
   C_CAPACITY_HIGH, C_RANK, C_ROUTING, C_SCORE, C_WGRAD, C_NUMERICS, C_BACKEND, C_THREADS, C_ROUTE_SCALE, C_AUX,
   C_Z, C_TIMEOUT, C_EXACT_CUDA, C_CTAS, C_CTA_PAIRS, C_GATE_UP, C_SAVED_USE, C_N_GROUP, C_TOPK_GROUP, C_GROUP_K,
-  C_GROUP_SCORE, C_GROUP_REPLAY, C_ROUTER_BIAS_REPLAY, C_E_MAX, C_ABSURD, C_HUGE, C_COMM_NULL, C_COMM_WRONG, C_COMM_FAKE, C_EXTREME,
+  C_GROUP_SCORE, C_GROUP_REPLAY, C_ROUTER_BIAS_REPLAY, C_ACTIVATION, C_SWIGLU_ALPHA, C_SWIGLU_LIMIT, C_SWIGLU_OFF, C_E_MAX, C_ABSURD, C_HUGE, C_COMM_NULL, C_COMM_WRONG, C_COMM_FAKE, C_EXTREME,
   C_NUM_MUTATIONS
 } create_mutation_t;
 
@@ -545,7 +561,7 @@ static const char* const kCreateMutation[] = {
     "capacity > max", "rank", "routing", "score", "wgrad", "numerics", "backend", "num_threads", "route_scale",
     "aux_loss_coef", "z_loss_coef", "comm_timeout_s", "EXACT on CUDA", "num_ctas", "cta_pairs", "gate_up",
     "saved_use", "n_group", "topk_group", "K > kept groups' experts", "group_score", "groups in replay",
-    "router bias in replay", "E > max", "absurd shape", "huge shape", "cpu_comm NULL", "cpu_comm of other ranks",
+    "router bias in replay", "activation", "swiglu_alpha", "swiglu_limit", "swiglu parameters without it", "E > max", "absurd shape", "huge shape", "cpu_comm NULL", "cpu_comm of other ranks",
     "cpu_comm fake", "valid extremes"};
 
 static const float kNonfinite[] = {NAN, INFINITY, -INFINITY};
@@ -623,6 +639,20 @@ static void mutate_config(uint64_t* s, create_mutation_t m, fz_creates_t* x) {
         if (c->n_group == 0) c->n_group = c->topk_group = 1;
         break;
       case C_ROUTER_BIAS_REPLAY: c->routing = MOK_ROUTING_REPLAY, c->use_router_bias = 1; break;
+      case C_ACTIVATION: c->activation = (mok_activation_t)enum_bad; break;
+      case C_SWIGLU_ALPHA: /* not finite, or not > 0 */
+        c->activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c->swiglu_limit = 7.0f;
+        c->swiglu_alpha = pct(s, 50) ? nf : (float)PICK(s, 0, -1, -1000) * (pct(s, 20) ? -0.0f : 1.0f);
+        break;
+      case C_SWIGLU_LIMIT:
+        c->activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c->swiglu_alpha = 1.702f;
+        c->swiglu_limit = pct(s, 50) ? nf : pct(s, 20) ? -0.0f : (float)PICK(s, 0, -1, -7);
+        break;
+      case C_SWIGLU_OFF: /* the plain SwiGLU with a parameter of the clamped one */
+        c->activation = MOK_ACTIVATION_SWIGLU;
+        if (pct(s, 50)) c->swiglu_alpha = pct(s, 20) ? nf : 1.702f;
+        else c->swiglu_limit = 7.0f;
+        break;
       case C_E_MAX: c->E = (MOK_MAX_EXPERTS / W + PICK(s, 1, 2, 1000)) * W; break;
       case C_ABSURD:
         if (which_dim == 0) c->T = absurd;
@@ -712,7 +742,7 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
   const int mismatch = x->W > 1 && num_muts == 1 && muts[0] == C_VALID && pct(&s, 40);
   if (mismatch) { /* one rank's layer differs in one field */
     mok_config_t* c = &x->c[rnd_in(&s, 0, x->W - 1)].cfg;
-    switch (rnd_in(&s, 0, 10)) {
+    switch (rnd_in(&s, 0, 11)) {
       case 0: c->H += 1; break;
       case 1: c->F += 1; break;
       case 2: c->K = c->K > 1 ? c->K - 1 : 1 + (c->E > 1); break;
@@ -726,6 +756,10 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
         else c->aux_loss_coef += 0.5f;
         break;
       case 9: c->use_expert_bias = !c->use_expert_bias; break;
+      case 10: /* (the clamped SwiGLU's limit, where it is on; else the activation itself) */
+        if (c->activation == MOK_ACTIVATION_SWIGLU_CLAMPED) c->swiglu_limit *= 2.0f;
+        else c->activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c->swiglu_alpha = 1.702f, c->swiglu_limit = 7.0f;
+        break;
       default: c->aux_loss_coef += 0.5f; break;
     }
   }

@@ -3,7 +3,8 @@
  * gradients backward receives:
  *     L = sum(y * dy) + d_aux_loss * aux_loss + d_z_loss * z_loss
  * For ~10 random entries of each input tensor (x, w_router, w13, w2, ws13, ws2, and
- * topk_weight in replay; b_router, b13, b2 with the router and expert biases), (L(v + eps) - L(v - eps)) / 2 eps must match the analytic
+ * topk_weight in replay; b_router, b13, b2 with the router and expert biases; x, w13, b13
+ * on both sides of the clamped SwiGLU's limit), (L(v + eps) - L(v - eps)) / 2 eps must match the analytic
  * gradient to 1e-5 relative (abs floor 1e-7: L's rounding, ~1e-16 |L| over 2 eps).
  * Top-K is discrete: an entry whose perturbation changes the routing is skipped. */
 #include <math.h>
@@ -210,6 +211,57 @@ static int expert_bias(void) {
   return bad + check_gradients(&c, 12, 1, 0);
 }
 
+/* How many routed gate and up values of p (EXACT, after a forward) lie on each side of
+ * cfg.swiglu_limit: [gate <= limit, gate > limit, |up| <= limit, |up| > limit]. */
+static void clamp_sides(const mok_problem_t* p, int64_t sides[4]) {
+  const mok_config_t* c = &p->cfg;
+  const int64_t H = c->H, F = c->F, K = c->K;
+  const int32_t* idx = c->routing == MOK_ROUTING_FUSED ? p->out_topk_idx : p->topk_idx;
+  const double l = c->swiglu_limit;
+  memset(sides, 0, 4 * sizeof *sides);
+  for (int64_t i = 0; i < p->T_global * K; i++) {
+    const int64_t e = idx[i];
+    const double* x = (const double*)p->x + (i / K) * H;
+    for (int64_t f = 0; f < 2 * F; f++) {
+      const double* w = (const double*)p->w13 + (e * 2 * F + f) * H;
+      double a = c->use_expert_bias ? ((const double*)p->b13)[e * 2 * F + f] : 0;
+      for (int64_t h = 0; h < H; h++) a += w[h] * x[h];
+      if (f < F) sides[a > l]++;
+      else sides[2 + (fabs(a) > l)]++;
+    }
+  }
+}
+
+/* gpt-oss's clamped SwiGLU (alpha 1.702; limit 0.25 here, so that about a third of the
+ * gate and up values are clamped): the gradient is zero through a clamp and the
+ * derivative of (up' + 1) gate' sigmoid(alpha gate') elsewhere; each side of the limit is
+ * checked to hold values (x, w13 and b13 near both sides), on W = 1 and 2, then with
+ * gpt-oss's router and expert biases, and in replay. */
+static int clamped_swiglu(void) {
+  int bad = 0;
+  for (int i = 0; i < 3; i++) {
+    mok_config_t c = small_config();
+    c.activation = MOK_ACTIVATION_SWIGLU_CLAMPED;
+    c.swiglu_alpha = 1.702f;
+    c.swiglu_limit = 0.25f;
+    if (i == 1) c.use_router_bias = c.use_expert_bias = 1;
+    if (i == 2) c.routing = MOK_ROUTING_REPLAY;
+    mok_problem_t* p = test_problem(&c, 12, test_case_seed());
+    mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+    o.backward = 0;
+    TEST_ASSERT(p && !test_run(p, &o), "forward");
+    int64_t sides[4];
+    clamp_sides(p, sides);
+    printf("    config %d: gate <= limit %lld, > limit %lld; |up| <= limit %lld, > limit %lld\n", i,
+           (long long)sides[0], (long long)sides[1], (long long)sides[2], (long long)sides[3]);
+    for (int k = 0; k < 4; k++)
+      TEST_ASSERT(sides[k] >= 10, "config %d: too few values on one side of the limit (the case tests less)", i);
+    bad += check_gradients(&c, 12, 1, 0);
+    if (i == 0) bad += check_gradients(&c, 12, 2, 0);
+  }
+  return bad;
+}
+
 static int replay(void) {
   mok_config_t c = small_config();
   c.routing = MOK_ROUTING_REPLAY;
@@ -241,6 +293,7 @@ const test_case_t suite_grad[] = {
     {"router_bias", router_bias},
     {"router_bias_losses", router_bias_losses},
     {"expert_bias", expert_bias},
+    {"clamped_swiglu", clamped_swiglu},
     {"replay", replay},
     {"two_ranks", two_ranks},
     {"two_ranks_replay", two_ranks_replay},

@@ -5,6 +5,7 @@
  * Drives the API directly: one context, W = 1 (more only where a rule needs W > 1),
  * T = 32, H = 64, F = 32, E = 8, K = 2, Fs = 16. */
 #include <ctype.h>
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -369,6 +370,40 @@ static int create_nonfinite(void) {
   return bad;
 }
 
+/* The clamped SwiGLU's parameters (mok.h cfg.activation): finite (NONFINITE_VALUE) and
+ * > 0 (INVALID_ARGUMENT) with MOK_ACTIVATION_SWIGLU_CLAMPED, 0 without it; the activation
+ * a mok_activation_t. Each message names the field; gpt-oss's values create. */
+static int create_activation(void) {
+  int bad = 0;
+  const mok_status_t A = MOK_STATUS_INVALID_ARGUMENT, NF = MOK_STATUS_NONFINITE_VALUE;
+  const float nonfinite[] = {NAN, INFINITY, -INFINITY}, nonpositive[] = {0.0f, -0.0f, -1.0f, -FLT_MAX};
+  mok_config_t g = base_config();
+  g.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, g.swiglu_alpha = 1.702f, g.swiglu_limit = 7.0f;
+  mok_context_t* ctx = test_context(&g, NULL);
+  TEST_ASSERT(ctx, "gpt-oss's clamped SwiGLU (alpha 1.702, limit 7) does not create");
+  mok_config_t c;
+  char rule[96];
+#define RULE(change, status, name)                                              \
+  (c = g, change, snprintf(rule, sizeof rule, "%s (%g, %g)", #change, (double)c.swiglu_alpha, \
+                           (double)c.swiglu_limit),                                \
+   bad += expect_create(&c, status, -1, name, rule))
+  for (int i = 0; i < 3; i++) {
+    RULE(c.swiglu_alpha = nonfinite[i], NF, "swiglu_alpha");
+    RULE(c.swiglu_limit = nonfinite[i], NF, "swiglu_limit");
+  }
+  for (int i = 0; i < 4; i++) {
+    RULE(c.swiglu_alpha = nonpositive[i], A, "swiglu_alpha");
+    RULE(c.swiglu_limit = nonpositive[i], A, "swiglu_limit");
+  }
+  RULE(c.activation = (mok_activation_t)2, A, "activation");
+  RULE(c.activation = (mok_activation_t)-1, A, "activation");
+  RULE((c.activation = MOK_ACTIVATION_SWIGLU, c.swiglu_limit = 0), A, "swiglu_alpha|activation");
+  RULE((c.activation = MOK_ACTIVATION_SWIGLU, c.swiglu_alpha = 0), A, "swiglu_limit|activation");
+  RULE((c.activation = MOK_ACTIVATION_SWIGLU, c.swiglu_alpha = NAN, c.swiglu_limit = 0), A, "swiglu_alpha");
+#undef RULE
+  return bad;
+}
+
 /* Without nvcc the library has no CUDA backend: BACKEND_UNAVAILABLE. With it, a shape
  * the kernels take creates (a GPU) or gives BACKEND_UNAVAILABLE (no device), and one
  * they do not take (F = 32, K = 33) gives UNSUPPORTED_SHAPE. EXACT numerics is CPU-only.
@@ -689,7 +724,7 @@ static int variant_arguments(void) {
  * (UNSUPPORTED_SHAPE, on a shape the kernels take otherwise), or BACKEND_UNAVAILABLE
  * without a CUDA backend. */
 static int create_backend_variants(void) {
-  static const char* const names[] = {"use_router_bias", "use_expert_bias"};
+  static const char* const names[] = {"use_router_bias", "use_expert_bias", "activation"};
   int bad = 0;
   for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++) {
     mok_config_t c = base_config();
@@ -697,6 +732,7 @@ static int create_backend_variants(void) {
     c.F = c.Fs = 64;
     if (i == 0) c.use_router_bias = 1;
     if (i == 1) c.use_expert_bias = 1;
+    if (i == 2) c.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c.swiglu_alpha = 1.702f, c.swiglu_limit = 7.0f;
 #ifndef MOK_HAVE_CUDA
     bad += expect_create(&c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda", names[i]);
 #else
@@ -771,6 +807,7 @@ const test_case_t suite_validation[] = {
     {"invalid_context", invalid_context},
     {"empty_batch", empty_batch},
     {"variant_arguments", variant_arguments},
+    {"create_activation", create_activation},
     {"create_backend_variants", create_backend_variants},
     {"status_strings", status_strings},
     {"version", version},

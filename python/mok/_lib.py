@@ -55,6 +55,7 @@ MOK_NUMERICS_BF16, MOK_NUMERICS_EXACT = 0, 1
 MOK_GATE_UP_SAVE, MOK_GATE_UP_RECOMPUTE = 0, 1
 MOK_SAVED_KEEP, MOK_SAVED_REUSE = 0, 1
 MOK_GROUP_SCORE_TOP2, MOK_GROUP_SCORE_MAX = 0, 1
+MOK_ACTIVATION_SWIGLU, MOK_ACTIVATION_SWIGLU_CLAMPED = 0, 1
 
 ALIGN_TENSOR = 16       # every tensor pointer
 ALIGN_WORKSPACE = 256   # workspace and saved buffers
@@ -90,6 +91,9 @@ class MokConfig(ctypes.Structure):
         ("group_score", _c_enum),
         ("use_router_bias", ctypes.c_int),
         ("use_expert_bias", ctypes.c_int),
+        ("activation", _c_enum),
+        ("swiglu_alpha", ctypes.c_float),
+        ("swiglu_limit", ctypes.c_float),
         ("Fs", ctypes.c_int64),
         ("wgrad", _c_enum),
         ("numerics", _c_enum),
@@ -126,6 +130,9 @@ class MokConfig(ctypes.Structure):
         c.group_score = MOK_GROUP_SCORE_TOP2
         c.use_router_bias = 0
         c.use_expert_bias = 0
+        c.activation = MOK_ACTIVATION_SWIGLU
+        c.swiglu_alpha = 0.0
+        c.swiglu_limit = 0.0
         c.Fs = 0
         c.wgrad = MOK_WGRAD_BF16
         c.numerics = MOK_NUMERICS_BF16

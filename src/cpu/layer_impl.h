@@ -17,6 +17,7 @@
  *   expert biases: a = bf16((x w13^T) + b13), o = bf16((h w2^T) + b2), likewise; their
  *   gradients d_b13, d_b2 sum d_a and dy_j over the expert's rows in global token order
  *   (the rows of the weight gradients' sums, in their order).
+ *   clamped SwiGLU: h = bf16((up' + 1) * (gate' * sigmoid(alpha * gate'))), in that order.
  *   replicated sums (loss statistics, router and shared-expert gradients): a partial per
  *   chunk of MOK_REDUCE_CHUNK_TOKENS tokens (increasing t), combined by the fixed tree
  *   of mok_tree_mid over the global chunk list; each rank sums the subtrees inside its
@@ -264,11 +265,18 @@ static void FN(stats_leaf)(const void* p, int64_t chunk, REAL* out) {
 /* ---- gate|up and SwiGLU: forward, and backward again under MOK_GATE_UP_RECOMPUTE (the
  * same blocks, so the same bits as forward kept) ---- */
 
+/* The clamped SwiGLU's clamps (mok.h): gate' = min(gate, limit), up' = clamp(up, -limit,
+ * limit), NaN kept. */
+static REAL FN(clamp_gate)(REAL g, REAL limit) { return g > limit ? limit : g; }
+static REAL FN(clamp_up)(REAL u, REAL limit) { return u > limit ? limit : u < -limit ? -limit : u; }
+
 /* One block of n rows of x [n, H]: a = bf16(x w13^T (+ b13)) [n, 2F] (gate | up), then
- * h = bf16(silu(gate) up) [n, F]. b13: [2F] expert bias or NULL. acc: [n, 2F] real
+ * h = bf16(silu(gate) up) [n, F], or the clamped SwiGLU's h (clamped: the routed experts
+ * under MOK_ACTIVATION_SWIGLU_CLAMPED). b13: [2F] expert bias or NULL. acc: [n, 2F] real
  * scratch. */
 static void FN(gate_up_block)(FN(step_t)* st, int64_t n, int64_t F, const ACT* x, const ACT* w13,
-                              const ACT* b13, ACT* ar, ACT* hr, REAL* acc) {
+                              const ACT* b13, int clamped, ACT* ar, ACT* hr, REAL* acc) {
+  const REAL alpha = (REAL)st->ctx->cfg.swiglu_alpha, limit = (REAL)st->ctx->cfg.swiglu_limit;
   FN(gemm)(st, n, 2 * F, st->H, x, st->H, 1, w13, 1, st->H, acc, 2 * F);
 #pragma omp parallel for schedule(static) num_threads(st->nt)
   for (int64_t i = 0; i < n; i++)
@@ -279,7 +287,13 @@ static void FN(gate_up_block)(FN(step_t)* st, int64_t n, int64_t F, const ACT* x
       ar[i * 2 * F + f] = ST(ai[f]);
       ar[i * 2 * F + F + f] = ST(ai[F + f]);
       REAL gate = LD(ar[i * 2 * F + f]), up = LD(ar[i * 2 * F + F + f]);
-      hr[i * F + f] = ST(gate / ((REAL)1 + EXP(-gate)) * up);
+      if (clamped) {
+        const REAL g = FN(clamp_gate)(gate, limit), u = FN(clamp_up)(up, limit);
+        const REAL sg = (REAL)1 / ((REAL)1 + EXP(-(alpha * g)));
+        hr[i * F + f] = ST((u + (REAL)1) * (g * sg));
+      } else {
+        hr[i * F + f] = ST(gate / ((REAL)1 + EXP(-gate)) * up);
+      }
     }
 }
 
@@ -297,6 +311,7 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
   const int64_t El = st->El, W = st->W, me = st->me;
   const int fused = c->routing == MOK_ROUTING_FUSED;
   const int losses = fused && (c->aux_loss_coef != 0 || c->z_loss_coef != 0);
+  const int clamped = c->activation == MOK_ACTIVATION_SWIGLU_CLAMPED; /* (routed experts only) */
   const ACT* x = a->x;
   REAL* logits = WS(st, logits, REAL);  /* [T, E] */
   int32_t* idx = WS(st, idx, int32_t);  /* [T, K] */
@@ -431,7 +446,7 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
     for (int64_t b = 0; b < n; b += MOK_ROW_BLOCK) {
       const int64_t rb = FN(block_rows)(n, b), row = r0 + b;
       ACT* hr = st->h_rows + row * F;
-      FN(gate_up_block)(st, rb, F, st->x_rows + row * H, w13, b13, st->a_rows + row * 2 * F, hr, acc);
+      FN(gate_up_block)(st, rb, F, st->x_rows + row * H, w13, b13, clamped, st->a_rows + row * 2 * F, hr, acc);
       FN(gemm)(st, rb, H, F, hr, F, 1, w2, 1, F, acc, H);
 #pragma omp parallel for schedule(static) num_threads(st->nt)
       for (int64_t i = 0; i < rb * H; i++) /* o = bf16(h w2^T (+ b2)): one addition, then the rounding */
@@ -443,7 +458,7 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
   for (int64_t b = 0; Fs > 0 && b < T; b += MOK_ROW_BLOCK) {
     const int64_t rb = FN(block_rows)(T, b);
     ACT* hr = st->sh + b * Fs;
-    FN(gate_up_block)(st, rb, Fs, x + b * H, a->ws13, NULL, st->sa + b * 2 * Fs, hr, acc);
+    FN(gate_up_block)(st, rb, Fs, x + b * H, a->ws13, NULL, 0, st->sa + b * 2 * Fs, hr, acc);
     FN(gemm)(st, rb, H, Fs, hr, Fs, 1, a->ws2, 1, Fs, acc, H);
 #pragma omp parallel for schedule(static) num_threads(st->nt)
     for (int64_t i = 0; i < rb * H; i++) shared_o[b * H + i] = LD(ST(acc[i]));
@@ -548,13 +563,23 @@ static void FN(grad_leaf)(const void* p, int64_t chunk, REAL* out) {
   }
 }
 
-/* d_a = bf16(SwiGLU derivative) of gate|up rows a [n, 2F] given dh [n, F] */
-static void FN(swiglu_backward)(const FN(step_t)* st, int64_t n, int64_t F, const ACT* a,
+/* d_a = bf16(SwiGLU derivative) of gate|up rows a [n, 2F] given dh [n, F]; clamped: the
+ * clamped SwiGLU's (zero where a clamp is active) */
+static void FN(swiglu_backward)(const FN(step_t)* st, int64_t n, int64_t F, const ACT* a, int clamped,
                                 const REAL* dh, ACT* d_a) {
+  const REAL alpha = (REAL)st->ctx->cfg.swiglu_alpha, limit = (REAL)st->ctx->cfg.swiglu_limit;
 #pragma omp parallel for schedule(static) num_threads(st->nt)
   for (int64_t i = 0; i < n; i++)
     for (int64_t f = 0; f < F; f++) {
       REAL gate = LD(a[i * 2 * F + f]), up = LD(a[i * 2 * F + F + f]), d = dh[i * F + f];
+      if (clamped) { /* d_gate = dh (up' + 1) (s + alpha gate' s (1 - s)), d_up = dh gate' s */
+        const REAL g = FN(clamp_gate)(gate, limit), u = FN(clamp_up)(up, limit);
+        const REAL sg = (REAL)1 / ((REAL)1 + EXP(-(alpha * g)));
+        const REAL dglu = sg + alpha * g * sg * ((REAL)1 - sg);
+        d_a[i * 2 * F + f] = ST(gate > limit ? (REAL)0 : d * (u + (REAL)1) * dglu);
+        d_a[i * 2 * F + F + f] = ST(up > limit || up < -limit ? (REAL)0 : d * (g * sg));
+        continue;
+      }
       REAL sg = (REAL)1 / ((REAL)1 + EXP(-gate));
       REAL silu = gate * sg, dsilu = sg * ((REAL)1 + gate * ((REAL)1 - sg));
       d_a[i * 2 * F + f] = ST(d * up * dsilu);
@@ -591,6 +616,7 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
   mok_status_t s = FN(sync)(st);
   if (s) return s;
   const int redo = c->gate_up == MOK_GATE_UP_RECOMPUTE; /* gate|up and h: again, block by block */
+  const int clamped = c->activation == MOK_ACTIVATION_SWIGLU_CLAMPED; /* (routed experts only) */
 
   /* 2. this rank's experts: dh = dy_j w2, d_a, dx_j = d_a w13 back; dw2, dw13 */
   REAL* acc = WS(st, gemm_out, REAL);
@@ -609,10 +635,10 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
     for (int64_t b = 0; b < n; b += MOK_ROW_BLOCK) {
       const int64_t rb = FN(block_rows)(n, b), row = r0 + b;
       if (redo)
-        FN(gate_up_block)(st, rb, F, st->x_rows + row * H, w13, b13, st->a_rows + row * 2 * F, st->h_rows + row * F,
-                          acc);
+        FN(gate_up_block)(st, rb, F, st->x_rows + row * H, w13, b13, clamped, st->a_rows + row * 2 * F,
+                          st->h_rows + row * F, acc);
       FN(gemm)(st, rb, F, H, dy_rows + row * H, H, 1, w2, F, 1, acc, F);
-      FN(swiglu_backward)(st, rb, F, st->a_rows + row * 2 * F, acc, d_a + row * 2 * F);
+      FN(swiglu_backward)(st, rb, F, st->a_rows + row * 2 * F, clamped, acc, d_a + row * 2 * F);
       FN(gemm)(st, rb, H, 2 * F, d_a + row * 2 * F, 2 * F, 1, w13, H, 1, acc, H);
 #pragma omp parallel for schedule(static) num_threads(st->nt)
       for (int64_t i = 0; i < rb * H; i++) ret[row * H + i] = ST(acc[i]);
@@ -700,10 +726,10 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
   for (int64_t b = 0; Fs > 0 && b < T; b += MOK_ROW_BLOCK) {
     const int64_t rb = FN(block_rows)(T, b);
     if (redo) /* (sh is read again by the replicated gradients, step 6) */
-      FN(gate_up_block)(st, rb, Fs, (const ACT*)a->x + b * H, a->ws13, NULL, st->sa + b * 2 * Fs, st->sh + b * Fs,
-                        acc);
+      FN(gate_up_block)(st, rb, Fs, (const ACT*)a->x + b * H, a->ws13, NULL, 0, st->sa + b * 2 * Fs,
+                        st->sh + b * Fs, acc);
     FN(gemm)(st, rb, Fs, H, dy + b * H, H, 1, a->ws2, Fs, 1, acc, Fs);
-    FN(swiglu_backward)(st, rb, Fs, st->sa + b * 2 * Fs, acc, d_a_s + b * 2 * Fs);
+    FN(swiglu_backward)(st, rb, Fs, st->sa + b * 2 * Fs, 0, acc, d_a_s + b * 2 * Fs);
   }
 
   /* 5. dx[t] = bf16(sum_j dx_j + router path + shared path), by token blocks */
