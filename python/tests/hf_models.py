@@ -6,7 +6,8 @@ E a multiple of 8).
 make_model(family, ...) builds one with bf16-representable weights (so that mok's bf16
 copies of a float32 model's weights are the weights themselves); batch() gives token
 ids with a padded sequence; step() runs forward + backward and returns what the tests
-compare; check_close() and check_routing() compare two steps."""
+compare; check_close() and check_routing() compare two steps; check_round_trip() and
+check_compile() are the save/load and torch.compile cases of both test files."""
 import copy
 
 import torch
@@ -193,3 +194,68 @@ def mok_copy(model, path, layers=LAYERS, **options):
     names = mt.replay(m, **options) if path == "replay" else mt.fuse(m, **options)
     assert len(names) == layers, names
     return m
+
+
+def check_same_step(a, b):
+    """Two steps' loss, logits and every gradient: the same bits."""
+    assert torch.equal(a["loss"], b["loss"]) and torch.equal(a["logits"], b["logits"])
+    assert a["grads"].keys() == b["grads"].keys()
+    for n in a["grads"]:
+        assert torch.equal(a["grads"][n], b["grads"][n]), n
+
+
+def check_round_trip(path, tmp_path, device="cpu"):
+    """save_pretrained of a mok model (Qwen3-MoE), from_pretrained of it (replay: with
+    experts_implementation="mok"; fused: eager, then fuse()): the same state_dict and
+    step, bit for bit."""
+    import mok.transformers as mt
+
+    eager = make_model("qwen3_moe", device=device)
+    model = mok_copy(eager, path)
+    inputs = batch(device)
+    before = step(model, inputs)
+    model.save_pretrained(tmp_path)
+    impl = "mok" if path == "replay" else "eager"
+    loaded = type(eager).from_pretrained(tmp_path, experts_implementation=impl, attn_implementation="eager")
+    assert loaded.config._experts_implementation == impl
+    loaded = loaded.to(device).train()
+    if path == "fused":
+        assert mt.fuse(loaded) == [f"model.layers.{i}.mlp" for i in range(LAYERS)]
+    a, b = model.state_dict(), loaded.state_dict()
+    assert list(a) == list(b)
+    for n in a:
+        assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), n
+    check_same_step(before, step(loaded, inputs))
+
+
+def check_compile(path, device="cpu"):
+    """torch.compile(fullgraph=True) of a mok model (Qwen3-MoE): one mok::moe_forward
+    per MoE layer in the traced graph, forward and backward within float32 noise of the
+    uncompiled model (inductor may order the dense parts' float32 arithmetic otherwise),
+    and the compiled step repeats its bits (under torch's deterministic mode: inductor's
+    CPU code for the embedding's backward otherwise adds with atomics over threads)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    torch._dynamo.reset()
+    model = mok_copy(make_model("qwen3_moe", device=device), path)
+    inputs = batch(device)
+    ref = step(model, inputs)
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return compile_fx(gm, example_inputs)
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        got = step(compiled, inputs)
+        again = step(compiled, inputs)
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch._dynamo.reset()
+    assert sum("mok.moe_forward" in t for t in traced) == LAYERS, [t for t in traced if "mok" in t]
+    check_close(got, ref, tol=1e-4)
+    check_routing(got["routing"], ref["routing"])
+    check_same_step(got, again)
