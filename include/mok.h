@@ -218,6 +218,18 @@ typedef struct {
   float swiglu_limit;
   /* shared expert, applied to every token; Fs = 0 means none */
   int64_t Fs;
+  /* the gated shared expert (Qwen2-MoE): the shared expert's output o_s = bf16(h_s ws2^T)
+   * is scaled per token by s_g[t] = sigmoid(x[t]·w_sg), args->w_sg [H] bf16 a replicated
+   * parameter. Rounding points: the dot product's fp32 sum (increasing h, from +0) is not
+   * rounded, s_g is fp32, and y[t] adds s_g[t] * o_s[t] (one fp32 product) where it
+   * adds o_s without the gate. Backward: dy_s = bf16(s_g dy) replaces dy in the shared
+   * expert (dh_s, d_ws2), d s_g = dy[t]·o_s[t] (fp32 sum over increasing h, o_s again
+   * from h_s), dl_g = bf16(d s_g s_g (1 - s_g)); dx[t] adds dl_g w_sg[h] (one fp32
+   * product) after the shared expert's d_a_s·ws13; d_w_sg = sum over tokens of dl_g x[t]
+   * (fp32), a replicated gradient through mok's fixed tree like d_w_router, written or
+   * added into per cfg.wgrad. Needs Fs > 0 (else MOK_STATUS_INVALID_ARGUMENT); CPU
+   * backend (CUDA: MOK_STATUS_UNSUPPORTED_SHAPE). 0 = off. */
+  int use_shared_gate;
   /* outputs and execution */
   mok_wgrad_t wgrad;
   mok_numerics_t numerics;
@@ -245,7 +257,7 @@ typedef struct {
   {                                                                                  \
     sizeof(mok_config_t), MOK_VERSION_CODE, 0, 0, 0, 0, 0, 1, 0, MOK_ROUTING_FUSED,  \
         MOK_SCORE_SOFTMAX, 1, 1.0f, 0, 0.0f, 0.0f, 0, 0, MOK_GROUP_SCORE_TOP2, 0, 0, \
-        MOK_ACTIVATION_SWIGLU, 0.0f, 0.0f, 0, MOK_WGRAD_BF16, MOK_NUMERICS_BF16,     \
+        MOK_ACTIVATION_SWIGLU, 0.0f, 0.0f, 0, 0, MOK_WGRAD_BF16, MOK_NUMERICS_BF16,  \
         MOK_BACKEND_CPU, 0, 0, 0.0, NULL, 0, MOK_CTA_PAIRS_AUTO, NULL,               \
         MOK_GATE_UP_SAVE, MOK_SAVED_KEEP                                             \
   }
@@ -268,6 +280,7 @@ typedef struct {
   const void* b2;            /* [E/W, H] bf16 expert bias of o, when use_expert_bias */
   const void* ws13;          /* [2Fs, H] bf16, when Fs > 0 */
   const void* ws2;           /* [H, Fs] bf16, when Fs > 0 */
+  const void* w_sg;          /* [H] bf16 shared-expert gate, when use_shared_gate */
   int32_t* topk_idx;         /* [T, K] int32: replay input; fused: written if not NULL */
   float* topk_weight;        /* [T, K] fp32: replay input; fused: written if not NULL */
   void* y;                   /* [T, H] bf16 out */
@@ -295,6 +308,7 @@ typedef struct {
                                 from it under MOK_GATE_UP_RECOMPUTE) */
   const void* ws13;          /* [2Fs, H] bf16 */
   const void* ws2;           /* [H, Fs] bf16 */
+  const void* w_sg;          /* [H] bf16, when use_shared_gate */
   const void* dy;            /* [T, H] bf16, gradient of y */
   const float* d_aux_loss;   /* [1] gradient of aux_loss; NULL means 1 */
   const float* d_z_loss;     /* [1] gradient of z_loss; NULL means 1 */
@@ -322,6 +336,7 @@ typedef struct {
   void* d_b2;                /* [E/W, H] (use_expert_bias), as d_w2 */
   void* d_ws13;              /* [2Fs, H], summed over ranks by mok's fixed tree */
   void* d_ws2;               /* [H, Fs], summed over ranks by mok's fixed tree */
+  void* d_w_sg;              /* [H] (use_shared_gate), summed over ranks by mok's fixed tree */
   void* workspace;
   size_t workspace_bytes;
   void* stream;

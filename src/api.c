@@ -186,7 +186,8 @@ static mok_status_t validate_groups(const mok_config_t* c) {
   return MOK_STATUS_SUCCESS;
 }
 
-/* The router and expert variants' rules (mok.h: use_router_bias, activation), for a
+/* The router and expert variants' rules (mok.h: use_router_bias, activation,
+ * use_shared_gate), for a
  * config whose routing passed its own. */
 static mok_status_t validate_variants(const mok_config_t* c) {
   if (c->use_router_bias && c->routing != MOK_ROUTING_FUSED)
@@ -216,6 +217,10 @@ static mok_status_t validate_variants(const mok_config_t* c) {
                    "cfg.activation = MOK_ACTIVATION_SWIGLU_CLAMPED (with the plain SwiGLU both must be 0)",
                    (double)c->swiglu_alpha, (double)c->swiglu_limit);
   }
+  if (c->use_shared_gate && c->Fs == 0)
+    return CFG_ERR(MOK_STATUS_INVALID_ARGUMENT,
+                   "cfg.use_shared_gate = %d: the shared-expert gate needs a shared expert (cfg.Fs > 0)",
+                   c->use_shared_gate);
   return MOK_STATUS_SUCCESS;
 }
 
@@ -234,6 +239,10 @@ static mok_status_t cuda_variants(const mok_config_t* c) {
     return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
                    "cfg.activation = %d: the clamped SwiGLU is CPU-only so far (the CUDA kernels run the plain "
                    "SwiGLU); use cfg.backend = MOK_BACKEND_CPU, or MOK_ACTIVATION_SWIGLU", (int)c->activation);
+  if (c->use_shared_gate)
+    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
+                   "cfg.use_shared_gate = %d: the gated shared expert is CPU-only so far (the CUDA kernels "
+                   "have no gate); use cfg.backend = MOK_BACKEND_CPU, or use_shared_gate = 0", c->use_shared_gate);
   return MOK_STATUS_SUCCESS;
 }
 #endif
@@ -620,6 +629,7 @@ static mok_status_t backward_no_tokens(mok_context_t* ctx, const mok_backward_ar
   if (!s && c->use_expert_bias) s = zero_output(ctx, a->d_b2, El * H * g, a->stream);
   if (!s) s = zero_output(ctx, a->d_ws13, 2 * Fs * H * g, a->stream);
   if (!s) s = zero_output(ctx, a->d_ws2, H * Fs * g, a->stream);
+  if (!s && c->use_shared_gate) s = zero_output(ctx, a->d_w_sg, H * g, a->stream);
   return s;
 }
 
@@ -646,6 +656,7 @@ mok_status_t mok_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
       {"b2", a->b2, c->use_expert_bias, T16},
       {"ws13", a->ws13, shared, T16},
       {"ws2", a->ws2, shared, T16},
+      {"w_sg", a->w_sg, c->use_shared_gate, T16},
       {"topk_idx", a->topk_idx, !fused && tok, T16},
       {"topk_weight", a->topk_weight, !fused && tok, T16},
       {"y", a->y, tok, T16},
@@ -699,6 +710,7 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
       {"b13", a->b13, c->use_expert_bias, T16},
       {"ws13", a->ws13, shared, T16},
       {"ws2", a->ws2, shared, T16},
+      {"w_sg", a->w_sg, c->use_shared_gate, T16},
       {"dy", a->dy, tok, T16},
       {"d_aux_loss", a->d_aux_loss, 0, 4},
       {"d_z_loss", a->d_z_loss, 0, 4},
@@ -713,6 +725,7 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
       {"d_b2", a->d_b2, c->use_expert_bias, wa},
       {"d_ws13", a->d_ws13, shared, wa},
       {"d_ws2", a->d_ws2, shared, wa},
+      {"d_w_sg", a->d_w_sg, c->use_shared_gate, wa},
       {"workspace", a->workspace, 1, WS256},
   };
   s = check_pointers(ctx, fn, rules, (int)(sizeof rules / sizeof rules[0]));

@@ -117,10 +117,12 @@ typedef struct {
  *   dg                [T, K] real
  *   tree              [tree_vectors, tree_len] real  nodes of the fixed reduction tree
  *   shared_a, shared_h, a_rows, h_rows   as in saved, with MOK_GATE_UP_RECOMPUTE only:
- *                     forward computes them here, backward computes them again */
+ *                     forward computes them here, backward computes them again
+ *   shared_dy         [T, H] act   dy_s = bf16(s_g dy), with use_shared_gate only
+ *   shared_dl         [T] act      dl_g, the gate logit's gradient, likewise */
 typedef struct {
   size_t logits, idx, weight, slot_pos, counts, gemm_out, d_a, tok, dlogits, dg, tree, shared_a, shared_h,
-      a_rows, h_rows, total;
+      a_rows, h_rows, shared_dy, shared_dl, total;
   int64_t tree_len;      /* longest vector reduced by the tree */
   int64_t tree_vectors;  /* node buffers the tree needs */
   int overflow;          /* a size did not fit in size_t: the plan is void */

@@ -61,10 +61,10 @@ void mok_plan_workspace(const mok_context_t* ctx, int64_t T, mok_workspace_plan_
   int64_t chunks = 0;
   for (int i = 0; i < c->W; i++)
     chunks += (ctx->T_all[i] + MOK_REDUCE_CHUNK_TOKENS - 1) / MOK_REDUCE_CHUNK_TOKENS;
-  /* replicated sums: [E + 1] loss statistics (forward), [E*H | 2Fs*H | H*Fs | E] gradients,
-   * the last E with use_router_bias (mok_context_create bounds H (E + 3 Fs), so this
-   * cannot wrap) */
-  p->tree_len = max2(E + 1, E * H + 3 * Fs * H + (c->use_router_bias ? E : 0));
+  /* replicated sums: [E + 1] loss statistics (forward), [E*H | 2Fs*H | H*Fs | E | H]
+   * gradients, the E with use_router_bias, the H with use_shared_gate (mok_context_create
+   * bounds H (E + 3 Fs), so this cannot wrap) */
+  p->tree_len = max2(E + 1, E * H + 3 * Fs * H + (c->use_router_bias ? E : 0) + (c->use_shared_gate ? H : 0));
   /* own maximal nodes (<= 2 per level), a partial per level while summing one of them,
    * and the output plus a partial per level while combining all ranks' nodes */
   p->tree_vectors = 4 * mok_tree_depth(chunks) + 1;
@@ -87,5 +87,8 @@ void mok_plan_workspace(const mok_context_t* ctx, int64_t T, mok_workspace_plan_
   p->shared_h = take(&at, ov, MUL3(ov, redo * T, Fs, a));
   p->a_rows = take(&at, ov, mul(ov, MUL3(ov, redo * cap, 2, F), a));
   p->h_rows = take(&at, ov, MUL3(ov, redo * cap, F, a));
+  const int64_t gated = c->use_shared_gate != 0;
+  p->shared_dy = take(&at, ov, MUL3(ov, gated * T, H, a));
+  p->shared_dl = take(&at, ov, MUL3(ov, gated * T, 1, a));
   p->total = at;
 }

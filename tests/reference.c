@@ -137,9 +137,15 @@ void test_reference_forward(const mok_problem_t* p, double* y, int32_t* topk_idx
              eb ? (const double*)p->b2 + e * H : NULL, xt, H, F, a, h, o);
       for (int64_t i = 0; i < H; i++) yt[i] += g[j] * o[i];
     }
-    if (Fs) {
+    if (Fs) { /* with the gate (Qwen2-MoE): sigmoid(x · w_sg) times the shared output */
       swiglu(c, 0, p->ws13, p->ws2, NULL, NULL, xt, H, Fs, a, h, o);
-      for (int64_t i = 0; i < H; i++) yt[i] += o[i];
+      double gate = 1;
+      if (c->use_shared_gate) {
+        double l = 0;
+        for (int64_t i = 0; i < H; i++) l += xt[i] * ((const double*)p->w_sg)[i];
+        gate = 1.0 / (1.0 + exp(-l));
+      }
+      for (int64_t i = 0; i < H; i++) yt[i] += gate * o[i];
     }
   }
   double aux = 0;

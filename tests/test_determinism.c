@@ -44,9 +44,9 @@ static mok_config_t grouped_layer(void) {
 
 /* The router and expert variants (mok.h), each alone on the layer (v < NUM_VARIANTS),
  * then all at once (v = NUM_VARIANTS). */
-enum { NUM_VARIANTS = 3 };
+enum { NUM_VARIANTS = 4 };
 static const char* const kVariant[NUM_VARIANTS + 1] = {"use_router_bias", "use_expert_bias", "clamped SwiGLU",
-                                                       "all variants"};
+                                                       "use_shared_gate", "all variants"};
 
 static mok_config_t variant_layer(int v) {
   mok_config_t c = layer();
@@ -54,6 +54,7 @@ static mok_config_t variant_layer(int v) {
   if (v == 1 || v == NUM_VARIANTS) c.use_expert_bias = 1;
   if (v == 2 || v == NUM_VARIANTS) /* (limit 0.25: clamps active) */
     c.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c.swiglu_alpha = 1.702f, c.swiglu_limit = 0.25f;
+  if (v == 3 || v == NUM_VARIANTS) c.use_shared_gate = 1;
   return c;
 }
 
@@ -311,6 +312,7 @@ static void copy_weights(mok_problem_t* dst, const mok_problem_t* src) {
   memcpy(dst->b_router, src->b_router, (size_t)c->E * 4);
   memcpy(dst->b13, src->b13, (size_t)(c->E * 2 * c->F) * 2);
   memcpy(dst->b2, src->b2, (size_t)(c->E * c->H) * 2);
+  memcpy(dst->w_sg, src->w_sg, (size_t)c->H * 2);
 }
 
 /* The forward of token t alone (T_global = 1, on W = 1 and on W = 2 where rank 1 has no

@@ -346,14 +346,15 @@ static int describe_cfg(char* b, size_t n, const mok_config_t* c) {
   return snprintf(b, n,
                   "T=%lld H=%lld F=%lld E=%lld K=%lld W=%d rank=%d Fs=%lld routing=%d score=%d normalize=%d "
                   "route_scale=%.9g bias=%d aux=%.9g z=%.9g n_group=%d topk_group=%d group_score=%d "
-                  "router_bias=%d expert_bias=%d activation=%d alpha=%.9g limit=%.9g wgrad=%d numerics=%d "
+                  "router_bias=%d expert_bias=%d activation=%d alpha=%.9g limit=%.9g shared_gate=%d wgrad=%d "
+                  "numerics=%d "
                   "backend=%d capacity=%lld "
                   "threads=%d timeout=%.9g ctas=%d pairs=%d gate_up=%d saved_use=%d size=%zu version=%d comm=%s",
                   (long long)c->T, (long long)c->H, (long long)c->F, (long long)c->E, (long long)c->K, c->W, c->rank,
                   (long long)c->Fs, (int)c->routing, (int)c->score, c->normalize, (double)c->route_scale,
                   c->use_bias_select, (double)c->aux_loss_coef, (double)c->z_loss_coef, c->n_group, c->topk_group,
                   (int)c->group_score, c->use_router_bias, c->use_expert_bias, (int)c->activation,
-                  (double)c->swiglu_alpha, (double)c->swiglu_limit, (int)c->wgrad,
+                  (double)c->swiglu_alpha, (double)c->swiglu_limit, c->use_shared_gate, (int)c->wgrad,
                   (int)c->numerics, (int)c->backend, (long long)c->capacity, c->num_threads, c->comm_timeout_s,
                   c->num_ctas, (int)c->cta_pairs, (int)c->gate_up, (int)c->saved_use, c->struct_size, c->version,
                   c->cpu_comm ? "set" : "NULL");
@@ -419,6 +420,7 @@ static void want_create_local(const mok_config_t* c, int comm_ranks, fz_want_t* 
     else if (!(c->swiglu_limit > 0)) want(w, "cfg.swiglu_limit <= 0", ARG, "cfg.swiglu_limit");
   } else if (c->swiglu_alpha != 0 || c->swiglu_limit != 0)
     want(w, "clamped SwiGLU parameters without it", ARG, "cfg.swiglu_alpha|cfg.swiglu_limit");
+  if (c->use_shared_gate && c->Fs == 0) want(w, "shared gate without a shared expert", ARG, "cfg.use_shared_gate");
 #ifndef MOK_HAVE_CUDA
   if (c->backend == MOK_BACKEND_CUDA) want(w, "no CUDA backend", MOK_STATUS_BACKEND_UNAVAILABLE, "cfg.backend");
 #endif
@@ -450,7 +452,8 @@ static int same_layer(const mok_config_t* a, const mok_config_t* b) {
          a->z_loss_coef == b->z_loss_coef && a->n_group == b->n_group && a->topk_group == b->topk_group &&
          a->group_score == b->group_score && a->use_router_bias == b->use_router_bias &&
          a->use_expert_bias == b->use_expert_bias && a->activation == b->activation &&
-         a->swiglu_alpha == b->swiglu_alpha && a->swiglu_limit == b->swiglu_limit && a->Fs == b->Fs &&
+         a->swiglu_alpha == b->swiglu_alpha && a->swiglu_limit == b->swiglu_limit &&
+         a->use_shared_gate == b->use_shared_gate && a->Fs == b->Fs &&
          a->numerics == b->numerics && a->wgrad == b->wgrad;
 }
 
@@ -541,6 +544,7 @@ static void random_layer(uint64_t* s, int W, int64_t max_E, mok_config_t* c) {
     c->swiglu_alpha = (float)PICK(s, 1702, 1702, 1000, 500, 3000) / 1000.0f;
     c->swiglu_limit = (float)PICK(s, 7000, 7000, 250, 1000, 10) / 1000.0f;
   }
+  c->use_shared_gate = c->Fs > 0 && pct(s, 30);
 }
 
 static int64_t absurd_dim(uint64_t* s) {
@@ -552,7 +556,7 @@ typedef enum {
   C_VALID, C_VERSION, C_STRUCT_SIZE, C_T, C_H, C_F, C_E, C_K, C_W, C_E_MOD_W, C_FS, C_CAPACITY_NEG,
   C_CAPACITY_HIGH, C_RANK, C_ROUTING, C_SCORE, C_WGRAD, C_NUMERICS, C_BACKEND, C_THREADS, C_ROUTE_SCALE, C_AUX,
   C_Z, C_TIMEOUT, C_EXACT_CUDA, C_CTAS, C_CTA_PAIRS, C_GATE_UP, C_SAVED_USE, C_N_GROUP, C_TOPK_GROUP, C_GROUP_K,
-  C_GROUP_SCORE, C_GROUP_REPLAY, C_ROUTER_BIAS_REPLAY, C_ACTIVATION, C_SWIGLU_ALPHA, C_SWIGLU_LIMIT, C_SWIGLU_OFF, C_E_MAX, C_ABSURD, C_HUGE, C_COMM_NULL, C_COMM_WRONG, C_COMM_FAKE, C_EXTREME,
+  C_GROUP_SCORE, C_GROUP_REPLAY, C_ROUTER_BIAS_REPLAY, C_ACTIVATION, C_SWIGLU_ALPHA, C_SWIGLU_LIMIT, C_SWIGLU_OFF, C_SHARED_GATE_NO_FS, C_E_MAX, C_ABSURD, C_HUGE, C_COMM_NULL, C_COMM_WRONG, C_COMM_FAKE, C_EXTREME,
   C_NUM_MUTATIONS
 } create_mutation_t;
 
@@ -561,7 +565,7 @@ static const char* const kCreateMutation[] = {
     "capacity > max", "rank", "routing", "score", "wgrad", "numerics", "backend", "num_threads", "route_scale",
     "aux_loss_coef", "z_loss_coef", "comm_timeout_s", "EXACT on CUDA", "num_ctas", "cta_pairs", "gate_up",
     "saved_use", "n_group", "topk_group", "K > kept groups' experts", "group_score", "groups in replay",
-    "router bias in replay", "activation", "swiglu_alpha", "swiglu_limit", "swiglu parameters without it", "E > max", "absurd shape", "huge shape", "cpu_comm NULL", "cpu_comm of other ranks",
+    "router bias in replay", "activation", "swiglu_alpha", "swiglu_limit", "swiglu parameters without it", "shared gate without Fs", "E > max", "absurd shape", "huge shape", "cpu_comm NULL", "cpu_comm of other ranks",
     "cpu_comm fake", "valid extremes"};
 
 static const float kNonfinite[] = {NAN, INFINITY, -INFINITY};
@@ -653,6 +657,7 @@ static void mutate_config(uint64_t* s, create_mutation_t m, fz_creates_t* x) {
         if (pct(s, 50)) c->swiglu_alpha = pct(s, 20) ? nf : 1.702f;
         else c->swiglu_limit = 7.0f;
         break;
+      case C_SHARED_GATE_NO_FS: c->use_shared_gate = 1, c->Fs = 0; break;
       case C_E_MAX: c->E = (MOK_MAX_EXPERTS / W + PICK(s, 1, 2, 1000)) * W; break;
       case C_ABSURD:
         if (which_dim == 0) c->T = absurd;
@@ -742,7 +747,7 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
   const int mismatch = x->W > 1 && num_muts == 1 && muts[0] == C_VALID && pct(&s, 40);
   if (mismatch) { /* one rank's layer differs in one field */
     mok_config_t* c = &x->c[rnd_in(&s, 0, x->W - 1)].cfg;
-    switch (rnd_in(&s, 0, 11)) {
+    switch (rnd_in(&s, 0, 12)) {
       case 0: c->H += 1; break;
       case 1: c->F += 1; break;
       case 2: c->K = c->K > 1 ? c->K - 1 : 1 + (c->E > 1); break;
@@ -759,6 +764,10 @@ static int create_iteration(fz_log_t* L, uint64_t seed) {
       case 10: /* (the clamped SwiGLU's limit, where it is on; else the activation itself) */
         if (c->activation == MOK_ACTIVATION_SWIGLU_CLAMPED) c->swiglu_limit *= 2.0f;
         else c->activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c->swiglu_alpha = 1.702f, c->swiglu_limit = 7.0f;
+        break;
+      case 11: /* (no shared expert: a rank that fails its own rule; another field instead) */
+        if (c->Fs > 0) c->use_shared_gate = !c->use_shared_gate;
+        else c->aux_loss_coef += 0.5f;
         break;
       default: c->aux_loss_coef += 0.5f; break;
     }
@@ -865,17 +874,17 @@ static int fuzz_create(void) {
 /* ---- a world: W ranks' contexts and buffers over one global batch ---- */
 
 enum {
-  B_X, B_WR, B_BIAS, B_BR, B_W13, B_W2, B_B13, B_B2, B_WS13, B_WS2, B_DY, B_DAUX, B_DZ, /* inputs */
+  B_X, B_WR, B_BIAS, B_BR, B_W13, B_W2, B_B13, B_B2, B_WS13, B_WS2, B_WSG, B_DY, B_DAUX, B_DZ, /* inputs */
   B_IDX, B_TW,                                                      /* replay inputs, fused outputs */
   B_Y, B_TPE, B_AUX, B_Z, B_SAVED, B_SAVED2,                        /* forward outputs; a second saved */
-  B_DX, B_DTW, B_DWR, B_DBR, B_DW13, B_DW2, B_DB13, B_DB2, B_DWS13, B_DWS2, /* backward outputs (gradients: B_DWR ..) */
+  B_DX, B_DTW, B_DWR, B_DBR, B_DW13, B_DW2, B_DB13, B_DB2, B_DWSG, B_DWS13, B_DWS2, /* backward outputs (gradients: B_DWR ..) */
   B_WS, B_WS_BWD,                                                   /* workspaces: not compared */
   B_NUM
 };
 static const char* const kBufName[B_NUM] = {
-    "x", "w_router", "bias_select", "b_router", "w13", "w2", "b13", "b2", "ws13", "ws2", "dy", "d_aux_loss", "d_z_loss",
+    "x", "w_router", "bias_select", "b_router", "w13", "w2", "b13", "b2", "ws13", "ws2", "w_sg", "dy", "d_aux_loss", "d_z_loss",
     "topk_idx", "topk_weight", "y", "tokens_per_expert", "aux_loss", "z_loss", "saved", "saved (second)", "dx",
-    "d_topk_weight", "d_w_router", "d_b_router", "d_w13", "d_w2", "d_b13", "d_b2", "d_ws13", "d_ws2", "workspace",
+    "d_topk_weight", "d_w_router", "d_b_router", "d_w13", "d_w2", "d_b13", "d_b2", "d_w_sg", "d_ws13", "d_ws2", "workspace",
     "backward workspace"};
 
 typedef struct {
@@ -1147,6 +1156,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
       {B_B2, (size_t)(El * H) * a, ak, a, (const char*)p->b2 + k->e0 * H * a},
       {B_WS13, (size_t)(2 * Fs * H) * a, ak, a, p->ws13},
       {B_WS2, (size_t)(H * Fs) * a, ak, a, p->ws2},
+      {B_WSG, (size_t)H * a, ak, a, p->w_sg},
       {B_DY, (size_t)(n * H) * a, ak, a, (const char*)p->dy + k->t0 * H * a},
       {B_DAUX, re, rk, re, p->d_aux_loss},
       {B_DZ, re, rk, re, p->d_z_loss},
@@ -1166,6 +1176,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
       {B_DW2, (size_t)(El * H * F) * g, gk, g, NULL},
       {B_DB13, (size_t)(El * 2 * F) * g, gk, g, NULL},
       {B_DB2, (size_t)(El * H) * g, gk, g, NULL},
+      {B_DWSG, (size_t)H * g, gk, g, NULL},
       {B_DWS13, (size_t)(2 * Fs * H) * g, gk, g, NULL},
       {B_DWS2, (size_t)(H * Fs) * g, gk, g, NULL},
       {B_WS, k->ws_bytes, 3, 4, NULL},
@@ -1196,6 +1207,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
   fa->b2 = GIVE(c->use_expert_bias || (o & OPT_VAR_IN), B_B2);
   fa->ws13 = GIVE(shared || (o & OPT_SHARED), B_WS13);
   fa->ws2 = GIVE(shared || (o & OPT_SHARED), B_WS2);
+  fa->w_sg = GIVE(c->use_shared_gate || (o & OPT_VAR_IN), B_WSG);
   fa->topk_idx = GIVE(wd->fused ? (o & OPT_IDX) : tok || (o & OPT_IDX0), B_IDX);
   fa->topk_weight = GIVE(wd->fused ? (o & OPT_IDX) : tok || (o & OPT_IDX0), B_TW);
   fa->y = GIVE(tok || (o & OPT_Y0), B_Y);
@@ -1216,6 +1228,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
   ba->b13 = fa->b13;
   ba->ws13 = GIVE(shared || (o & OPT_SHARED), B_WS13);
   ba->ws2 = GIVE(shared || (o & OPT_SHARED), B_WS2);
+  ba->w_sg = fa->w_sg;
   ba->dy = GIVE(tok || (o & OPT_DY0), B_DY);
   ba->d_aux_loss = wd->pl.d_loss_null ? NULL : (const float*)b[B_DAUX].p;
   ba->d_z_loss = wd->pl.d_loss_null ? NULL : (const float*)b[B_DZ].p;
@@ -1231,6 +1244,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
   ba->d_b2 = GIVE(c->use_expert_bias || (o & OPT_VAR_IN), B_DB2);
   ba->d_ws13 = GIVE(shared || (o & OPT_SHARED), B_DWS13);
   ba->d_ws2 = GIVE(shared || (o & OPT_SHARED), B_DWS2);
+  ba->d_w_sg = GIVE(c->use_shared_gate || (o & OPT_VAR_IN), B_DWSG);
   ba->workspace = b[wd->pl.same_ws ? B_WS : B_WS_BWD].p;
   ba->workspace_bytes = fa->workspace_bytes;
 #undef GIVE
@@ -1239,7 +1253,7 @@ static void world_buffers(fz_world_t* wd, fz_rank_t* k) {
 
 /* ---- what a forward and a backward of a rank must give: api.c's rules ---- */
 
-enum { REQ_NONE, REQ_ALWAYS, REQ_TOK, REQ_FUSED, REQ_BIAS, REQ_SHARED, REQ_REPLAY_TOK, REQ_ROUTER_BIAS, REQ_EXPERT_BIAS };
+enum { REQ_NONE, REQ_ALWAYS, REQ_TOK, REQ_FUSED, REQ_BIAS, REQ_SHARED, REQ_REPLAY_TOK, REQ_ROUTER_BIAS, REQ_EXPERT_BIAS, REQ_SHARED_GATE };
 typedef struct {
   const char* name;
   size_t off;   /* in the arguments */
@@ -1253,7 +1267,7 @@ static const fz_field_t kFwdFields[] = {
     FF(x, B_X, REQ_TOK, 16), FF(w_router, B_WR, REQ_FUSED, 16), FF(bias_select, B_BIAS, REQ_BIAS, 16),
     FF(b_router, B_BR, REQ_ROUTER_BIAS, 16),
     FF(w13, B_W13, REQ_ALWAYS, 16), FF(w2, B_W2, REQ_ALWAYS, 16), FF(b13, B_B13, REQ_EXPERT_BIAS, 16),
-    FF(b2, B_B2, REQ_EXPERT_BIAS, 16), FF(ws13, B_WS13, REQ_SHARED, 16),
+    FF(b2, B_B2, REQ_EXPERT_BIAS, 16), FF(ws13, B_WS13, REQ_SHARED, 16), FF(w_sg, B_WSG, REQ_SHARED_GATE, 16),
     FF(ws2, B_WS2, REQ_SHARED, 16), FF(topk_idx, B_IDX, REQ_REPLAY_TOK, 16),
     FF(topk_weight, B_TW, REQ_REPLAY_TOK, 16), FF(y, B_Y, REQ_TOK, 16),
     FF(tokens_per_expert, B_TPE, REQ_NONE, 4), FF(aux_loss, B_AUX, REQ_NONE, 4), FF(z_loss, B_Z, REQ_NONE, 4),
@@ -1263,11 +1277,11 @@ static const fz_field_t kFwdFields[] = {
 static const fz_field_t kBwdFields[] = {
     BF(x, B_X, REQ_TOK, 16), BF(w_router, B_WR, REQ_FUSED, 16), BF(w13, B_W13, REQ_ALWAYS, 16),
     BF(w2, B_W2, REQ_ALWAYS, 16), BF(b13, B_B13, REQ_EXPERT_BIAS, 16), BF(ws13, B_WS13, REQ_SHARED, 16),
-    BF(ws2, B_WS2, REQ_SHARED, 16),
+    BF(ws2, B_WS2, REQ_SHARED, 16), BF(w_sg, B_WSG, REQ_SHARED_GATE, 16),
     BF(dy, B_DY, REQ_TOK, 16), BF(d_aux_loss, B_DAUX, REQ_NONE, 4), BF(d_z_loss, B_DZ, REQ_NONE, 4),
     BF(saved, B_SAVED, REQ_ALWAYS, 256), BF(dx, B_DX, REQ_TOK, 16), BF(d_topk_weight, B_DTW, REQ_REPLAY_TOK, 16),
     BF(d_w_router, B_DWR, REQ_NONE, 0), BF(d_b_router, B_DBR, REQ_NONE, 0), BF(d_w13, B_DW13, REQ_ALWAYS, 0), BF(d_w2, B_DW2, REQ_ALWAYS, 0),
-    BF(d_b13, B_DB13, REQ_EXPERT_BIAS, 0), BF(d_b2, B_DB2, REQ_EXPERT_BIAS, 0),
+    BF(d_b13, B_DB13, REQ_EXPERT_BIAS, 0), BF(d_b2, B_DB2, REQ_EXPERT_BIAS, 0), BF(d_w_sg, B_DWSG, REQ_SHARED_GATE, 0),
     BF(d_ws13, B_DWS13, REQ_SHARED, 0), BF(d_ws2, B_DWS2, REQ_SHARED, 0), BF(workspace, B_WS_BWD, REQ_ALWAYS, 256)};
 #undef BF
 enum { kNumFwdFields = sizeof kFwdFields / sizeof kFwdFields[0], kNumBwdFields = sizeof kBwdFields / sizeof kBwdFields[0] };
@@ -1290,6 +1304,7 @@ static int required(int req, const mok_config_t* c, int64_t T) {
     case REQ_REPLAY_TOK: return !fused && tok;
     case REQ_ROUTER_BIAS: return fused && c->use_router_bias;
     case REQ_EXPERT_BIAS: return c->use_expert_bias;
+    case REQ_SHARED_GATE: return c->use_shared_gate;
     default: return 0;
   }
 }
@@ -1506,6 +1521,7 @@ static const void* reference_of(const fz_world_t* wd, const fz_rank_t* k, int id
     case B_DB2: ref = (const char*)p->d_b2 + k->e0 * H * g; break;
     case B_DWS13: ref = p->d_ws13; break;
     case B_DWS2: ref = p->d_ws2; break;
+    case B_DWSG: ref = p->d_w_sg; break;
     default: return NULL;
   }
   if (!wd->accum || id < B_DWR || id > B_DWS2) return ref;
@@ -1571,6 +1587,7 @@ static int world_check(fz_log_t* L, fz_world_t* wd, const char* call, int backwa
           case B_DB2: given = k->c.cfg.use_expert_bias ? a->d_b2 : NULL; break;
           case B_DWS13: given = wd->Fs ? a->d_ws13 : NULL; break;
           case B_DWS2: given = wd->Fs ? a->d_ws2 : NULL; break;
+          case B_DWSG: given = k->c.cfg.use_shared_gate ? a->d_w_sg : NULL; break;
           default: break;
         }
         if (given && given == k->b[id].p && !wd->accum) mode = SAME_AS, zero = 1;
@@ -1587,13 +1604,14 @@ static int world_check(fz_log_t* L, fz_world_t* wd, const char* call, int backwa
           case B_DB2: given = k->c.cfg.use_expert_bias ? a->d_b2 : NULL; break;
           case B_DWS13: given = wd->Fs ? a->d_ws13 : NULL; break;
           case B_DWS2: given = wd->Fs ? a->d_ws2 : NULL; break;
+          case B_DWSG: given = k->c.cfg.use_shared_gate ? a->d_w_sg : NULL; break;
           case B_SAVED: case B_SAVED2:
             if (a->saved == k->b[id].p && k->c.cfg.saved_use == MOK_SAVED_REUSE) mode = ANY;
             break;
           default: break;
         }
         if (given == k->b[id].p) {
-          const int replicated = id == B_DWR || id == B_DBR || id == B_DWS13 || id == B_DWS2;
+          const int replicated = id == B_DWR || id == B_DBR || id == B_DWS13 || id == B_DWS2 || id == B_DWSG;
           mode = wd->values_differ == 2 ? ANY : wd->values_differ || (replicated && !replicated_exact) ? FINITE : SAME_AS;
         }
       }
@@ -1609,7 +1627,7 @@ static int world_check(fz_log_t* L, fz_world_t* wd, const char* call, int backwa
     }
   }
   /* the replicated outputs are one value on every rank */
-  static const int replicated[] = {B_TPE, B_AUX, B_Z, B_DWR, B_DBR, B_DWS13, B_DWS2};
+  static const int replicated[] = {B_TPE, B_AUX, B_Z, B_DWR, B_DBR, B_DWS13, B_DWS2, B_DWSG};
   for (int i = 0; i < (int)(sizeof replicated / sizeof replicated[0]); i++)
     for (int r = 1; r < wd->W; r++) {
       const fz_rank_t *k0 = &wd->rk[0], *k = &wd->rk[r];
@@ -2124,7 +2142,7 @@ static void saved_header_fields(fz_log_t* L, int W) {
 
 /* Do the ranks' backward outputs (those given) hold the W = 1 run's bits? */
 static int world_backward_is_reference(const fz_world_t* wd) {
-  static const int outputs[] = {B_DX, B_DTW, B_DWR, B_DBR, B_DW13, B_DW2, B_DB13, B_DB2, B_DWS13, B_DWS2};
+  static const int outputs[] = {B_DX, B_DTW, B_DWR, B_DBR, B_DW13, B_DW2, B_DB13, B_DB2, B_DWSG, B_DWS13, B_DWS2};
   int same = 1;
   for (int r = 0; r < wd->W && same; r++)
     for (int i = 0; i < (int)(sizeof outputs / sizeof outputs[0]) && same; i++) {

@@ -3,7 +3,8 @@
  * gradients backward receives:
  *     L = sum(y * dy) + d_aux_loss * aux_loss + d_z_loss * z_loss
  * For ~10 random entries of each input tensor (x, w_router, w13, w2, ws13, ws2, and
- * topk_weight in replay; b_router, b13, b2 with the router and expert biases; x, w13, b13
+ * topk_weight in replay; b_router, b13, b2 with the router and expert biases, w_sg with the
+ * shared-expert gate; x, w13, b13
  * on both sides of the clamped SwiGLU's limit), (L(v + eps) - L(v - eps)) / 2 eps must match the analytic
  * gradient to 1e-5 relative (abs floor 1e-7: L's rounding, ~1e-16 |L| over 2 eps).
  * Top-K is discrete: an entry whose perturbation changes the routing is skipped. */
@@ -77,6 +78,7 @@ static int check_gradients(const mok_config_t* cfg, int64_t T, int W, int zero_d
       {"b2", cfg->use_expert_bias ? p->b2 : NULL, E * H, "d_b2"},
       {"ws13", Fs ? p->ws13 : NULL, 2 * Fs * H, "d_ws13"},
       {"ws2", Fs ? p->ws2 : NULL, H * Fs, "d_ws2"},
+      {"w_sg", cfg->use_shared_gate ? p->w_sg : NULL, H, "d_w_sg"},
       {"topk_weight", replay ? p->topk_weight : NULL, T * K, "d_topk_weight"},
   };
   uint64_t rng = test_case_seed() ^ 0x5eedull;
@@ -262,6 +264,20 @@ static int clamped_swiglu(void) {
   return bad;
 }
 
+/* Qwen2-MoE's gated shared expert: sigmoid(x · w_sg) scales the shared output; d_w_sg
+ * is a replicated gradient (W = 2: the tree over both ranks' chunks), x gets the gate's
+ * path too; in replay, and with the losses alone (dy = 0: the gate gets nothing, the
+ * case checks that nothing leaks into it). */
+static int shared_gate(void) {
+  mok_config_t c = small_config();
+  c.use_shared_gate = 1;
+  int bad = check_gradients(&c, 12, 1, 0) + check_gradients(&c, 12, 2, 0);
+  c.routing = MOK_ROUTING_REPLAY;
+  bad += check_gradients(&c, 12, 1, 0);
+  c.routing = MOK_ROUTING_FUSED, c.gate_up = MOK_GATE_UP_RECOMPUTE;
+  return bad + check_gradients(&c, 12, 1, 1);
+}
+
 static int replay(void) {
   mok_config_t c = small_config();
   c.routing = MOK_ROUTING_REPLAY;
@@ -294,6 +310,7 @@ const test_case_t suite_grad[] = {
     {"router_bias_losses", router_bias_losses},
     {"expert_bias", expert_bias},
     {"clamped_swiglu", clamped_swiglu},
+    {"shared_gate", shared_gate},
     {"replay", replay},
     {"two_ranks", two_ranks},
     {"two_ranks_replay", two_ranks_replay},

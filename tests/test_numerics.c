@@ -15,6 +15,7 @@
  *    cancel, so ~1e-2 is the worst norm-wise sum we expect (over 300 seeds the largest
  *    seen is 6e-3); a wrong formula (a missed term, a swapped index) is far above it. */
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "runner.h"
@@ -153,13 +154,19 @@ static int exact_router_bias(void) {
   return bad + exact_variant_vs_reference(c, off, 100, 2, 1, "use_router_bias with groups");
 }
 
-/* gpt-oss's experts: the biases of a and o, fused and replay (y differs without them). */
-static int exact_expert_bias(void) {
+/* An expert variant (the int field at `flag` set) against the layer without it, fused on
+ * W = 2 and replay on W = 1: y must differ. */
+static int exact_expert_variant(size_t flag, const char* what) {
   mok_config_t c = layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_FUSED), off = c;
-  c.use_expert_bias = 1;
-  int bad = exact_variant_vs_reference(c, off, 100, 2, 0, "use_expert_bias");
+  *(int*)((char*)&c + flag) = 1;
+  int bad = exact_variant_vs_reference(c, off, 100, 2, 0, what);
   c.routing = off.routing = MOK_ROUTING_REPLAY;
-  return bad + exact_variant_vs_reference(c, off, 100, 1, 0, "use_expert_bias, replay");
+  return bad + exact_variant_vs_reference(c, off, 100, 1, 0, what);
+}
+
+/* gpt-oss's experts: the biases of a and o. */
+static int exact_expert_bias(void) {
+  return exact_expert_variant(offsetof(mok_config_t, use_expert_bias), "use_expert_bias");
 }
 
 /* gpt-oss's clamped SwiGLU (limit 0.25 here, so that the clamps are active), alone and
@@ -176,6 +183,11 @@ static int exact_clamped_swiglu(void) {
   int bad = exact_variant_vs_reference(c, off, 100, 2, 0, "clamped SwiGLU");
   c.use_expert_bias = off.use_expert_bias = c.use_router_bias = off.use_router_bias = 1;
   return bad + exact_variant_vs_reference(c, off, 100, 1, 0, "clamped SwiGLU with gpt-oss's biases");
+}
+
+/* Qwen2-MoE's gated shared expert. */
+static int exact_shared_gate(void) {
+  return exact_expert_variant(offsetof(mok_config_t, use_shared_gate), "use_shared_gate");
 }
 
 /* Runs the same problem in BF16 and EXACT numerics and compares every output; those that
@@ -199,7 +211,7 @@ static int bf16_vs_exact_tol(mok_config_t c, int64_t T, int W, double grad_tol) 
     return 1; /* different routing: the rest cannot be compared */
   return test_close(&b, &e,
                     "y topk_weight aux_loss z_loss d_topk_weight d_w_router d_w2 "
-                    "d_ws13 d_ws2 d_b_router d_b2",
+                    "d_ws13 d_ws2 d_b_router d_b2 d_w_sg",
                     2e-2, "bf16 vs exact") +
          test_close(&b, &e, "dx d_w13 d_b13", grad_tol, "bf16 vs exact");
 }
@@ -252,6 +264,12 @@ static int bf16_clamped_swiglu(void) {
   return bad + bf16_vs_exact(c, 256, 2);
 }
 
+static int bf16_shared_gate(void) {
+  mok_config_t c = layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_FUSED);
+  c.use_shared_gate = 1;
+  return bf16_vs_exact(c, 256, 2);
+}
+
 static int bf16_replay(void) {
   return bf16_vs_exact(layer(MOK_SCORE_SOFTMAX, MOK_ROUTING_REPLAY), 256, 1);
 }
@@ -274,12 +292,14 @@ const test_case_t suite_numerics[] = {
     {"exact_router_bias", exact_router_bias},
     {"exact_expert_bias", exact_expert_bias},
     {"exact_clamped_swiglu", exact_clamped_swiglu},
+    {"exact_shared_gate", exact_shared_gate},
     {"bf16_softmax", bf16_softmax},
     {"bf16_group_limited", bf16_group_limited},
     {"bf16_sigmoid_bias", bf16_sigmoid_bias},
     {"bf16_router_bias", bf16_router_bias},
     {"bf16_expert_bias", bf16_expert_bias},
     {"bf16_clamped_swiglu", bf16_clamped_swiglu},
+    {"bf16_shared_gate", bf16_shared_gate},
     {"bf16_replay", bf16_replay},
     {"bf16_fp32_accum", bf16_fp32_accum},
     TEST_END,

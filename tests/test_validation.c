@@ -29,8 +29,8 @@ typedef struct {
   void *d_w_router, *d_w13, *d_w2, *d_ws13, *d_ws2; /* bf16 or fp32 */
   float *bias, *topk_weight, *d_topk_weight, *aux, *z;
   float *b_router, *d_b_router; /* the variants' tensors (mok.h), given whether on or off */
-  uint16_t *b13, *b2;
-  void *d_b13, *d_b2; /* bf16 or fp32, as d_w13 */
+  uint16_t *b13, *b2, *w_sg;
+  void *d_b13, *d_b2, *d_w_sg; /* bf16 or fp32, as d_w13 */
   int32_t *topk_idx, *tokens_per_expert;
   void *saved, *workspace;
   mok_forward_args_t fa;
@@ -64,6 +64,7 @@ static int fix_init_with(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad, int
   f->cfg.routing = routing;
   f->cfg.wgrad = wgrad;
   if (variants) f->cfg.use_router_bias = routing == MOK_ROUTING_FUSED, f->cfg.use_expert_bias = 1;
+  if (variants) f->cfg.use_shared_gate = 1;
   f->ctx = test_context(&f->cfg, NULL);
   if (!f->ctx) return 1;
   if (mok_workspace_size(f->ctx, &f->ws_bytes) || mok_saved_size(f->ctx, &f->sv_bytes)) return 1;
@@ -90,6 +91,8 @@ static int fix_init_with(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad, int
   f->b2 = random_bf16(E_ * H_, 0.5, &s);
   f->d_b13 = test_alloc(E_ * 2 * F_ * wg + 256);
   f->d_b2 = test_alloc(E_ * H_ * wg + 256);
+  f->w_sg = random_bf16(H_, 0.25, &s);
+  f->d_w_sg = test_alloc(H_ * wg + 256);
   f->bias = test_alloc(E_ * 4);
   for (int e = 0; e < E_; e++) f->bias[e] = 0.001f * (float)e;
   f->topk_idx = test_alloc(T_ * K_ * 4);
@@ -110,7 +113,7 @@ static int fix_init_with(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad, int
   a->num_tokens = T_;
   a->x = f->x, a->w_router = f->w_router, a->bias_select = f->bias, a->b_router = f->b_router;
   a->w13 = f->w13, a->w2 = f->w2, a->ws13 = f->ws13, a->ws2 = f->ws2;
-  a->b13 = f->b13, a->b2 = f->b2;
+  a->b13 = f->b13, a->b2 = f->b2, a->w_sg = f->w_sg;
   a->topk_idx = f->topk_idx, a->topk_weight = f->topk_weight;
   a->y = f->y, a->tokens_per_expert = f->tokens_per_expert, a->aux_loss = f->aux, a->z_loss = f->z;
   a->saved = f->saved, a->saved_bytes = f->sv_bytes;
@@ -125,7 +128,7 @@ static int fix_init_with(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad, int
   b->d_w_router = routing == MOK_ROUTING_REPLAY ? NULL : f->d_w_router;
   b->d_w13 = f->d_w13, b->d_w2 = f->d_w2, b->d_ws13 = f->d_ws13, b->d_ws2 = f->d_ws2;
   b->d_b_router = f->d_b_router;
-  b->b13 = f->b13, b->d_b13 = f->d_b13, b->d_b2 = f->d_b2;
+  b->b13 = f->b13, b->d_b13 = f->d_b13, b->d_b2 = f->d_b2, b->w_sg = f->w_sg, b->d_w_sg = f->d_w_sg;
   b->workspace = f->workspace, b->workspace_bytes = f->ws_bytes;
 
   int n = 0;
@@ -147,6 +150,7 @@ static int fix_init_with(fix_t* f, mok_routing_t routing, mok_wgrad_t wgrad, int
   f->bwd_out[n++] = (buf_t){"d_w2", f->d_w2, E_ * H_ * F_ * wg};
   f->bwd_out[n++] = (buf_t){"d_ws13", f->d_ws13, 2 * FS_ * H_ * wg};
   f->bwd_out[n++] = (buf_t){"d_ws2", f->d_ws2, H_ * FS_ * wg};
+  f->bwd_out[n++] = (buf_t){"d_w_sg", f->d_w_sg, H_ * wg};
   f->bwd_out[n++] = (buf_t){"d_b13", f->d_b13, E_ * 2 * F_ * wg};
   f->bwd_out[n++] = (buf_t){"d_b2", f->d_b2, E_ * H_ * wg};
   f->bwd_out[n++] = (buf_t){"d_b_router", f->d_b_router, E_ * 4}; /* (last: variant_arguments) */
@@ -346,6 +350,7 @@ static int create_argument(void) {
   RULE(c.group_score = (mok_group_score_t)-1, "group_score");
   RULE((c.routing = MOK_ROUTING_REPLAY, c.use_bias_select = 0, c.n_group = 4, c.topk_group = 2), "n_group");
   RULE((c.routing = MOK_ROUTING_REPLAY, c.use_bias_select = 0, c.use_router_bias = 1), "use_router_bias");
+  RULE((c.Fs = 0, c.use_shared_gate = 1), "use_shared_gate");
 #undef RULE
   mok_cpu_comm_t* none = NULL;
   TEST_ASSERT(mok_cpu_comm_create(0, &none) == A && none == NULL, "cpu_comm_create(0)");
@@ -652,7 +657,8 @@ static int empty_batch(void) {
       }
       for (int i = 0; i < f.num_bwd_out; i++) {
         const buf_t* o = &f.bwd_out[i];
-        const int grad = strncmp(o->name, "d_w", 3) == 0 && !(replay && strcmp(o->name, "d_w_router") == 0);
+        const int grad = strncmp(o->name, "d_w", 3) == 0 && !(replay && strcmp(o->name, "d_w_router") == 0) &&
+                         !(strcmp(o->name, "d_w_sg") == 0 && !f.cfg.use_shared_gate); /* (a variant off: left) */
         const int zeroed = grad && wgrad == MOK_WGRAD_BF16;
         for (size_t k = 0; k < o->bytes; k++)
           TEST_ASSERT(((const uint8_t*)o->ptr)[k] == (zeroed ? 0 : POISON),
@@ -665,7 +671,7 @@ static int empty_batch(void) {
 
 /* The variants' tensors (mok.h): each required one NULL, each misaligned; valid calls
  * with every variant on (bf16 and fp32 gradients) write each variant's gradient; their
- * empty batch zeroes the bf16 gradients (d_b13, d_b2) and the fp32 d_b_router (written
+ * empty batch zeroes the bf16 gradients (d_w_sg, d_b13, d_b2) and the fp32 d_b_router (written
  * whatever cfg.wgrad), adds nothing to fp32 accumulators. */
 static int variant_arguments(void) {
   int bad = 0;
@@ -684,6 +690,8 @@ static int variant_arguments(void) {
   FWD(b13, (const void*)((const char*)f.b13 + 2), M);
   FWD(b2, NULL, N);
   FWD(b2, (const void*)((const char*)f.b2 + 8), M);
+  FWD(w_sg, NULL, N);
+  FWD(w_sg, (const void*)((const char*)f.w_sg + 2), M);
   TEST_ASSERT(!good_forward(&f), "forward with every variant");
   BWD(d_b_router, (float*)((char*)f.d_b_router + 4), M);
   BWD(b13, NULL, N);
@@ -692,6 +700,10 @@ static int variant_arguments(void) {
   BWD(d_b13, (void*)((char*)f.d_b13 + 2), M);
   BWD(d_b2, NULL, N);
   BWD(d_b2, (void*)((char*)f.d_b2 + 8), M);
+  BWD(w_sg, NULL, N);
+  BWD(w_sg, (const void*)((const char*)f.w_sg + 4), M);
+  BWD(d_w_sg, NULL, N);
+  BWD(d_w_sg, (void*)((char*)f.d_w_sg + 2), M);
   b = f.ba, b.d_b_router = NULL; /* optional, as d_w_router */
   poison(f.bwd_out, f.num_bwd_out);
   mok_status_t s = mok_backward(f.ctx, &b);
@@ -706,13 +718,13 @@ static int variant_arguments(void) {
     s = mok_backward(f.ctx, &f.ba);
     TEST_ASSERT(s == MOK_STATUS_SUCCESS, "backward (wgrad %d): %s: %s", wgrad, mok_status_string(s),
                 mok_context_last_error(f.ctx));
-    for (int i = f.num_bwd_out - 3; i < f.num_bwd_out; i++) /* d_b13, d_b2, d_b_router */
+    for (int i = f.num_bwd_out - 4; i < f.num_bwd_out; i++) /* d_w_sg, d_b13, d_b2, d_b_router */
       TEST_ASSERT(touched(f.bwd_out + i, 1), "%s not written (wgrad %d)", f.bwd_out[i].name, wgrad);
     b = f.ba, b.num_tokens = 0;
     a = f.fa, a.num_tokens = 0;
     poison(f.bwd_out, f.num_bwd_out);
     TEST_ASSERT(!mok_forward(f.ctx, &a) && !mok_backward(f.ctx, &b), "empty batch (wgrad %d)", wgrad);
-    for (const buf_t* d = &f.bwd_out[f.num_bwd_out - 3]; d < f.bwd_out + f.num_bwd_out; d++)
+    for (const buf_t* d = &f.bwd_out[f.num_bwd_out - 4]; d < f.bwd_out + f.num_bwd_out; d++)
       for (size_t k = 0; k < d->bytes; k++)
         TEST_ASSERT(((const uint8_t*)d->ptr)[k] == (wgrad == MOK_WGRAD_BF16 ? 0 : POISON),
                     "empty batch (wgrad %d): %s[%zu] = %d", wgrad, d->name, k, ((const uint8_t*)d->ptr)[k]);
@@ -724,7 +736,7 @@ static int variant_arguments(void) {
  * (UNSUPPORTED_SHAPE, on a shape the kernels take otherwise), or BACKEND_UNAVAILABLE
  * without a CUDA backend. */
 static int create_backend_variants(void) {
-  static const char* const names[] = {"use_router_bias", "use_expert_bias", "activation"};
+  static const char* const names[] = {"use_router_bias", "use_expert_bias", "activation", "use_shared_gate"};
   int bad = 0;
   for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++) {
     mok_config_t c = base_config();
@@ -733,6 +745,7 @@ static int create_backend_variants(void) {
     if (i == 0) c.use_router_bias = 1;
     if (i == 1) c.use_expert_bias = 1;
     if (i == 2) c.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c.swiglu_alpha = 1.702f, c.swiglu_limit = 7.0f;
+    if (i == 3) c.use_shared_gate = 1;
 #ifndef MOK_HAVE_CUDA
     bad += expect_create(&c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda", names[i]);
 #else

@@ -68,7 +68,7 @@ void mok_problem_destroy(mok_problem_t* p) {
                   p->topk_idx, p->topk_weight, p->d_aux_loss, p->d_z_loss, p->y, p->dx,
                   p->out_topk_idx, p->out_topk_weight, p->d_topk_weight, p->tokens_per_expert,
                   p->aux_loss, p->z_loss, p->d_w_router, p->d_b_router, p->d_w13, p->d_w2, p->d_ws13,
-                  p->d_ws2, p->b13, p->b2, p->d_b13, p->d_b2};
+                  p->d_ws2, p->b13, p->b2, p->d_b13, p->d_b2, p->w_sg, p->d_w_sg};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
   free(p);
 }
@@ -88,7 +88,8 @@ static void problem_init(mok_problem_t* p, const mok_config_t* cfg, int64_t T_gl
  * mok_problem_create allocates and mok_problem_host_bytes counts. */
 enum { PB_X, PB_W_ROUTER, PB_BIAS, PB_B_ROUTER, PB_W13, PB_W2, PB_WS13, PB_WS2, PB_DY, PB_IDX, PB_TW,
        PB_DAUX, PB_DZ, PB_Y, PB_DX, PB_OUT_IDX, PB_OUT_TW, PB_DTW, PB_TPE, PB_AUX, PB_Z, PB_DWR, PB_DBR,
-       PB_DW13, PB_DW2, PB_DWS13, PB_DWS2, PB_B13, PB_B2, PB_DB13, PB_DB2, NUM_PROBLEM_BUFFERS };
+       PB_DW13, PB_DW2, PB_DWS13, PB_DWS2, PB_B13, PB_B2, PB_DB13, PB_DB2, PB_WSG, PB_DWSG,
+       NUM_PROBLEM_BUFFERS };
 
 static void problem_buffer_sizes(const mok_problem_t* p, size_t n[NUM_PROBLEM_BUFFERS]) {
   const mok_config_t* c = &p->cfg;
@@ -125,6 +126,8 @@ static void problem_buffer_sizes(const mok_problem_t* p, size_t n[NUM_PROBLEM_BU
   n[PB_B2] = E * H * a;
   n[PB_DB13] = E * 2 * F * w;
   n[PB_DB2] = E * H * w;
+  n[PB_WSG] = H * a;
+  n[PB_DWSG] = H * w;
 }
 
 mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint64_t seed,
@@ -167,7 +170,9 @@ mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint6
   p->b2 = alloc0(n[PB_B2]);
   p->d_b13 = alloc0(n[PB_DB13]);
   p->d_b2 = alloc0(n[PB_DB2]);
-  if (!p->b13 || !p->b2 || !p->d_b13 || !p->d_b2 || !p->x || !p->w13 || !p->w2 || !p->dy || !p->y || !p->dx || !p->d_w13 || !p->d_w2 ||
+  p->w_sg = alloc0(n[PB_WSG]);
+  p->d_w_sg = alloc0(n[PB_DWSG]);
+  if (!p->b13 || !p->b2 || !p->d_b13 || !p->d_b2 || !p->w_sg || !p->d_w_sg || !p->x || !p->w13 || !p->w2 || !p->dy || !p->y || !p->dx || !p->d_w13 || !p->d_w2 ||
       !p->ws13 || !p->ws2 || !p->d_ws13 || !p->d_ws2 || !p->d_w_router || !p->topk_idx || !p->b_router ||
       !p->d_b_router) {
     mok_problem_destroy(p);
@@ -201,6 +206,7 @@ mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint6
   for (int64_t e = 0; e < E; e++) set_real(p, p->b_router, e, 0.5 * uniform(&s));
   fill_act(p, p->b13, E * 2 * F, 0.5, &s);
   fill_act(p, p->b2, E * H, 0.5, &s);
+  fill_act(p, p->w_sg, H, 2.0 / sqrt((double)H), &s);
   *out = p;
   return MOK_STATUS_SUCCESS;
 }
@@ -276,7 +282,7 @@ static mok_config_t rank_config(const mok_config_t* c, const mok_run_opts_t* o, 
  * gradients and whole replicated ones. mok_problem_run_bytes counts the same. */
 enum { RB_X, RB_W13, RB_W2, RB_DY, RB_IDX, RB_TW, RB_Y, RB_DX, RB_DTW, RB_SAVED, RB_WS, RB_WS_BWD,
        RB_DW13, RB_DW2, RB_DWR, RB_DBR, RB_DWS13, RB_DWS2, RB_TPE, RB_AUX, RB_Z, RB_B13, RB_B2, RB_DB13, RB_DB2,
-       NUM_RANK_BUFFERS };
+       RB_DWSG, NUM_RANK_BUFFERS };
 
 static void rank_buffer_sizes(const mok_problem_t* p, int W, int64_t T, size_t ws_bytes, size_t sv_bytes,
                               size_t n[NUM_RANK_BUFFERS]) {
@@ -308,6 +314,7 @@ static void rank_buffer_sizes(const mok_problem_t* p, int W, int64_t T, size_t w
   n[RB_B2] = El * H * a;
   n[RB_DB13] = El * 2 * F * w;
   n[RB_DB2] = El * H * w;
+  n[RB_DWSG] = H * w;
 }
 
 static void* rank_main(void* arg) {
@@ -322,7 +329,7 @@ static void* rank_main(void* arg) {
   void *x = NULL, *w13 = NULL, *w2 = NULL, *dy = NULL, *y = NULL, *dx = NULL, *idx = NULL,
        *tw = NULL, *dtw = NULL, *saved = NULL, *ws = NULL, *ws_bwd = NULL, *dw13 = NULL, *dw2 = NULL,
        *dwr = NULL, *dws13 = NULL, *dws2 = NULL, *tpe = NULL, *aux = NULL, *z = NULL, *dbr = NULL, *b13 = NULL,
-       *b2 = NULL, *db13 = NULL, *db2 = NULL;
+       *b2 = NULL, *db13 = NULL, *db2 = NULL, *dwsg = NULL;
   mok_config_t cfg = rank_config(c, o, j->rank, T, j->comm);
   mok_status_t s = mok_context_create(&cfg, &ctx);
   if (s) RANK_FAIL(j, s, "rank %d: create: %s", j->rank, mok_last_create_error());
@@ -356,7 +363,8 @@ static void* rank_main(void* arg) {
   b2 = dup_slice(p->b2, e0 * H * a, n[RB_B2]);
   db13 = alloc0(n[RB_DB13]);
   db2 = alloc0(n[RB_DB2]);
-  if (!b13 || !b2 || !db13 || !db2 || !x || !w13 || !w2 || !dy || !idx || !tw || !y || !dx || !dtw || !saved || !ws || !ws_bwd || !dw13 ||
+  dwsg = alloc0(n[RB_DWSG]);
+  if (!dwsg || !b13 || !b2 || !db13 || !db2 || !x || !w13 || !w2 || !dy || !idx || !tw || !y || !dx || !dtw || !saved || !ws || !ws_bwd || !dw13 ||
       !dw2 || !dwr || !dws13 || !dws2 || !tpe || !aux || !z || !dbr)
     RANK_FAIL(j, MOK_STATUS_OUT_OF_MEMORY, "rank %d: out of host memory", j->rank);
   const int replay = c->routing == MOK_ROUTING_REPLAY;
@@ -372,6 +380,7 @@ static void* rank_main(void* arg) {
   fa.b2 = c->use_expert_bias ? b2 : NULL;
   fa.ws13 = Fs ? p->ws13 : NULL;
   fa.ws2 = Fs ? p->ws2 : NULL;
+  fa.w_sg = c->use_shared_gate ? p->w_sg : NULL;
   fa.topk_idx = idx;
   fa.topk_weight = tw;
   fa.y = y;
@@ -391,6 +400,7 @@ static void* rank_main(void* arg) {
   ba.b13 = fa.b13;
   ba.ws13 = fa.ws13;
   ba.ws2 = fa.ws2;
+  ba.w_sg = fa.w_sg;
   ba.dy = dy;
   ba.d_aux_loss = p->d_aux_loss;
   ba.d_z_loss = p->d_z_loss;
@@ -406,6 +416,7 @@ static void* rank_main(void* arg) {
   ba.d_b2 = c->use_expert_bias ? db2 : NULL;
   ba.d_ws13 = Fs ? dws13 : NULL;
   ba.d_ws2 = Fs ? dws2 : NULL;
+  ba.d_w_sg = c->use_shared_gate ? dwsg : NULL;
   ba.workspace = ws_bwd; /* (not forward's: filled with 0xff before each step, below) */
   ba.workspace_bytes = ws_bytes;
   for (int step = 0; step < o->steps; step++) {
@@ -447,12 +458,13 @@ static void* rank_main(void* arg) {
       memcpy(p->d_b_router, dbr, E * r);
       memcpy(p->d_ws13, dws13, 2 * Fs * H * w);
       memcpy(p->d_ws2, dws2, H * Fs * w);
+      memcpy(p->d_w_sg, dwsg, H * w);
     }
   }
 done:
   if (ctx) mok_context_destroy(ctx);
   void* bufs[] = {x, w13, w2, dy, y, dx, idx, tw, dtw, saved, ws, ws_bwd, dw13, dw2, dwr, dws13,
-                  dws2, tpe, aux, z, dbr, b13, b2, db13, db2};
+                  dws2, tpe, aux, z, dbr, b13, b2, db13, db2, dwsg};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
   return NULL;
 }
@@ -658,6 +670,7 @@ int mok_problem_outputs(const mok_problem_t* p, int with_backward, mok_tensor_vi
     if (Fs) {
       VIEW("d_ws13", p->d_ws13, 2 * Fs * H, p->wgrad_elem, w_kind);
       VIEW("d_ws2", p->d_ws2, H * Fs, p->wgrad_elem, w_kind);
+      if (c->use_shared_gate) VIEW("d_w_sg", p->d_w_sg, H, p->wgrad_elem, w_kind);
     }
   }
 #undef VIEW

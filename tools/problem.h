@@ -31,6 +31,7 @@ typedef struct {
   void* b2;           /* [E, H] */
   void* ws13;         /* [2Fs, H] */
   void* ws2;          /* [H, Fs] */
+  void* w_sg;         /* [H] the shared-expert gate (cfg.use_shared_gate) */
   void* dy;           /* [T_global, H] */
   int32_t* topk_idx;  /* [T_global, K] replay input (distinct experts per token) */
   void* topk_weight;  /* [T_global, K] real, replay input */
@@ -53,6 +54,7 @@ typedef struct {
   void* d_b2;         /* [E, H] */
   void* d_ws13;       /* [2Fs, H] */
   void* d_ws2;        /* [H, Fs] */
+  void* d_w_sg;       /* [H] wgrad dtype (use_shared_gate) */
   size_t wgrad_elem;  /* bytes per weight-gradient element */
   double seconds_forward, seconds_backward; /* time of the last step, slowest rank */
   mok_status_t rank_status[8]; /* the last CUDA run's status of each rank (a silent or

@@ -95,6 +95,7 @@ class MokConfig(ctypes.Structure):
         ("swiglu_alpha", ctypes.c_float),
         ("swiglu_limit", ctypes.c_float),
         ("Fs", ctypes.c_int64),
+        ("use_shared_gate", ctypes.c_int),
         ("wgrad", _c_enum),
         ("numerics", _c_enum),
         ("backend", _c_enum),
@@ -134,6 +135,7 @@ class MokConfig(ctypes.Structure):
         c.swiglu_alpha = 0.0
         c.swiglu_limit = 0.0
         c.Fs = 0
+        c.use_shared_gate = 0
         c.wgrad = MOK_WGRAD_BF16
         c.numerics = MOK_NUMERICS_BF16
         c.backend = MOK_BACKEND_CPU
@@ -164,6 +166,7 @@ class MokForwardArgs(ctypes.Structure):
         ("b2", ctypes.c_void_p),
         ("ws13", ctypes.c_void_p),
         ("ws2", ctypes.c_void_p),
+        ("w_sg", ctypes.c_void_p),
         ("topk_idx", ctypes.c_void_p),
         ("topk_weight", ctypes.c_void_p),
         ("y", ctypes.c_void_p),
@@ -190,6 +193,7 @@ class MokBackwardArgs(ctypes.Structure):
         ("b13", ctypes.c_void_p),
         ("ws13", ctypes.c_void_p),
         ("ws2", ctypes.c_void_p),
+        ("w_sg", ctypes.c_void_p),
         ("dy", ctypes.c_void_p),
         ("d_aux_loss", ctypes.c_void_p),
         ("d_z_loss", ctypes.c_void_p),
@@ -205,6 +209,7 @@ class MokBackwardArgs(ctypes.Structure):
         ("d_b2", ctypes.c_void_p),
         ("d_ws13", ctypes.c_void_p),
         ("d_ws2", ctypes.c_void_p),
+        ("d_w_sg", ctypes.c_void_p),
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),

@@ -82,6 +82,7 @@ static int same_layer(const mok_config_t* a, const mok_config_t* b) {
          a->n_group == b->n_group && a->topk_group == b->topk_group && a->group_score == b->group_score &&
          a->use_router_bias == b->use_router_bias && a->use_expert_bias == b->use_expert_bias &&
          a->activation == b->activation && a->swiglu_alpha == b->swiglu_alpha && a->swiglu_limit == b->swiglu_limit &&
+         a->use_shared_gate == b->use_shared_gate &&
          a->Fs == b->Fs && a->numerics == b->numerics && a->wgrad == b->wgrad;
 }
 

@@ -18,6 +18,9 @@
  *   gradients d_b13, d_b2 sum d_a and dy_j over the expert's rows in global token order
  *   (the rows of the weight gradients' sums, in their order).
  *   clamped SwiGLU: h = bf16((up' + 1) * (gate' * sigmoid(alpha * gate'))), in that order.
+ *   shared-expert gate: s_g = sigmoid(x[t]·w_sg), the dot product over increasing h;
+ *   y[t] = (routed slots) + s_g * o_s; dx[t] = (... + shared path) + dl_g * w_sg;
+ *   d_w_sg a replicated sum as d_w_router's.
  *   replicated sums (loss statistics, router and shared-expert gradients): a partial per
  *   chunk of MOK_REDUCE_CHUNK_TOKENS tokens (increasing t), combined by the fixed tree
  *   of mok_tree_mid over the global chunk list; each rank sums the subtrees inside its
@@ -301,6 +304,14 @@ static void FN(gate_up_block)(FN(step_t)* st, int64_t n, int64_t F, const ACT* x
  * backward split alike. */
 static int64_t FN(block_rows)(int64_t n, int64_t b) { return n - b < MOK_ROW_BLOCK ? n - b : MOK_ROW_BLOCK; }
 
+/* The shared-expert gate of a token (use_shared_gate): sigmoid(x · w_sg), the dot
+ * product's sum over increasing h from +0 (the GEMM's order), not rounded. */
+static REAL FN(shared_gate)(const ACT* x, const ACT* w_sg, int64_t H) {
+  REAL l = 0;
+  for (int64_t h = 0; h < H; h++) l = l + LD(x[h]) * LD(w_sg[h]);
+  return (REAL)1 / ((REAL)1 + EXP(-l));
+}
+
 /* ---- forward ---- */
 
 static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a) {
@@ -466,7 +477,7 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
   s = FN(sync)(st);
   if (s) return s;
 
-  /* 6. combine: y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order */
+  /* 6. combine: y[t] = bf16(sum_j g[t, j] o_j + (s_g) shared), slots in order */
   ACT* y = a->y;
 #pragma omp parallel for schedule(static) num_threads(st->nt)
   for (int64_t t = 0; t < T; t++) {
@@ -476,10 +487,11 @@ static mok_status_t FN(forward)(mok_context_t* ctx, const mok_forward_args_t* a)
       o[j] = (const ACT*)FN(peer)(st, idx[i] / El)->ret_rows + (int64_t)pos[i] * H;
       memcpy(st->o_slots + i * H, o[j], (size_t)H * sizeof(ACT));
     }
+    const REAL sg = c->use_shared_gate ? FN(shared_gate)(x + t * H, a->w_sg, H) : (REAL)1;
     for (int64_t h = 0; h < H; h++) {
       REAL sum = 0;
       for (int64_t j = 0; j < K; j++) sum = sum + g[t * K + j] * LD(o[j][h]);
-      if (Fs > 0) sum = sum + shared_o[t * H + h];
+      if (Fs > 0) sum = sum + (c->use_shared_gate ? sg * shared_o[t * H + h] : shared_o[t * H + h]);
       y[t * H + h] = ST(sum);
     }
   }
@@ -525,18 +537,21 @@ typedef struct {
   const mok_backward_args_t* a;
   const ACT* dlogits; /* [T, E] */
   const ACT* d_a_s;   /* [T, 2Fs] */
+  const ACT* dy_s;    /* [T, H]: the shared expert's output gradient (dy, or bf16(s_g dy)) */
+  const ACT* dl_g;    /* [T] the shared-expert gate logit's gradient (use_shared_gate) */
   int fused;
-  int64_t at_ws13, at_ws2, at_b_router, len; /* the pieces of a replicated-gradient vector */
+  int64_t at_ws13, at_ws2, at_b_router, at_w_sg, len; /* the pieces of a replicated-gradient vector */
 } FN(grad_leaf_t);
 
 /* The replicated gradients' vector: [dW_router (E, H) | dws13 (2Fs, H) | dws2 (H, Fs) |
- * d_b_router (E, with use_router_bias)]. */
+ * d_b_router (E, with use_router_bias) | d_w_sg (H, with use_shared_gate)]. */
 static void FN(grad_layout)(const FN(step_t)* st, FN(grad_leaf_t)* L) {
   const int64_t H = st->H, E = st->E, Fs = st->Fs;
   L->at_ws13 = E * H;
   L->at_ws2 = L->at_ws13 + 2 * Fs * H;
   L->at_b_router = L->at_ws2 + H * Fs;
-  L->len = L->at_b_router + (st->ctx->cfg.use_router_bias ? E : 0);
+  L->at_w_sg = L->at_b_router + (st->ctx->cfg.use_router_bias ? E : 0);
+  L->len = L->at_w_sg + (st->ctx->cfg.use_shared_gate ? H : 0);
 }
 
 /* replicated gradients of one chunk (grad_layout's pieces), each a sum over the chunk's
@@ -553,13 +568,19 @@ static void FN(grad_leaf)(const void* p, int64_t chunk, REAL* out) {
     memset(out, 0, (size_t)(E * H) * sizeof(REAL));
   if (Fs > 0) {
     FN(gemm)(st, 2 * Fs, H, ct, L->d_a_s + t0 * 2 * Fs, 1, 2 * Fs, x, H, 1, out + L->at_ws13, H);
-    FN(gemm)(st, H, Fs, ct, (const ACT*)L->a->dy + t0 * H, 1, H, st->sh + t0 * Fs, Fs, 1, out + L->at_ws2, Fs);
+    FN(gemm)(st, H, Fs, ct, L->dy_s + t0 * H, 1, H, st->sh + t0 * Fs, Fs, 1, out + L->at_ws2, Fs);
   }
   if (L->len > L->at_b_router) { /* d_b_router[e] = sum_t dlogits[t, e] */
     REAL* db = out + L->at_b_router;
     for (int64_t e = 0; e < E; e++) db[e] = 0;
     for (int64_t t = t0; t < t0 + ct; t++)
       for (int64_t e = 0; e < E; e++) db[e] = db[e] + LD(L->dlogits[t * E + e]);
+  }
+  if (L->len > L->at_w_sg) { /* d_w_sg[h] = sum_t dl_g[t] x[t, h] */
+    REAL* dw = out + L->at_w_sg;
+    for (int64_t h = 0; h < H; h++) dw[h] = 0;
+    for (int64_t t = 0; t < ct; t++)
+      for (int64_t h = 0; h < H; h++) dw[h] = dw[h] + LD(L->dl_g[t0 + t]) * LD(x[t * H + h]);
   }
 }
 
@@ -721,14 +742,32 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
     memcpy(a->d_topk_weight, dg, (size_t)(T * K) * sizeof(REAL));
   }
 
-  /* 4. shared expert: dh_s = dy ws2, d_a_s; dx_s = d_a_s ws13 enters dx below */
+  /* 4. shared expert: dh_s = dy_s ws2, d_a_s; dx_s = d_a_s ws13 enters dx below. With the
+   * gate: o_s = bf16(h_s ws2^T) again, d s_g = dy . o_s, dl_g = bf16(d s_g s_g (1 - s_g)),
+   * dy_s = bf16(s_g dy); else dy_s = dy */
   ACT* d_a_s = d_a; /* [T, 2Fs]: the experts' d_a is no longer needed */
+  const int gated = c->use_shared_gate;
+  ACT* dy_s = gated ? WS(st, shared_dy, ACT) : (ACT*)dy; /* [T, H] */
+  ACT* dl_g = WS(st, shared_dl, ACT);                     /* [T] */
   for (int64_t b = 0; Fs > 0 && b < T; b += MOK_ROW_BLOCK) {
     const int64_t rb = FN(block_rows)(T, b);
     if (redo) /* (sh is read again by the replicated gradients, step 6) */
       FN(gate_up_block)(st, rb, Fs, (const ACT*)a->x + b * H, a->ws13, NULL, 0, st->sa + b * 2 * Fs,
                         st->sh + b * Fs, acc);
-    FN(gemm)(st, rb, Fs, H, dy + b * H, H, 1, a->ws2, Fs, 1, acc, Fs);
+    if (gated) {
+      FN(gemm)(st, rb, H, Fs, st->sh + b * Fs, Fs, 1, a->ws2, 1, Fs, acc, H); /* o_s, as forward */
+#pragma omp parallel for schedule(static) num_threads(st->nt)
+      for (int64_t t = b; t < b + rb; t++) {
+        const REAL sg = FN(shared_gate)((const ACT*)a->x + t * H, a->w_sg, H);
+        REAL ds = 0;
+        for (int64_t h = 0; h < H; h++) {
+          ds = ds + LD(dy[t * H + h]) * LD(ST(acc[(t - b) * H + h]));
+          dy_s[t * H + h] = ST(sg * LD(dy[t * H + h]));
+        }
+        dl_g[t] = ST(ds * sg * ((REAL)1 - sg));
+      }
+    }
+    FN(gemm)(st, rb, Fs, H, dy_s + b * H, H, 1, a->ws2, Fs, 1, acc, Fs);
     FN(swiglu_backward)(st, rb, Fs, st->sa + b * 2 * Fs, 0, acc, d_a_s + b * 2 * Fs);
   }
 
@@ -749,6 +788,7 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
         for (int64_t j = 0; j < K; j++) sum = sum + LD(dxj[j][h]);
         if (fused) sum = sum + dx_router[t * H + h];
         if (Fs > 0) sum = sum + acc[(t - b) * H + h];
+        if (gated) sum = sum + LD(dl_g[t]) * LD(((const ACT*)a->w_sg)[h]);
         dx[t * H + h] = ST(sum);
       }
     }
@@ -756,7 +796,7 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
 
   /* 6. replicated gradients over all ranks by the fixed tree */
   if (fused || Fs > 0) {
-    FN(grad_leaf_t) L = {st, a, dlogits, d_a_s, fused, 0, 0, 0, 0};
+    FN(grad_leaf_t) L = {st, a, dlogits, d_a_s, dy_s, dl_g, fused, 0, 0, 0, 0, 0};
     FN(grad_layout)(st, &L);
     REAL* tot;
     s = FN(tree_sum)(st, T_all, L.len, &L, FN(grad_leaf), &tot);
@@ -767,6 +807,7 @@ static mok_status_t FN(backward)(mok_context_t* ctx, const mok_backward_args_t* 
       FN(write_wgrad)(st, a->d_ws2, tot + L.at_ws2, H * Fs);
     }
     if (c->use_router_bias && a->d_b_router) FN(write_real_grad)(st, (REAL*)a->d_b_router, tot + L.at_b_router, E);
+    if (gated) FN(write_wgrad)(st, a->d_w_sg, tot + L.at_w_sg, H);
   }
   /* peers read this rank's ret_rows (dx_j) in step 5: the tree's barriers, or the
    * next call's first barrier, keep them until everyone is done */
