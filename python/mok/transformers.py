@@ -125,7 +125,8 @@ def _check_experts(module: nn.Module):
                         "expert-bias variant is not in its PyTorch binding yet")
     if getattr(module, "has_post_expert_norm", False):
         _refuse(module, "a norm after each expert (has_post_expert_norm)")
-    if _default_apply_gate is not None and getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+    own_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
+    if _default_apply_gate is not None and own_gate is not _default_apply_gate:
         _refuse(module, "its own gate function (_apply_gate, e.g. gpt-oss's clamped SwiGLU): mok computes "
                         "silu(gate) * up")
     act = getattr(module, "act_fn", None)
@@ -253,7 +254,8 @@ def _shard(module: nn.Module, world_size: int, rank: int):
     El = E // world_size
     for name in ("gate_up_proj", "down_proj"):
         p = getattr(module, name)
-        setattr(module, name, nn.Parameter(p.detach()[rank * El:(rank + 1) * El].clone(), requires_grad=p.requires_grad))
+        mine = p.detach()[rank * El:(rank + 1) * El].clone()
+        setattr(module, name, nn.Parameter(mine, requires_grad=p.requires_grad))
 
 
 def _take_options(options: dict, allowed: Tuple[str, ...], what: str) -> Tuple[dict, object]:

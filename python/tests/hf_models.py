@@ -24,11 +24,13 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=H, num_attention_heads=4, num_key_v
 # family: (config class, causal-LM class, the family's own config fields)
 FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(moe_intermediate_size=F, num_experts=E, intermediate_size=2 * F, head_dim=32, norm_topk_prob=True)),
+                  dict(moe_intermediate_size=F, num_experts=E, intermediate_size=2 * F, head_dim=32,
+                       norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=F, num_local_experts=E, head_dim=32)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=F, num_experts=E)),  # norm_topk_prob False
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(moe_intermediate_size=F, num_experts=E, intermediate_size=2 * F, shared_expert_intermediate_size=F)),
+                  dict(moe_intermediate_size=F, num_experts=E, intermediate_size=2 * F,
+                       shared_expert_intermediate_size=F)),
     # one MoE layer (the first is dense): its input is the same bits in eager and mok copies
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(moe_intermediate_size=F, n_routed_experts=E, intermediate_size=2 * F, n_shared_experts=1,
