@@ -186,8 +186,7 @@ typedef struct {
    * one: an fp32 partial per chunk of MOK_REDUCE_CHUNK_TOKENS tokens (increasing t),
    * combined by mok's fixed tree over all ranks, like d_w_router. It is fp32 like the
    * parameter: written with MOK_WGRAD_BF16, added into with MOK_WGRAD_FP32_ACCUM. Fused
-   * routing only (else MOK_STATUS_INVALID_ARGUMENT); CPU backend (CUDA:
-   * MOK_STATUS_UNSUPPORTED_SHAPE). 0 = off. */
+   * routing only (else MOK_STATUS_INVALID_ARGUMENT); both backends. 0 = off. */
   int use_router_bias;
   /* expert biases (gpt-oss): args->b13 [E/W, 2F] and b2 [E/W, H], bf16 like the weights
    * they follow, are added in fp32 before the bf16 rounding of the routed experts' a and o:

@@ -139,6 +139,12 @@ static int64_t recv_rows(const mok_config_t& c, int64_t T) { return c.W == 1 ? T
 
 // logits' and dlogits' row stride (Shape::Ep): E rounded up to 8.
 static int64_t router_stride(const mok_config_t& c) { return (c.E + 7) / 8 * 8; }
+// A chunk's replicated-gradient partials, the vector the tree sums: [d_w_router E H |
+// d_ws13 2 Fs H | d_ws2 H Fs | d_b_router E, rounded up to 4 (the tree's float4 columns;
+// use_router_bias)].
+static int64_t partial_len(const mok_config_t& c) {
+  return c.E * c.H + 3 * c.Fs * c.H + (c.use_router_bias ? (c.E + 3) / 4 * 4 : 0);
+}
 
 static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   Shape s{};
@@ -149,6 +155,7 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   s.score = c.score;
   s.normalize = c.normalize != 0;
   s.use_bias = c.use_bias_select != 0;
+  s.use_router_bias = c.use_router_bias != 0;
   s.Ep = (int)router_stride(c);
   s.n_group = c.n_group, s.topk_group = c.topk_group;
   s.group_top2 = c.group_score == MOK_GROUP_SCORE_TOP2;
@@ -310,7 +317,7 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t R = recv_rows(c, T), chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
   Plan p;
   BwdWsPlan w;
-  w.partial_len = c.E * c.H + 3 * c.Fs * c.H;
+  w.partial_len = partial_len(c);
   w.dg = p.take(T * c.K * 4);
   const int64_t Rx = c.W == 1 ? R : 0;  // (W > 1: dy_rows, dx_rows in the window)
   // MOK_SAVED_REUSE (bwd_reuse_o, bwd_reuse_gate_up): dy_rows where saved's o_rows are
@@ -377,7 +384,7 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
   int bits = 0;
   while ((1ll << bits) <= cdiv(c.T, MOK_REDUCE_CHUNK_TOKENS)) bits++;
   g.px.tree_nodes = 2 * bits;
-  const size_t tree_bytes = (size_t)g.px.tree_nodes * (c.E * c.H + 3 * c.Fs * c.H) * 4;
+  const size_t tree_bytes = (size_t)g.px.tree_nodes * partial_len(c) * 4;
   // o_kept and row_src after the four (PeerReturn)
   const size_t kept_bytes = up256((size_t)c.T * c.K * c.H * 2), src_bytes = up256((size_t)c.capacity * 8);
   st = mok_nccl_window_alloc(comm, 4 * rows_bytes + kept_bytes + src_bytes, &g.rows_local, &g.rows_win, err,
@@ -827,6 +834,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   MAP_TRY(make_store_map(ctx, &p.st_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
   p.x = static_cast<const bf16*>(a->x);
   p.bias = c.use_bias_select ? a->bias_select : nullptr;
+  p.b_router = c.use_router_bias ? a->b_router : nullptr;
   p.in_idx = a->topk_idx;
   p.in_w = a->topk_weight;
   p.y = static_cast<bf16*>(a->y);
@@ -933,6 +941,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.dx = static_cast<bf16*>(a->dx);
   p.d_topk_weight = a->d_topk_weight;
   p.d_w_router = a->d_w_router;
+  p.d_b_router = c.use_router_bias ? a->d_b_router : nullptr;
   p.d_w13 = a->d_w13;
   p.d_w2 = a->d_w2;
   p.d_ws13 = a->d_ws13;

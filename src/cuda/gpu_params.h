@@ -203,6 +203,7 @@ struct Shape {
   int Ep;       // the row stride of logits and dlogits: E rounded up to 8 (16-byte rows for
                 // the fp32 stores and the bf16 TMA maps; the columns past E are zero)
   int fused, score, normalize, use_bias;
+  int use_router_bias;      // the logits' bias b_router (mok.h cfg.use_router_bias)
   float route_scale, aux_coef, z_coef;
   int n_group, topk_group;  // group-limited routing (mok.h cfg.n_group) when n_group > 1
   int group_top2;           // a group's score: its two largest selection keys (1) or the largest
@@ -282,6 +283,7 @@ struct FwdParams {
   int capacity;               // rows this rank's buffers hold (R)
   const bf16* x;
   const float* bias;          // [E] or null
+  const float* b_router;      // [E] fp32, added to the logits (use_router_bias), or null
   const int32_t* in_idx;      // replay [T, K]
   const float* in_w;          // replay [T, K]
   bf16* y;
@@ -359,6 +361,7 @@ struct BwdParams {
   bf16* dx;
   float* d_topk_weight; // replay
   void* d_w_router;     // [E, H]
+  float* d_b_router;    // [E] fp32 whatever cfg.wgrad (use_router_bias), or null
   void* d_w13;          // [E, 2F, H]
   void* d_w2;           // [E, H, F]
   void* d_ws13;         // [2Fs, H]
@@ -372,8 +375,8 @@ struct BwdParams {
   bf16* d_a_s;          // [T, 2Fs]
   float* dx_router;     // [T, H]
   float* dx_shared;     // [T, H]
-  float* partials;      // [chunks, E*H + 3*Fs*H]; where dy_rows are when they fit (plan_bwd_ws)
-  int64_t partial_len;  // E*H + 3*Fs*H
+  float* partials;      // [chunks, partial_len]; where dy_rows are when they fit (plan_bwd_ws)
+  int64_t partial_len;  // E*H + 3*Fs*H, then with use_router_bias d_b_router's E rounded up to 4
   CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's maps of its weight-gradient task's expert, or of an
                           // expert's last m-tile (expert_rows)
 };

@@ -677,6 +677,16 @@ __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uin
     return;  // (sh)
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
   float* part = p.partials + (int64_t)c * p.partial_len;
+  if (s.use_router_bias) {  // d_b_router's: sum over the chunk's tokens of dlogits[t, e], t increasing
+    float* const db = part + (int64_t)s.E * s.H + 3LL * s.Fs * s.H;
+    const int t1 = min(s.T, k0 + MOK_REDUCE_CHUNK_TOKENS);
+    for (int e = threadIdx.x; e < (s.E + 3) / 4 * 4; e += kThreads) {  // (the padding: 0)
+      float sum = 0.f;
+      if (e < s.E)
+        for (int t = k0; t < t1; t++) sum = __fadd_rn(sum, bf(__ldcg(p.dlogits + (int64_t)t * s.Ep + e)));
+      db[e] = sum;  // (signal_counter's __syncthreads and fence publish it with the tiles)
+    }
+  }
   gemm_tiles<1, 1>(
       sm, tr + t13 + t2,
       [&](int tile, Operand& A, Operand& B, int& num_kb, int& kv) {
@@ -761,6 +771,11 @@ __device__ __forceinline__ int tree_slices(int64_t len) { return (int)((len + tr
 __device__ __forceinline__ void* tree_out(const BwdParams& p, int64_t x, int64_t* k) {
   const Shape& s = p.s;
   const int64_t er = s.fused ? (int64_t)s.E * s.H : 0, e1 = (int64_t)s.E * s.H, e2 = e1 + 2LL * s.Fs * s.H;
+  const int64_t e3 = e2 + (int64_t)s.H * s.Fs;
+  if (x >= e3) {  // d_b_router's (use_router_bias)
+    *k = x - e3;
+    return p.d_b_router;
+  }
   if (x < e1 && x >= er) return nullptr;
   *k = x < e1 ? x : x < e2 ? x - e1 : x - e2;
   return x < e1 ? p.d_w_router : x < e2 ? p.d_ws13 : p.d_ws2;
@@ -770,6 +785,12 @@ __device__ __forceinline__ void tree_store(const BwdParams& p, void* out, int64_
   else reinterpret_cast<bf16*>(out)[k] = to_bf(v);
 }
 __device__ __forceinline__ void tree_store4(const BwdParams& p, void* out, int64_t k, float4 v) {
+  if (out == p.d_b_router) {  // fp32 whatever cfg.wgrad (written, or added into); E of the padded columns
+    float* const o = reinterpret_cast<float*>(out);
+    const float w[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < 4 && k + i < p.s.E; i++) o[k + i] = p.wgrad_fp32 ? __fadd_rn(o[k + i], w[i]) : w[i];
+    return;
+  }
   tree_store(p, out, k, v.x), tree_store(p, out, k + 1, v.y), tree_store(p, out, k + 2, v.z), tree_store(p, out, k + 3, v.w);
 }
 
@@ -798,7 +819,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   const SmemNodes4 nodes4{reinterpret_cast<float4*>(sm.stage[0]) + threadIdx.x};
   for (int64_t x = slice * width + 4 * threadIdx.x; x < min(len, (slice + 1) * width); x += 4 * kThreads) {
     int64_t k;
-    void* out = tree_out(p, x, &k);  // (the outputs' bounds are multiples of 4: H % 64 == 0)
+    void* out = tree_out(p, x, &k);  // (the pieces' bounds are multiples of 4: H % 64 == 0, d_b_router's padded)
     if (!out) continue;
     if (!combine) {  // W = 1: the whole tree; W > 1: subtree j of this rank's chunks, into its window
       for (int a = chunk0, j = 0, end = chunk0 + s.chunks; a < end; j++) {

@@ -109,8 +109,11 @@ __device__ __forceinline__ void route_tokens(Smem& sm, const FwdParams& p, int t
   const Shape& s = p.s;
   const int E = s.E, K = s.K, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = t0 + warp; t < t1; t += kThreads / 32) {
-    float prob[NR], sc[NR];
-    const float lse = token_scores<NR>(p.logits + (int64_t)t * s.Ep, E, s.score, prob, sc);
+    float* const lg = p.logits + (int64_t)t * s.Ep;
+    if (s.use_router_bias)  // logits = x w_router^T + b_router, one fp32 addition; saved so
+      for (int e = lane; e < E; e += 32) lg[e] = __fadd_rn(lg[e], p.b_router[e]);
+    float prob[NR], sc[NR];  // (each lane reads back only its own experts' logits)
+    const float lse = token_scores<NR>(lg, E, s.score, prob, sc);
     float sel[NR];     // the selection keys: score + bias_select
     uint64_t key[NR];  // (0: not an expert, or one already chosen)
 #pragma unroll

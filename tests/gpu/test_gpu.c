@@ -27,6 +27,7 @@ typedef struct {
   int hot;       /* experts 0 .. hot - 1 get a selection bias of 2 (sigmoid scores: every
                     token picks them first), or 0 */
   int n_group, topk_group, group_score; /* group-limited routing (cfg.n_group), or 0 */
+  int router_bias;                       /* cfg.use_router_bias (b_router ~ U(-0.5, 0.5)) */
 } gpu_shape_t;
 
 #define FUSED MOK_ROUTING_FUSED
@@ -40,35 +41,35 @@ typedef struct {
  * sigmoid, accumulation, NaN input, skewed routing with empty experts (edge cases of
  * DESIGN.md section 6). */
 static const gpu_shape_t shapes[] = {
-    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0},
-    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0},
-    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0},
-    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0},
-    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1, 0, 0, 0, 0},
-    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0},
-    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0},
-    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
-    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
-    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
-    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
-    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0},
-    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0},
-    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
+    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0, 0},
+    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0, 0},
+    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
     // 4096 rows an expert: weight-gradient tasks of 2 of the 3 column tiles (two groups)
-    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
+    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0},
     // skewed routing: 4 experts of 8192 rows, 4 empty ones whose zero gradients span
     // two column groups (2 tiles, then 1 of 64 columns) and a last row tile of 64 rows
-    {"skewed_groups", 8192, 576, 576, 8, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0},
+    {"skewed_groups", 8192, 576, 576, 8, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0, 0},
 };
 
 #define TOP2 MOK_GROUP_SCORE_TOP2
@@ -80,20 +81,25 @@ static const gpu_shape_t shapes[] = {
  * top-2 sums, sigmoid, bias, scale 2.5), DeepSeek-V2's largest-key groups, groups of one
  * expert, groups beyond 256 experts. */
 static const gpu_shape_t router_shapes[] = {
-    {"e1", 200, 128, 64, 1, 1, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"e3", 300, 128, 64, 3, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"e4_sigmoid", 257, 128, 128, 4, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 0, 0, 0},
-    {"e6", 500, 192, 64, 6, 3, 0, FUSED, SOFTMAX, 0, 0, ACCUM, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0},
-    {"e60", 1000, 256, 64, 60, 4, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"e384_k8", 1024, 256, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"e512_k10", 1024, 128, 64, 512, 10, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"e1024_k32", 512, 128, 64, 1024, 32, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0},
-    {"e1000_replay", 300, 128, 64, 1000, 6, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0},
-    {"groups_v3", 1024, 256, 64, 256, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 8, 4, TOP2},
-    {"groups_v2", 700, 128, 128, 64, 6, 64, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 8, 3, MAX1},
-    {"groups_of_one", 300, 128, 64, 16, 2, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 0.f, -1, 0, 16, 5, TOP2},
-    {"groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2},
-    {"groups_e60", 400, 128, 64, 60, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 0, 6, 2, TOP2},
+    {"e1", 200, 128, 64, 1, 1, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"e3", 300, 128, 64, 3, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"e4_sigmoid", 257, 128, 128, 4, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"e6", 500, 192, 64, 6, 3, 0, FUSED, SOFTMAX, 0, 0, ACCUM, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"e60", 1000, 256, 64, 60, 4, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"e384_k8", 1024, 256, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"e512_k10", 1024, 128, 64, 512, 10, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"e1024_k32", 512, 128, 64, 1024, 32, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0},
+    {"e1000_replay", 300, 128, 64, 1000, 6, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0},
+    {"groups_v3", 1024, 256, 64, 256, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 8, 4, TOP2, 0},
+    {"groups_v2", 700, 128, 128, 64, 6, 64, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 8, 3, MAX1, 0},
+    {"groups_of_one", 300, 128, 64, 16, 2, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 0.f, -1, 0, 16, 5, TOP2, 0},
+    {"groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 0},
+    {"groups_e60", 400, 128, 64, 60, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 0, 6, 2, TOP2, 0},
+    // gpt-oss's router logit bias: softmax over the biased logits, d_b_router through the
+    // tree (written fp32, or added into; chunks of T = 300 with a tail), and with groups
+    {"bias_gptoss", 512, 256, 128, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1},
+    {"bias_accum_e60", 300, 128, 64, 60, 4, 64, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1},
+    {"bias_groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 1},
 };
 
 static mok_config_t shape_config(const gpu_shape_t* s) {
@@ -103,6 +109,7 @@ static mok_config_t shape_config(const gpu_shape_t* s) {
   c.use_bias_select = s->bias, c.wgrad = s->wgrad, c.route_scale = s->route_scale;
   c.aux_loss_coef = s->aux, c.z_loss_coef = s->z;
   c.n_group = s->n_group, c.topk_group = s->topk_group, c.group_score = (mok_group_score_t)s->group_score;
+  c.use_router_bias = s->router_bias;
   return c;
 }
 
@@ -189,7 +196,8 @@ static int vs_cpu_on(const gpu_shape_t* list, size_t n, mok_cta_pairs_t pairs) {
       }
       break;
     }
-    b += test_close(&gpu, &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_w13 d_w2 d_ws13 d_ws2", 1e-2,
+    b += test_close(&gpu, &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_b_router d_w13 d_w2 d_ws13 d_ws2",
+                    1e-2,
                     s->name);
     if (b == 0) {
       double worst = 0;
@@ -290,9 +298,10 @@ static int graph_capture(void) {
 
 /* The router's variants keep D1 (ten steps on one context against one), D2 (132 CTAs
  * paired against 17) and D4: 384 experts (16 registers a lane), 1024 and K = 32, E not
- * a multiple of 8, DeepSeek-V3's groups and groups beyond 256 experts. */
+ * a multiple of 8, DeepSeek-V3's groups and groups beyond 256 experts, the logit bias. */
 static int router_determinism(void) {
-  static const char* const names[] = {"e3", "e384_k8", "e1024_k32", "groups_v3", "groups_e384"};
+  static const char* const names[] = {"e3", "e384_k8", "e1024_k32", "groups_v3", "groups_e384", "bias_gptoss",
+                                      "bias_groups_e384"};
   int bad = 0;
   for (size_t k = 0; k < COUNT(names); k++) {
     const gpu_shape_t* s = NULL;
