@@ -159,7 +159,9 @@ def main():
 
     device = torch.device(args.device)
     torch.set_num_threads(args.torch_threads)
-    torch.use_deterministic_algorithms(True)
+    # an op with no deterministic version warns (rather than stops the run); the verdict
+    # "two runs differ" then tells
+    torch.use_deterministic_algorithms(True, warn_only=True)
     os.makedirs(args.out, exist_ok=True)
     data = torch.frombuffer(bytearray(open(TEXT, "rb").read()), dtype=torch.uint8)
     base = make_model(args)
