@@ -113,6 +113,7 @@ $(BUILD)/micro/%: bench/micro/%.cu $(wildcard bench/micro/*.h src/cuda/*.h src/c
 
 test-gpu: $(BUILD)/mok_gpu_tests $(BUILD)/libmok.so
 	MOK_LIBRARY=$(abspath $(BUILD))/libmok.so $(PYTHON) -m pytest -q python/tests/test_cuda.py python/tests/test_cuda_ep.py
+	MOK_LIBRARY=$(abspath $(BUILD))/libmok.so $(PYTHON) -m pytest -q python/tests/test_cuda_transformers.py
 	$(BUILD)/mok_gpu_tests
 
 # `make run` builds what the run needs: with nvcc found but no GPU visible (no
