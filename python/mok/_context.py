@@ -21,6 +21,7 @@ from . import _lib
 
 SCORES = {"softmax": _lib.MOK_SCORE_SOFTMAX, "sigmoid": _lib.MOK_SCORE_SIGMOID}
 ROUTINGS = {"fused": _lib.MOK_ROUTING_FUSED, "replay": _lib.MOK_ROUTING_REPLAY}
+GROUP_SCORES = {"top2": _lib.MOK_GROUP_SCORE_TOP2, "max": _lib.MOK_GROUP_SCORE_MAX}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,15 @@ class Config:
     capacity: int = 0  # rows this rank can receive; 0 = the library's safe default
     recompute_gate_up: bool = False  # backward recomputes gate|up instead of forward saving it
     reuse_saved: bool = False  # backward writes its scratch over saved (used up: one backward)
+    # router and expert variants (mok.h; each off by default)
+    n_group: int = 0  # group-limited routing: n_group groups of E / n_group experts
+    topk_group: int = 0  # ... of which the topk_group best are kept
+    group_score: str = "top2"  # a group's score: "top2" (DeepSeek-V3) or "max" (DeepSeek-V2)
+    router_bias: bool = False  # b_router [E] added to the logits (gpt-oss)
+    expert_bias: bool = False  # b13 [E, 2F], b2 [E, H] added to a and o (gpt-oss)
+    swiglu_limit: Optional[float] = None  # gpt-oss's clamped SwiGLU at this limit (7 there)
+    swiglu_alpha: float = 1.702  # ... and this alpha (with swiglu_limit only)
+    shared_gate: bool = False  # the shared expert scaled by sigmoid(x . w_sg) (Qwen2-MoE)
     # expert parallelism (CUDA backend, a GPU per rank): this rank of world_size, which
     # holds experts rank * E / W .. + E / W; comm_id, the ranks' NCCL unique id as hex
     # (mok.comm_unique_id() on one rank, the same string on every rank)
@@ -67,6 +77,8 @@ class Config:
         positive_int("shared_ffn", self.shared_ffn, allow_zero=True)
         positive_int("num_threads", self.num_threads, allow_zero=True)
         positive_int("capacity", self.capacity, allow_zero=True)
+        positive_int("n_group", self.n_group, allow_zero=True)
+        positive_int("topk_group", self.topk_group, allow_zero=True)
         positive_int("world_size", self.world_size)
         positive_int("rank", self.rank, allow_zero=True)
         if self.num_experts % self.world_size:
@@ -96,10 +108,37 @@ class Config:
             if v != v or v in (float("inf"), float("-inf")):
                 raise ValueError(f"mok: {name} = {v} must be finite")
             object.__setattr__(self, name, float(v))
-        for name in ("normalize", "bias_select", "wgrad_fp32_accum", "exact", "recompute_gate_up", "reuse_saved"):
+        for name in ("normalize", "bias_select", "wgrad_fp32_accum", "exact", "recompute_gate_up", "reuse_saved",
+                     "router_bias", "expert_bias", "shared_gate"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         if self.routing == "replay" and (self.aux_loss_coef or self.z_loss_coef or self.bias_select):
             raise ValueError("mok: aux_loss_coef, z_loss_coef and bias_select apply to routing='fused' only")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"mok: group_score = {self.group_score!r} must be one of {sorted(GROUP_SCORES)}")
+        if self.n_group:
+            if self.num_experts % self.n_group:
+                raise ValueError(f"mok: n_group = {self.n_group} must divide num_experts = {self.num_experts}")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"mok: topk_group = {self.topk_group} must be in [1, n_group = {self.n_group}]")
+            kept = self.topk_group * (self.num_experts // self.n_group)
+            if self.top_k > kept:
+                raise ValueError(f"mok: top_k = {self.top_k} must be at most the kept groups' experts, "
+                                 f"topk_group * num_experts / n_group = {kept}")
+        elif self.topk_group:
+            raise ValueError(f"mok: topk_group = {self.topk_group} needs n_group >= 1")
+        if self.routing == "replay" and (self.n_group or self.router_bias):
+            raise ValueError("mok: n_group and router_bias apply to routing='fused' only")
+        if self.swiglu_limit is not None:
+            for name in ("swiglu_limit", "swiglu_alpha"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise TypeError(f"mok: {name} must be a float, got {type(v).__name__}")
+                if not (v > 0 and v != float("inf")):
+                    raise ValueError(f"mok: {name} = {v} must be finite and > 0 (gpt-oss: swiglu_limit 7, "
+                                     "swiglu_alpha 1.702)")
+                object.__setattr__(self, name, float(v))
+        if self.shared_gate and not self.shared_ffn:
+            raise ValueError("mok: shared_gate needs a shared expert (shared_ffn > 0)")
         # the canonical string, computed once (traced code reads it as a constant)
         object.__setattr__(
             self, "_key", json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
@@ -158,6 +197,14 @@ class Config:
         c.aux_loss_coef = self.aux_loss_coef
         c.z_loss_coef = self.z_loss_coef
         c.Fs = self.shared_ffn
+        c.n_group, c.topk_group = self.n_group, self.topk_group
+        c.group_score = GROUP_SCORES[self.group_score]
+        c.use_router_bias = int(self.router_bias)
+        c.use_expert_bias = int(self.expert_bias)
+        if self.swiglu_limit is not None:
+            c.activation = _lib.MOK_ACTIVATION_SWIGLU_CLAMPED
+            c.swiglu_alpha, c.swiglu_limit = self.swiglu_alpha, self.swiglu_limit
+        c.use_shared_gate = int(self.shared_gate)
         c.wgrad = _lib.MOK_WGRAD_FP32_ACCUM if self.wgrad_fp32_accum else _lib.MOK_WGRAD_BF16
         c.numerics = _lib.MOK_NUMERICS_EXACT if self.exact else _lib.MOK_NUMERICS_BF16
         c.backend = backend

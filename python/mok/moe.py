@@ -11,7 +11,9 @@ from . import _lib
 from ._context import Config
 from .ops import moe_forward
 
-_WEIGHTS = ("w_router", "w13", "w2", "ws13", "ws2")
+# every parameter, in the order of ops.GRAD_ACC_NAMES (wgrad_fp32_accum's main_grads)
+_WEIGHTS = ("w_router", "w13", "w2", "ws13", "ws2", "b_router", "b13", "b2", "w_sg")
+_EXPERTS = ("w13", "w2", "b13", "b2")  # per expert: a rank holds its own under world_size > 1
 
 
 class MoE(nn.Module):
@@ -30,6 +32,19 @@ class MoE(nn.Module):
             forward they are `module.aux_loss` and `module.z_loss` (0-dim tensors in the
             autograd graph: add them to your loss).
         shared_ffn (Fs): a shared expert of this ffn size applied to every token; 0 = none.
+        n_group, topk_group, group_score: group-limited routing (DeepSeek-V3: 8, 4,
+            "top2"; DeepSeek-V2: "max"): the E experts form n_group groups, the
+            topk_group best by group_score are kept, and the K experts are chosen among
+            theirs. 0 = no groups.
+        router_bias: a router logit bias, parameter b_router [E] (fp32), added to the
+            logits before the scores (gpt-oss).
+        expert_bias: expert biases, parameters b13 [E, 2F] and b2 [E, H] (bf16), added to
+            gate|up and to the expert output before their rounding (gpt-oss).
+        swiglu_limit, swiglu_alpha: gpt-oss's clamped SwiGLU for the routed experts
+            (limit 7, alpha 1.702 there): gate and up clamped at the limit, h = (up + 1)
+            gate sigmoid(alpha gate). None = the plain SwiGLU.
+        shared_gate: the shared expert's output scaled per token by sigmoid(x . w_sg),
+            parameter w_sg [H] (bf16; Qwen2-MoE); needs shared_ffn.
         routing: "fused" (the layer routes) or "replay" (forward(x, topk_idx,
             topk_weight); topk_weight then gets a gradient).
         wgrad_fp32_accum: weight gradients are added into fp32 `main_grad` attributes of
@@ -61,7 +76,9 @@ class MoE(nn.Module):
 
     Weights (nn.Parameter, bf16 or float64 when exact), initialised as nn.Linear does
     (U(-1/sqrt(in), 1/sqrt(in))): w_router [E, H] (fused routing only), w13 [E, 2F, H]
-    (rows 0..F-1 gate, F..2F-1 up), w2 [E, H, F], ws13 [2Fs, H], ws2 [H, Fs].
+    (rows 0..F-1 gate, F..2F-1 up), w2 [E, H, F], ws13 [2Fs, H], ws2 [H, Fs]; with the
+    variants b_router [E] (fp32), b13 [E, 2F], b2 [E, H], w_sg [H], initialised as the
+    biases of the nn.Linear they belong to (and w_sg as the weight of nn.Linear(H, 1)).
 
     After forward: aux_loss, z_loss, tokens_per_expert (int32 [E]), topk_idx (int32
     [T, K]) and topk_weight ([T, K], detached).
@@ -89,6 +106,14 @@ class MoE(nn.Module):
         capacity: int = 0,
         recompute_gate_up: bool = False,
         reuse_saved: bool = False,
+        n_group: int = 0,
+        topk_group: int = 0,
+        group_score: str = "top2",
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        swiglu_limit: Optional[float] = None,
+        swiglu_alpha: float = 1.702,
+        shared_gate: bool = False,
         process_group=None,
         device=None,
     ):
@@ -122,6 +147,14 @@ class MoE(nn.Module):
             capacity=capacity,
             recompute_gate_up=recompute_gate_up,
             reuse_saved=reuse_saved,
+            n_group=n_group,
+            topk_group=topk_group,
+            group_score=group_score,
+            router_bias=router_bias,
+            expert_bias=expert_bias,
+            swiglu_limit=swiglu_limit,
+            swiglu_alpha=swiglu_alpha,
+            shared_gate=shared_gate,
             world_size=world_size,
             rank=rank,
             comm_id=comm_id,
@@ -136,6 +169,12 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(El, H, F, **kw))
         self.register_parameter("ws13", nn.Parameter(torch.empty(2 * Fs, H, **kw)) if Fs else None)
         self.register_parameter("ws2", nn.Parameter(torch.empty(H, Fs, **kw)) if Fs else None)
+        rk = dict(dtype=real, device=device)
+        self.register_parameter("b_router", nn.Parameter(torch.empty(E, **rk)) if cfg.router_bias else None)
+        self.register_parameter("b13", nn.Parameter(torch.empty(El, 2 * F, **kw)) if cfg.expert_bias else None)
+        self.register_parameter("b2", nn.Parameter(torch.empty(El, H, **kw)) if cfg.expert_bias else None)
+        self.register_parameter("w_sg", nn.Parameter(torch.empty(H, **kw)) if cfg.shared_gate else None)
+        self._real_params = ["b_router"] if cfg.router_bias else []  # (kept fp32 by .to(dtype), as bias_select)
         self.register_buffer("bias_select", torch.zeros(E, dtype=real, device=device))
         self._real_buffers = ["bias_select"]
         if wgrad_fp32_accum:
@@ -154,18 +193,19 @@ class MoE(nn.Module):
 
     # -- parameters --
     def reset_parameters(self):
-        """nn.Linear's initialisation of each [out, in] matrix: U(-1/sqrt(in), 1/sqrt(in)).
-        With world_size > 1 every rank draws all E experts and keeps its own, so that
-        the same seed gives the weights of world_size = 1."""
+        """nn.Linear's initialisation of each [out, in] matrix and bias: U(-1/sqrt(in),
+        1/sqrt(in)). With world_size > 1 every rank draws all E experts and keeps its own,
+        so that the same seed gives the weights of world_size = 1."""
         c = self.config
+        fan_ins = {"b_router": c.hidden, "b13": c.hidden, "b2": c.ffn, "w_sg": c.hidden}
         with torch.no_grad():
             for name in _WEIGHTS:
                 p = getattr(self, name)
                 if p is None:
                     continue
-                fan_in = p.shape[-1]
+                fan_in = fan_ins.get(name, p.shape[-1])
                 bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-                experts = name in ("w13", "w2") and c.world_size > 1
+                experts = name in _EXPERTS and c.world_size > 1
                 shape = (c.num_experts,) + tuple(p.shape[1:]) if experts else p.shape
                 tmp = torch.empty(shape, dtype=torch.float64 if c.exact else torch.float32, device=p.device)
                 nn.init.uniform_(tmp, -bound, bound)
@@ -190,11 +230,16 @@ class MoE(nn.Module):
         # .to(dtype) / .half() / .bfloat16() convert floating buffers: keep bias_select
         # and main_grad in their fp32 (float64) dtype, moving them to the new device only
         old = {name: getattr(self, name) for name in self._real_buffers}
+        old_params = {name: getattr(self, name).dtype for name in self._real_params}
         out = super()._apply(fn, *args, **kwargs)
         for name, before in old.items():
             now = getattr(self, name)
             if now.dtype != before.dtype:
                 setattr(self, name, before.to(device=now.device))
+        for name, dtype in old_params.items():
+            p = getattr(self, name)
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
         self._link_main_grads()
         return out
 
@@ -216,6 +261,10 @@ class MoE(nn.Module):
             topk_idx=topk_idx,
             topk_weight=topk_weight,
             main_grads=main_grads,
+            b_router=self.b_router,
+            b13=self.b13,
+            b2=self.b2,
+            w_sg=self.w_sg,
         )
         self.aux_loss = out.aux_loss
         self.z_loss = out.z_loss
@@ -248,6 +297,13 @@ class MoE(nn.Module):
             s += f", z_loss_coef={c.z_loss_coef}"
         if c.bias_select:
             s += ", bias_select=True"
+        if c.n_group:
+            s += f", n_group={c.n_group}, topk_group={c.topk_group}, group_score={c.group_score!r}"
+        for flag in ("router_bias", "expert_bias", "shared_gate"):
+            if getattr(c, flag):
+                s += f", {flag}=True"
+        if c.swiglu_limit is not None:
+            s += f", swiglu_limit={c.swiglu_limit}, swiglu_alpha={c.swiglu_alpha}"
         if c.wgrad_fp32_accum:
             s += ", wgrad_fp32_accum=True"
         if c.exact:

@@ -10,6 +10,9 @@ backward, where mok::moe_backward runs mok_backward on the same cached context.
 Weight gradients: written as fresh tensors (bf16, float64 in exact numerics) and
 returned to autograd, or, with wgrad_fp32_accum, added by libmok into the fp32
 `main_grad` buffers (Megatron style), in which case autograd gets None for the weights.
+The variants' parameters (b_router fp32; b13, b2, w_sg bf16) come last, defaulting to
+None (a caller of the ops without variants passes none of them); their gradients follow
+the weights' rule (b_router's is fp32 either way, mok.h).
 """
 from __future__ import annotations
 
@@ -43,6 +46,26 @@ def _stream(device: torch.device):
     if device.type == "cuda":
         return torch.cuda.current_stream(device).cuda_stream
     return None
+
+
+# the fp32 buffers that wgrad_fp32_accum adds the weight gradients into, in this order
+GRAD_ACC_NAMES = ("router", "w13", "w2", "ws13", "ws2", "b_router", "b13", "b2", "w_sg")
+
+
+def _variant_inputs(cfg, b_router=None, b13=None, b2=None, w_sg=None, backward=False):
+    """The variants' tensors the config uses (prepared), None for the others; a missing
+    one that it uses is a ValueError naming it (the backward takes b13 and w_sg only)."""
+    uses = {"b_router": cfg.router_bias and not backward, "b13": cfg.expert_bias,
+            "b2": cfg.expert_bias and not backward, "w_sg": cfg.shared_gate}
+    out = []
+    for name, t in (("b_router", b_router), ("b13", b13), ("b2", b2), ("w_sg", w_sg)):
+        if not uses[name]:
+            out.append(None)
+            continue
+        if t is None:
+            raise ValueError(f"mok: {name} is required by this layer's config")
+        out.append(_prep(t))
+    return out
 
 
 def _nothing(device) -> Tensor:
@@ -96,6 +119,10 @@ def _moe_forward_op(
     topk_weight: Optional[Tensor],
     grad_acc: List[Tensor],
     config: str,
+    b_router: Optional[Tensor] = None,
+    b13: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    w_sg: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (y, aux_loss, z_loss, tokens_per_expert, topk_idx, topk_weight, saved).
     grad_acc (the fp32 main_grad buffers, or empty) is not used here: it is an input so
@@ -106,6 +133,7 @@ def _moe_forward_op(
     ctx = get_context(cfg, T, dev)
     act, real = cfg.param_dtype, cfg.real_dtype
     x, w_router, bias_select, w13, w2, ws13, ws2 = map(_prep, (x, w_router, bias_select, w13, w2, ws13, ws2))
+    b_router, b13, b2, w_sg = _variant_inputs(cfg, b_router=b_router, b13=b13, b2=b2, w_sg=w_sg)
     y = torch.empty(T, H, dtype=act, device=dev)
     aux = torch.zeros((), dtype=real, device=dev)
     z = torch.zeros((), dtype=real, device=dev)
@@ -133,6 +161,7 @@ def _moe_forward_op(
     a.w13, a.w2 = _ptr(w13), _ptr(w2)
     a.ws13 = _ptr(ws13) if cfg.shared_ffn else None
     a.ws2 = _ptr(ws2) if cfg.shared_ffn else None
+    a.b_router, a.b13, a.b2, a.w_sg = _ptr(b_router), _ptr(b13), _ptr(b2), _ptr(w_sg)
     a.topk_idx, a.topk_weight = _ptr(idx_in), _ptr(wt_in)
     a.y = _ptr(y)
     a.tokens_per_expert = _ptr(tpe)
@@ -147,7 +176,8 @@ def _moe_forward_op(
 
 
 @_moe_forward_op.register_fake
-def _moe_forward_fake(x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, grad_acc, config):
+def _moe_forward_fake(x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, grad_acc, config,
+                      b_router=None, b13=None, b2=None, w_sg=None):
     cfg = Config.from_key(config)
     T, H, K, E = x.shape[0], cfg.hidden, cfg.top_k, cfg.num_experts
     if cfg.max_tokens is not None:
@@ -184,11 +214,14 @@ def _moe_backward_op(
     d_z_loss: Tensor,
     grad_acc: List[Tensor],
     config: str,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (dx, d_w_router, d_w13, d_w2, d_ws13, d_ws2, d_topk_weight); a gradient
-    this configuration does not have is an empty tensor. With wgrad_fp32_accum the
-    weight gradients are added into grad_acc = [router, w13, w2, ws13, ws2] (fp32) and
-    the returned ones are empty. With reuse_saved libmok also writes into `saved`: an
+    b13: Optional[Tensor] = None,
+    w_sg: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (dx, d_w_router, d_w13, d_w2, d_ws13, d_ws2, d_topk_weight, d_b_router,
+    d_b13, d_b2, d_w_sg); a gradient this configuration does not have is an empty
+    tensor. With wgrad_fp32_accum the weight gradients are added into grad_acc =
+    [router, w13, w2, ws13, ws2, b_router, b13, b2, w_sg] (fp32) and the returned ones
+    are empty. With reuse_saved libmok also writes into `saved`: an
     opaque buffer that only this op reads, and that libmok refuses once a backward has
     used it up, so it is not declared among the mutated arguments (functionalization
     would copy it, the memory reuse_saved is for)."""
@@ -199,27 +232,32 @@ def _moe_backward_op(
     ctx = get_context(cfg, T, dev)
     act, real = cfg.param_dtype, cfg.real_dtype
     dy, x, w_router, w13, w2, ws13, ws2 = map(_prep, (dy, x, w_router, w13, w2, ws13, ws2))
+    _, b13, _, w_sg = _variant_inputs(cfg, b13=b13, w_sg=w_sg, backward=True)
     d_aux = _prep(d_aux_loss.detach().to(real).reshape(()))
     d_z = _prep(d_z_loss.detach().to(real).reshape(()))
     alloc = torch.zeros if T == 0 else torch.empty  # with no tokens libmok writes nothing
     dx = alloc(T, H, dtype=act, device=dev)
     dtw = alloc(T, K, dtype=real, device=dev) if not cfg.fused else _nothing(dev)
     if cfg.wgrad_fp32_accum:
-        if len(grad_acc) != 5:
-            raise ValueError("mok: wgrad_fp32_accum needs grad_acc = [router, w13, w2, ws13, ws2]")
+        if len(grad_acc) != len(GRAD_ACC_NAMES):
+            raise ValueError(f"mok: wgrad_fp32_accum needs grad_acc = [{', '.join(GRAD_ACC_NAMES)}]")
         for g in grad_acc:
             if g.numel() and (not g.is_contiguous() or g.data_ptr() % 4):
                 raise ValueError("mok: main_grad buffers must be contiguous (they are added into in place)")
-        acc_r, acc_13, acc_2, acc_s13, acc_s2 = grad_acc
-        dwr, d13, d2, ds13, ds2 = (_nothing(dev) for _ in range(5))
-        p_r, p_13, p_2, p_s13, p_s2 = (_ptr(g) for g in grad_acc)
+        dwr, d13, d2, ds13, ds2, dbr, db13, db2, dwsg = (_nothing(dev) for _ in range(9))
+        p_r, p_13, p_2, p_s13, p_s2, p_br, p_b13, p_b2, p_wsg = (_ptr(g) for g in grad_acc)
     else:
         dwr = alloc(E, H, dtype=act, device=dev) if cfg.fused else _nothing(dev)
         d13 = alloc(El, 2 * F, H, dtype=act, device=dev)
         d2 = alloc(El, H, F, dtype=act, device=dev)
         ds13 = alloc(2 * Fs, H, dtype=act, device=dev) if Fs else _nothing(dev)
         ds2 = alloc(H, Fs, dtype=act, device=dev) if Fs else _nothing(dev)
-        p_r, p_13, p_2, p_s13, p_s2 = (_ptr(g) for g in (dwr, d13, d2, ds13, ds2))
+        dbr = alloc(E, dtype=real, device=dev) if cfg.router_bias else _nothing(dev)  # (fp32 either way)
+        db13 = alloc(El, 2 * F, dtype=act, device=dev) if cfg.expert_bias else _nothing(dev)
+        db2 = alloc(El, H, dtype=act, device=dev) if cfg.expert_bias else _nothing(dev)
+        dwsg = alloc(H, dtype=act, device=dev) if cfg.shared_gate else _nothing(dev)
+        p_r, p_13, p_2, p_s13, p_s2, p_br, p_b13, p_b2, p_wsg = (
+            _ptr(g) for g in (dwr, d13, d2, ds13, ds2, dbr, db13, db2, dwsg))
 
     b = _lib.MokBackwardArgs()
     b.num_tokens = T
@@ -228,6 +266,7 @@ def _moe_backward_op(
     b.w13, b.w2 = _ptr(w13), _ptr(w2)
     b.ws13 = _ptr(ws13) if Fs else None
     b.ws2 = _ptr(ws2) if Fs else None
+    b.b13, b.w_sg = _ptr(b13), _ptr(w_sg)
     b.dy = _ptr(dy)
     b.d_aux_loss, b.d_z_loss = _ptr(d_aux), _ptr(d_z)  # never NULL: NULL means 1 in mok.h
     b.dx = _ptr(dx)
@@ -236,6 +275,10 @@ def _moe_backward_op(
     b.d_w13, b.d_w2 = p_13, p_2
     b.d_ws13 = p_s13 if Fs else None
     b.d_ws2 = p_s2 if Fs else None
+    b.d_b_router = p_br if cfg.router_bias else None
+    b.d_b13 = p_b13 if cfg.expert_bias else None
+    b.d_b2 = p_b2 if cfg.expert_bias else None
+    b.d_w_sg = p_wsg if cfg.shared_gate else None
     b.stream = _stream(dev)
     L = _lib.lib()
     with ctx.lock, device_guard(dev):
@@ -244,11 +287,12 @@ def _moe_backward_op(
         b.workspace, b.workspace_bytes = ctx.workspace()
         ctx.check(L.mok_backward(ctx.handle, ctypes.byref(b)), "mok_backward")
     del keep
-    return dx, dwr, d13, d2, ds13, ds2, dtw
+    return dx, dwr, d13, d2, ds13, ds2, dtw, dbr, db13, db2, dwsg
 
 
 @_moe_backward_op.register_fake
-def _moe_backward_fake(dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux_loss, d_z_loss, grad_acc, config):
+def _moe_backward_fake(dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux_loss, d_z_loss, grad_acc, config,
+                       b13=None, w_sg=None):
     cfg = Config.from_key(config)
     T, H, F, E, K, Fs = x.shape[0], cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.shared_ffn
     El = cfg.local_experts
@@ -260,7 +304,7 @@ def _moe_backward_fake(dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux_loss, d
     dx = x.new_empty((T, H), dtype=act)
     dtw = x.new_empty((T, K), dtype=real) if not cfg.fused else nothing()
     if cfg.wgrad_fp32_accum:
-        return dx, nothing(), nothing(), nothing(), nothing(), nothing(), dtw
+        return (dx, nothing(), nothing(), nothing(), nothing(), nothing(), dtw) + tuple(nothing() for _ in range(4))
     return (
         dx,
         x.new_empty((E, H), dtype=act) if cfg.fused else nothing(),
@@ -269,6 +313,10 @@ def _moe_backward_fake(dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux_loss, d
         x.new_empty((2 * Fs, H), dtype=act) if Fs else nothing(),
         x.new_empty((H, Fs), dtype=act) if Fs else nothing(),
         dtw,
+        x.new_empty((E,), dtype=real) if cfg.router_bias else nothing(),
+        x.new_empty((El, 2 * F), dtype=act) if cfg.expert_bias else nothing(),
+        x.new_empty((El, H), dtype=act) if cfg.expert_bias else nothing(),
+        x.new_empty((H,), dtype=act) if cfg.shared_gate else nothing(),
     )
 
 
@@ -276,9 +324,10 @@ def _moe_backward_fake(dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux_loss, d
 
 
 def _setup_context(ctx, inputs, output):
-    x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, grad_acc, config = inputs
+    x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, grad_acc, config = inputs[:11]
+    b_router, b13, b2, w_sg = inputs[11:]
     y, aux, z, tpe, idx, wt, saved = output
-    ctx.save_for_backward(x, w_router, w13, w2, ws13, ws2, saved)
+    ctx.save_for_backward(x, w_router, w13, w2, ws13, ws2, saved, b13, w_sg)
     # not through save_for_backward: the buffers are added into in place by every
     # backward (several forwards may be pending), so no version check on them
     ctx.grad_acc = list(grad_acc)
@@ -290,7 +339,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, d_aux, d_z, d_tpe, d_idx, d_wt, d_saved):
-    x, w_router, w13, w2, ws13, ws2, saved = ctx.saved_tensors
+    x, w_router, w13, w2, ws13, ws2, saved, b13, w_sg = ctx.saved_tensors
     cfg = Config.from_key(ctx.config)
     real = cfg.real_dtype
     if dy is None:
@@ -299,11 +348,11 @@ def _backward(ctx, dy, d_aux, d_z, d_tpe, d_idx, d_wt, d_saved):
         d_aux = x.new_zeros((), dtype=real)
     if d_z is None:
         d_z = x.new_zeros((), dtype=real)
-    dx, dwr, d13, d2, ds13, ds2, dtw = torch.ops.mok.moe_backward(
-        dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux, d_z, ctx.grad_acc, ctx.config
+    dx, dwr, d13, d2, ds13, ds2, dtw, dbr, db13, db2, dwsg = torch.ops.mok.moe_backward(
+        dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux, d_z, ctx.grad_acc, ctx.config, b13, w_sg
     )
     if cfg.wgrad_fp32_accum:
-        dwr = d13 = d2 = ds13 = ds2 = None
+        dwr = d13 = d2 = ds13 = ds2 = dbr = db13 = db2 = dwsg = None
     return (
         dx,
         dwr if cfg.fused else None,
@@ -316,6 +365,10 @@ def _backward(ctx, dy, d_aux, d_z, d_tpe, d_idx, d_wt, d_saved):
         dtw if not cfg.fused else None,
         [None] * len(ctx.grad_acc),  # grad_acc
         None,  # config
+        dbr if cfg.router_bias else None,
+        db13 if cfg.expert_bias else None,
+        db2 if cfg.expert_bias else None,
+        dwsg if cfg.shared_gate else None,
     )
 
 
@@ -376,6 +429,10 @@ def moe_forward(
     topk_idx: Optional[Tensor] = None,
     topk_weight: Optional[Tensor] = None,
     main_grads: Optional[List[Tensor]] = None,
+    b_router: Optional[Tensor] = None,
+    b13: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    w_sg: Optional[Tensor] = None,
 ) -> MoEOutput:
     """The MoE layer as a function (what mok.MoE.forward calls).
 
@@ -383,9 +440,13 @@ def moe_forward(
     w2 [E, H, F]; ws13 [2Fs, H] and ws2 [H, Fs] when config.shared_ffn > 0. All bf16
     (float64 with config.exact). bias_select [E] fp32 when config.bias_select.
     Replay routing: topk_idx [T, K] int32 (int64 is converted) and topk_weight [T, K]
-    fp32, which gets a gradient. With config.wgrad_fp32_accum, main_grads = the fp32
-    buffers [router, w13, w2, ws13, ws2] that the weight gradients are added into
-    (default: the weights' `main_grad` attributes); then the weights get no .grad.
+    fp32, which gets a gradient. The variants' parameters, each when its option is on:
+    b_router [E] fp32 (router_bias), b13 [E, 2F] and b2 [E, H] bf16 (expert_bias), w_sg
+    [H] bf16 (shared_gate); each gets a gradient. With config.wgrad_fp32_accum,
+    main_grads = the fp32 buffers [router, w13, w2, ws13, ws2, b_router, b13, b2, w_sg]
+    (the first five alone when the layer has no variant's parameter; None where the
+    layer has none) that the weight gradients are added into (default: the weights'
+    `main_grad` attributes); then the weights get no .grad.
 
     Raises TypeError / ValueError naming the argument for a bad dtype / shape / device,
     and mok.MokError for what libmok rejects (its status and message).
@@ -447,15 +508,28 @@ def moe_forward(
     else:
         if ws13 is not None or ws2 is not None:
             raise ValueError("mok: ws13 / ws2 given, but the layer has shared_ffn = 0")
+    variants = (("b_router", b_router, cfg.router_bias, (E,), real), ("b13", b13, cfg.expert_bias, (El, 2 * F), act),
+                ("b2", b2, cfg.expert_bias, (El, H), act), ("w_sg", w_sg, cfg.shared_gate, (H,), act))
+    for name, t, on, shape, dtype in variants:
+        if on:
+            if t is None:
+                raise ValueError(f"mok: {name} {list(shape)} is required by this layer's config")
+            _check_tensor(name, t, shape, dtype, dev, hint if dtype == act else "")
+        elif t is not None:
+            raise ValueError(f"mok: {name} given, but the layer's config has no such parameter")
     grad_acc: List[Tensor] = []
     if cfg.wgrad_fp32_accum:
+        weights = (w_router, w13, w2, ws13, ws2, b_router, b13, b2, w_sg)
         if main_grads is None:
-            main_grads = [getattr(w, "main_grad", None) if w is not None else None for w in (w_router, w13, w2, ws13, ws2)]
-        names = ("main_grads[0] (router)", "main_grads[1] (w13)", "main_grads[2] (w2)", "main_grads[3] (ws13)", "main_grads[4] (ws2)")
-        shapes = ((E, H), (El, 2 * F, H), (El, H, F), (2 * Fs, H), (H, Fs))
-        needed = (cfg.fused, True, True, Fs > 0, Fs > 0)
-        if len(main_grads) != 5:
-            raise ValueError("mok: main_grads must be [router, w13, w2, ws13, ws2] (None where the layer has none)")
+            main_grads = [getattr(w, "main_grad", None) if w is not None else None for w in weights]
+        main_grads = list(main_grads)
+        if len(main_grads) == 5 and not any(v[2] for v in variants):
+            main_grads += [None] * 4
+        names = tuple(f"main_grads[{i}] ({n})" for i, n in enumerate(GRAD_ACC_NAMES))
+        shapes = ((E, H), (El, 2 * F, H), (El, H, F), (2 * Fs, H), (H, Fs)) + tuple(v[3] for v in variants)
+        needed = (cfg.fused, True, True, Fs > 0, Fs > 0) + tuple(v[2] for v in variants)
+        if len(main_grads) != len(GRAD_ACC_NAMES):
+            raise ValueError(f"mok: main_grads must be [{', '.join(GRAD_ACC_NAMES)}] (None where the layer has none)")
         for name, g, shape, need in zip(names, main_grads, shapes, needed):
             if need:
                 if g is None:
@@ -465,6 +539,7 @@ def moe_forward(
             else:
                 grad_acc.append(x.new_empty((0,), dtype=real))
     y, aux, z, tpe, idx, wt, _saved = torch.ops.mok.moe_forward(
-        x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, grad_acc, cfg.key()
+        x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, grad_acc, cfg.key(),
+        b_router, b13, b2, w_sg
     )
     return MoEOutput(y, aux, z, tpe, idx, wt.detach())

@@ -46,7 +46,7 @@ def run(m, x, dy, idx=None, w=None, d_aux=D_AUX, d_z=D_Z):
         "topk_idx": m.topk_idx,
         "topk_weight": m.topk_weight,
     }
-    for name in ("w_router", "w13", "w2", "ws13", "ws2"):
+    for name in ("w_router", "w13", "w2", "ws13", "ws2", "b_router", "b13", "b2", "w_sg"):  # (the variants' last)
         p = getattr(m, name)
         if p is not None:
             out["d_" + name] = p.main_grad.clone() if cfg.wgrad_fp32_accum else p.grad
@@ -58,8 +58,12 @@ def run(m, x, dy, idx=None, w=None, d_aux=D_AUX, d_z=D_Z):
 def check_against_reference(m, x, dy, idx=None, w=None, d_aux=D_AUX, d_z=D_Z):
     got = run(m, x, dy, idx, w, d_aux, d_z)
     ref = reference(
-        m.config, x, m.w_router, m.w13, m.w2, m.ws13, m.ws2, m.bias_select, dy, d_aux, d_z, idx, w
+        m.config, x, m.w_router, m.w13, m.w2, m.ws13, m.ws2, m.bias_select, dy, d_aux, d_z, idx, w,
+        b_router=m.b_router, b13=m.b13, b2=m.b2, w_sg=m.w_sg,
     )
+    for name in ("b_router", "b13", "b2", "w_sg"):  # every variant parameter's gradient is compared
+        if getattr(m, name) is not None:
+            assert "d_" + name in ref and got["d_" + name].dtype == getattr(m, name).dtype, name
     assert torch.equal(got["topk_idx"].long(), ref["topk_idx"]), "routing differs from the reference"
     assert torch.equal(got["tokens_per_expert"].long(), ref["tokens_per_expert"])
     errs = {}
