@@ -300,21 +300,6 @@ static int saved_reuse(void) {
   return bad;
 }
 
-/* The weights (and biases) of src in dst, a problem of the same layer, bf16 numerics. */
-static void copy_weights(mok_problem_t* dst, const mok_problem_t* src) {
-  const mok_config_t* c = &src->cfg;
-  memcpy(dst->w_router, src->w_router, (size_t)(c->E * c->H) * 2);
-  memcpy(dst->w13, src->w13, (size_t)(c->E * 2 * c->F * c->H) * 2);
-  memcpy(dst->w2, src->w2, (size_t)(c->E * c->H * c->F) * 2);
-  memcpy(dst->ws13, src->ws13, (size_t)(2 * c->Fs * c->H) * 2);
-  memcpy(dst->ws2, src->ws2, (size_t)(c->H * c->Fs) * 2);
-  memcpy(dst->bias_select, src->bias_select, (size_t)c->E * 4);
-  memcpy(dst->b_router, src->b_router, (size_t)c->E * 4);
-  memcpy(dst->b13, src->b13, (size_t)(c->E * 2 * c->F) * 2);
-  memcpy(dst->b2, src->b2, (size_t)(c->E * c->H) * 2);
-  memcpy(dst->w_sg, src->w_sg, (size_t)c->H * 2);
-}
-
 /* The forward of token t alone (T_global = 1, on W = 1 and on W = 2 where rank 1 has no
  * token) equals row t of the batch's forward; so does every row of the batch reversed
  * and run on W = 2. */
@@ -329,8 +314,8 @@ static int batch_invariance_of(const mok_config_t* layer_cfg) {
   o.backward = 0;
   TEST_ASSERT(!test_run(p, &o), "batch");
   /* weights of p in `one` and `rev`; the tokens of p reversed in `rev` */
-  copy_weights(one, p);
-  copy_weights(rev, p);
+  mok_problem_copy_weights(one, p);
+  mok_problem_copy_weights(rev, p);
   const size_t row = (size_t)H * 2;
   for (int64_t t = 0; t < T; t++)
     memcpy((char*)rev->x + t * row, (char*)p->x + (T - 1 - t) * row, row);

@@ -9,6 +9,7 @@
  * a shape that cannot run here (no device, too little memory). */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <omp.h>
 #include <stdarg.h>
@@ -78,6 +79,19 @@ static void usage(FILE* out) {
           "                            or computes it again (cfg.gate_up)\n"
           "      --saved keep|reuse    backward leaves saved as it is (default), or writes\n"
           "                            its scratch over it (cfg.saved_use)\n"
+          "      layer options (check and bench; each off by default):\n"
+          "      --routing default|deepseek-v3  the router: fused softmax top-K, normalised\n"
+          "                            (default), or DeepSeek-V3's: sigmoid scores, bias_select,\n"
+          "                            8 groups of which the best 4 by their top-2 sums, weights\n"
+          "                            normalised and scaled by 2.5 (E a multiple of 8)\n"
+          "      --n-group N --topk-group N  group-limited routing (cfg.n_group, topk_group)\n"
+          "      --group-score top2|max  a group's score (cfg.group_score; default top2)\n"
+          "      --router-bias on|off  router logit bias b_router (cfg.use_router_bias)\n"
+          "      --expert-bias on|off  expert biases b13, b2 (cfg.use_expert_bias)\n"
+          "      --swiglu-limit X      gpt-oss's clamped SwiGLU at limit X (7 there)\n"
+          "      --swiglu-alpha X      ... and alpha X (default 1.702)\n"
+          "      --shared-ffn N        a shared expert of ffn size N (cfg.Fs; default the shape's)\n"
+          "      --shared-gate on|off  its per-token sigmoid gate w_sg (cfg.use_shared_gate)\n"
           "  bench [options]           time forward, backward and step; the CPU GEMM alone\n"
           "      --backend cpu|cuda    backend (default cpu)\n"
           "      --shape NAME          named shape (default tiny)\n"
@@ -87,6 +101,7 @@ static void usage(FILE* out) {
           "      --seed N              random inputs (default 1)\n"
           "      --gate-up keep|recompute  as for check\n"
           "      --saved keep|reuse    as for check\n"
+          "      --routing, --n-group, ... the layer options, as for check\n"
           "      --json FILE           also write the figures as JSON (checked before the run)\n"
           "  help                      this text\n"
           "\n"
@@ -214,7 +229,30 @@ typedef struct {
   mok_saved_use_t saved_use;
   int64_t seed, steps, threads;
   int has_seed, has_steps, has_threads;
+  /* the layer's router and expert variants (mok.h) */
+  int deepseek_v3;                          /* --routing deepseek-v3 */
+  int64_t n_group, topk_group, shared_ffn;
+  int has_n_group, has_topk_group, has_shared_ffn;
+  mok_group_score_t group_score;
+  int router_bias, expert_bias, shared_gate;
+  double swiglu_limit, swiglu_alpha;
+  int has_swiglu_limit, has_swiglu_alpha;
 } options_t;
+
+/* The options of the layer that check and bench both take (parse_options' names). */
+#define LAYER_OPTIONS \
+  " routing n-group topk-group group-score router-bias expert-bias swiglu-limit swiglu-alpha shared-ffn shared-gate "
+
+/* --name's value, the whole string a finite number; else a usage error (2). */
+static int parse_double_option(const char* name, const char* value, double* out) {
+  char* end;
+  errno = 0;
+  const double v = strtod(value, &end);
+  if (!*value || *end || errno == ERANGE || !isfinite(v))
+    return usage_error("--%s needs a finite number, not '%s'", name, value);
+  *out = v;
+  return 0;
+}
 
 /* --name's value, one of two words: *second = 1 for the second; else a usage error (2). */
 static int either(const char* name, const char* value, const char* first, const char* second_word, int* second) {
@@ -266,6 +304,33 @@ static int parse_options(int argc, char** argv, const char* allowed, options_t* 
     } else if (strcmp(name, "steps") == 0) {
       if (parse_int_option(name, value, 1, 1000000, "", &o->steps)) return 2;
       o->has_steps = 1;
+    } else if (strcmp(name, "routing") == 0) {
+      if (either(name, value, "default", "deepseek-v3", &o->deepseek_v3)) return 2;
+    } else if (strcmp(name, "n-group") == 0) {
+      if (parse_int_option(name, value, 0, INT_MAX, " (0 = no groups)", &o->n_group)) return 2;
+      o->has_n_group = 1;
+    } else if (strcmp(name, "topk-group") == 0) {
+      if (parse_int_option(name, value, 0, INT_MAX, "", &o->topk_group)) return 2;
+      o->has_topk_group = 1;
+    } else if (strcmp(name, "group-score") == 0) {
+      int second = 0;
+      if (either(name, value, "top2", "max", &second)) return 2;
+      o->group_score = second ? MOK_GROUP_SCORE_MAX : MOK_GROUP_SCORE_TOP2;
+    } else if (strcmp(name, "router-bias") == 0) {
+      if (either(name, value, "off", "on", &o->router_bias)) return 2;
+    } else if (strcmp(name, "expert-bias") == 0) {
+      if (either(name, value, "off", "on", &o->expert_bias)) return 2;
+    } else if (strcmp(name, "shared-gate") == 0) {
+      if (either(name, value, "off", "on", &o->shared_gate)) return 2;
+    } else if (strcmp(name, "shared-ffn") == 0) {
+      if (parse_int_option(name, value, 0, INT32_MAX, " (0 = none)", &o->shared_ffn)) return 2;
+      o->has_shared_ffn = 1;
+    } else if (strcmp(name, "swiglu-limit") == 0) {
+      if (parse_double_option(name, value, &o->swiglu_limit)) return 2;
+      o->has_swiglu_limit = 1;
+    } else if (strcmp(name, "swiglu-alpha") == 0) {
+      if (parse_double_option(name, value, &o->swiglu_alpha)) return 2;
+      o->has_swiglu_alpha = 1;
     } else if (strcmp(name, "threads") == 0) {
       if (parse_int_option(name, value, 0, MOK_MAX_THREADS,
                            " (0 = all cores; MOK_MAX_THREADS, the library's bound)", &o->threads))
@@ -372,25 +437,89 @@ static int resolve_backend(const options_t* o, const char* command, backend_t* b
 }
 
 /* The layer every command runs: fused softmax routing, normalised, both router losses;
- * o's --gate-up and --saved (said when not the default). */
+ * o's layer options (--routing deepseek-v3 first, then the single ones over it), --gate-up
+ * and --saved (said when not the default). The shape's Fs is --shared-ffn's where given. */
 static mok_config_t layer_config(const shape_t* s, const options_t* o) {
   mok_config_t cfg = MOK_CONFIG_INIT;
   cfg.H = s->H;
   cfg.F = s->F;
   cfg.E = s->E;
   cfg.K = s->K;
-  cfg.Fs = s->Fs;
+  cfg.Fs = o->has_shared_ffn ? o->shared_ffn : s->Fs;
   cfg.routing = MOK_ROUTING_FUSED;
   cfg.score = MOK_SCORE_SOFTMAX;
   cfg.normalize = 1;
   cfg.aux_loss_coef = 1e-2f;
   cfg.z_loss_coef = 1e-3f;
   cfg.backend = MOK_BACKEND_CPU;
+  if (o->deepseek_v3) { /* DeepSeek-V3's router (DESIGN.md section 7) */
+    cfg.score = MOK_SCORE_SIGMOID;
+    cfg.use_bias_select = 1;
+    cfg.n_group = 8, cfg.topk_group = 4, cfg.group_score = MOK_GROUP_SCORE_TOP2;
+    cfg.route_scale = 2.5f;
+  }
+  if (o->has_n_group) cfg.n_group = (int)o->n_group;
+  if (o->has_topk_group) cfg.topk_group = (int)o->topk_group;
+  if (o->group_score != MOK_GROUP_SCORE_TOP2) cfg.group_score = o->group_score;
+  cfg.use_router_bias = o->router_bias;
+  cfg.use_expert_bias = o->expert_bias;
+  if (o->has_swiglu_limit || o->has_swiglu_alpha) {
+    cfg.activation = MOK_ACTIVATION_SWIGLU_CLAMPED;
+    cfg.swiglu_limit = (float)(o->has_swiglu_limit ? o->swiglu_limit : 0.0);
+    cfg.swiglu_alpha = (float)(o->has_swiglu_alpha ? o->swiglu_alpha : 1.702);
+  }
+  cfg.use_shared_gate = o->shared_gate;
   cfg.gate_up = o->gate_up;
   if (cfg.gate_up == MOK_GATE_UP_RECOMPUTE) printf("gate|up: computed again in backward (--gate-up recompute)\n");
   cfg.saved_use = o->saved_use;
   if (cfg.saved_use == MOK_SAVED_REUSE) printf("saved: the backward's scratch goes over it (--saved reuse)\n");
   return cfg;
+}
+
+/* The layer's router and its experts in words, for the runs' headers. */
+static void describe_layer(const mok_config_t* c, char* out, size_t len) {
+  int n = snprintf(out, len, "routing: fused %s top-%lld%s", c->score == MOK_SCORE_SIGMOID ? "sigmoid" : "softmax",
+                   (long long)c->K, c->use_bias_select ? ", bias_select" : "");
+  if (c->n_group > 1)
+    n += snprintf(out + n, len - (size_t)n, ", the best %d of %d groups by their %s", c->topk_group, c->n_group,
+                  c->group_score == MOK_GROUP_SCORE_MAX ? "largest score" : "top-2 sums");
+  if (c->use_router_bias) n += snprintf(out + n, len - (size_t)n, ", router logit bias");
+  n += snprintf(out + n, len - (size_t)n, "%s", c->normalize ? ", normalised" : "");
+  if (c->route_scale != 1.0f) n += snprintf(out + n, len - (size_t)n, ", scaled by %g", (double)c->route_scale);
+  n += snprintf(out + n, len - (size_t)n, ", aux_loss_coef %g, z_loss_coef %g; experts: %s", (double)c->aux_loss_coef,
+                (double)c->z_loss_coef, c->activation == MOK_ACTIVATION_SWIGLU_CLAMPED ? "clamped SwiGLU" : "SwiGLU");
+  if (c->activation == MOK_ACTIVATION_SWIGLU_CLAMPED)
+    n += snprintf(out + n, len - (size_t)n, " (limit %g, alpha %g)", (double)c->swiglu_limit, (double)c->swiglu_alpha);
+  if (c->use_expert_bias) n += snprintf(out + n, len - (size_t)n, ", biases b13, b2");
+  if (c->Fs > 0)
+    snprintf(out + n, len - (size_t)n, ", a shared expert (Fs %lld%s)", (long long)c->Fs,
+             c->use_shared_gate ? ", gated" : "");
+}
+
+/* The layer options' config, checked by the library itself (a context of one token on
+ * the CPU backend): 0, or a usage error (2) with the library's message naming the field. */
+static int check_layer(const mok_config_t* cfg) {
+  mok_config_t c = *cfg;
+  c.T = 1, c.W = 1, c.rank = 0, c.backend = MOK_BACKEND_CPU, c.capacity = 0, c.num_threads = 1;
+  mok_context_t* ctx = NULL;
+  const mok_status_t s = mok_context_create(&c, &ctx);
+  if (!s) {
+    mok_context_destroy(ctx);
+    return 0;
+  }
+  return usage_error("the layer options give a layer mok refuses: %s: %s", mok_status_string(s),
+                     mok_last_create_error());
+}
+
+/* A command's shape (--shape, its Fs --shared-ffn's where given) and layer (layer_config,
+ * checked by check_layer): 0, or the exit status of a usage error. */
+static int command_layer(const options_t* o, shape_t* shape, mok_config_t* cfg) {
+  const shape_t* named = find_shape(o->shape ? o->shape : "tiny");
+  if (!named) return unknown_shape(o->shape);
+  *shape = *named;
+  *cfg = layer_config(shape, o);
+  shape->Fs = cfg->Fs;
+  return check_layer(cfg);
 }
 
 /* "2 threads", "1 thread", "all cores" (0: the library default). */
@@ -738,10 +867,12 @@ static mok_status_t check_need(need_t* n, const int* ranks, int num_ranks, const
 
 static int cmd_check(int argc, char** argv) {
   options_t o = {0};
-  int rc = parse_options(argc, argv, " backend shape ranks seed threads gate-up saved ", &o);
+  int rc = parse_options(argc, argv, " backend shape ranks seed threads gate-up saved " LAYER_OPTIONS, &o);
   if (rc) return rc;
-  const shape_t* shape = find_shape(o.shape ? o.shape : "tiny");
-  if (!shape) return unknown_shape(o.shape);
+  shape_t layer_shape;
+  mok_config_t cfg;
+  if ((rc = command_layer(&o, &layer_shape, &cfg))) return rc;
+  const shape_t* shape = &layer_shape;
   int ranks[MAX_RANK_LIST] = {1, 2, 4};
   int num_ranks = 3;
   if (o.ranks && !(num_ranks = parse_ranks(o.ranks, ranks))) return 2;
@@ -767,8 +898,9 @@ static int cmd_check(int argc, char** argv) {
          shape->name, (long long)shape->H, (long long)shape->F, (long long)shape->E,
          (long long)shape->K, (long long)T_global, (long long)shape->T, W_max,
          W_max > 1 ? "s" : "");
-  printf("routing: fused softmax top-%lld, normalised, aux_loss_coef 1e-2, z_loss_coef 1e-3; "
-         "forward + backward\n", (long long)shape->K);
+  char layer_words[512];
+  describe_layer(&cfg, layer_words, sizeof layer_words);
+  printf("%s; forward + backward\n", layer_words);
   if (cuda)
     printf("seed %llu (--seed %llu repeats it); W = %d on GPUs is the reference; CPU oracle (W = %d) on %s\n",
            (unsigned long long)seed, (unsigned long long)seed, W0, W0,
@@ -779,7 +911,6 @@ static int cmd_check(int argc, char** argv) {
            threads_str(threads, tstr, sizeof tstr), o.has_threads ? "" : " (cores / W)");
   fflush(stdout);
 
-  mok_config_t cfg = layer_config(shape, &o);
   mok_status_t s = MOK_STATUS_SUCCESS;
   for (int shape_only = 1; shape_only >= 0; shape_only--) { /* the shape first, then the contexts' sizes */
     need_t n = {&cfg, T_global, shape_only, ""};
@@ -875,15 +1006,8 @@ static int cmd_check(int argc, char** argv) {
       report(&tally, label, 0, BITWISE, mok_status_string(s));
       goto done;
     }
-    const int64_t H = cfg.H, F = cfg.F, E = cfg.E, Fs = cfg.Fs;
-    const size_t a = p->act, r = p->real;
-    memcpy(p4->x, p->x, (size_t)(T4 * H) * a);
-    memcpy(p4->w_router, p->w_router, (size_t)(E * H) * a);
-    memcpy(p4->bias_select, p->bias_select, (size_t)E * r);
-    memcpy(p4->w13, p->w13, (size_t)(E * 2 * F * H) * a);
-    memcpy(p4->w2, p->w2, (size_t)(E * H * F) * a);
-    memcpy(p4->ws13, p->ws13, (size_t)(2 * Fs * H) * a);
-    memcpy(p4->ws2, p->ws2, (size_t)(H * Fs) * a);
+    memcpy(p4->x, p->x, (size_t)(T4 * cfg.H) * p->act);
+    mok_problem_copy_weights(p4, p); /* (the variants' tensors too) */
     mok_run_opts_t fwd = one;
     fwd.backward = 0;
     s = run_problem(backend, p4, &fwd, err, sizeof err);
@@ -979,10 +1103,12 @@ static FILE* json_open(const char* path, int* created) {
 
 static int cmd_bench(int argc, char** argv) {
   options_t o = {0};
-  int rc = parse_options(argc, argv, " backend shape ranks steps threads seed json gate-up saved ", &o);
+  int rc = parse_options(argc, argv, " backend shape ranks steps threads seed json gate-up saved " LAYER_OPTIONS, &o);
   if (rc) return rc;
-  const shape_t* shape = find_shape(o.shape ? o.shape : "tiny");
-  if (!shape) return unknown_shape(o.shape);
+  shape_t layer_shape;
+  mok_config_t cfg;
+  if ((rc = command_layer(&o, &layer_shape, &cfg))) return rc;
+  const shape_t* shape = &layer_shape;
   int64_t W = 1;
   if (o.ranks && parse_int_option("ranks", o.ranks, 1, 64, " (one expert-parallel size)", &W)) return 2;
   if (shape->E % W)
@@ -1029,9 +1155,11 @@ static int cmd_bench(int argc, char** argv) {
            (unsigned long long)seed);
   printf("%d timed step%s, each a fresh run: a warm-up step, then the timed step; median\n",
          steps, steps > 1 ? "s" : "");
+  char layer_words[512];
+  describe_layer(&cfg, layer_words, sizeof layer_words);
+  printf("%s\n", layer_words);
   fflush(stdout);
 
-  mok_config_t cfg = layer_config(shape, &o);
   /* host memory: the problem, and on the CPU a run of W ranks; from the shape first, then
    * with the saved and workspace sizes of the run's contexts */
   mok_status_t s = MOK_STATUS_SUCCESS;
@@ -1125,12 +1253,18 @@ static int cmd_bench(int argc, char** argv) {
             "  \"W\": %lld,\n  \"T_global\": %lld,\n  \"threads_per_rank\": %d,\n"
             "  \"seed\": %llu,\n  \"steps\": %d,\n  \"forward_ms\": %.4f,\n"
             "  \"backward_ms\": %.4f,\n  \"step_ms\": %.4f,\n  \"step_gflop\": %.6f,\n"
-            "  \"step_gflops\": %.3f,\n",
+            "  \"step_gflops\": %.3f,\n"
+            "  \"layer\": {\"score\": \"%s\", \"route_scale\": %g, \"bias_select\": %d, \"n_group\": %d, "
+            "\"topk_group\": %d, \"group_score\": \"%s\", \"router_bias\": %d, \"expert_bias\": %d, "
+            "\"swiglu_limit\": %g, \"swiglu_alpha\": %g, \"shared_gate\": %d},\n",
             v / 10000, v / 100 % 100, v % 100, cuda ? "cuda" : "cpu", device, num_cores(),
             shape->name, (long long)shape->T, (long long)shape->H, (long long)shape->F,
             (long long)shape->E, (long long)shape->K, (long long)shape->Fs, (long long)W,
             (long long)T_global, cuda ? 0 : threads, (unsigned long long)seed, steps, fwd_ms,
-            bwd_ms, step_ms, step_flops * 1e-9, step_flops / (step_ms * 1e-3) * 1e-9);
+            bwd_ms, step_ms, step_flops * 1e-9, step_flops / (step_ms * 1e-3) * 1e-9,
+            cfg.score == MOK_SCORE_SIGMOID ? "sigmoid" : "softmax", (double)cfg.route_scale, cfg.use_bias_select,
+            cfg.n_group, cfg.topk_group, cfg.group_score == MOK_GROUP_SCORE_MAX ? "max" : "top2", cfg.use_router_bias,
+            cfg.use_expert_bias, (double)cfg.swiglu_limit, (double)cfg.swiglu_alpha, cfg.use_shared_gate);
     if (cuda)
       fprintf(f, "  \"gemm\": null\n}\n");
     else

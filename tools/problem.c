@@ -211,6 +211,17 @@ mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint6
   return MOK_STATUS_SUCCESS;
 }
 
+void mok_problem_copy_weights(mok_problem_t* dst, const mok_problem_t* src) {
+  size_t n[NUM_PROBLEM_BUFFERS];
+  problem_buffer_sizes(src, n);
+  static const int weights[] = {PB_W_ROUTER, PB_BIAS, PB_B_ROUTER, PB_W13, PB_W2, PB_WS13, PB_WS2, PB_B13, PB_B2, PB_WSG};
+  void* const from[] = {src->w_router, src->bias_select, src->b_router, src->w13, src->w2, src->ws13, src->ws2,
+                        src->b13, src->b2, src->w_sg};
+  void* const to[] = {dst->w_router, dst->bias_select, dst->b_router, dst->w13, dst->w2, dst->ws13, dst->ws2,
+                      dst->b13, dst->b2, dst->w_sg};
+  for (size_t i = 0; i < sizeof weights / sizeof weights[0]; i++) memcpy(to[i], from[i], n[weights[i]]);
+}
+
 /* ---- running on W ranks ---- */
 
 typedef struct {

@@ -65,6 +65,10 @@ typedef struct {
 mok_status_t mok_problem_create(const mok_config_t* cfg, int64_t T_global, uint64_t seed,
                                 mok_problem_t** out);
 void mok_problem_destroy(mok_problem_t* p);
+/* The weights of src in dst, a problem of the same layer and numerics (any T_global):
+ * w_router, bias_select, w13, w2, ws13, ws2 and the variants' tensors (b_router, b13,
+ * b2, w_sg); x, dy and the replay inputs stay dst's own. */
+void mok_problem_copy_weights(mok_problem_t* dst, const mok_problem_t* src);
 /* Element count and pointer of a named tensor ("y", "dx", "d_w13", ...) for comparisons. */
 typedef struct {
   const char* name;
