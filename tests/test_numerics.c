@@ -190,6 +190,25 @@ static int exact_shared_gate(void) {
   return exact_expert_variant(offsetof(mok_config_t, use_shared_gate), "use_shared_gate");
 }
 
+/* Every variant at once (gpt-oss's router and experts, the gated shared expert, with
+ * groups where E allows) for E in the issue's list, 1 to 1024, K = min(E, 4), W = 2
+ * where E is even: EXACT against reference.c. */
+static int exact_variants_any_E(void) {
+  static const int64_t Es[] = {1, 3, 4, 6, 60, 384, 512, 1024};
+  int bad = 0;
+  for (size_t i = 0; i < sizeof Es / sizeof Es[0]; i++) {
+    mok_config_t c = clamped(layer(MOK_SCORE_SIGMOID, MOK_ROUTING_FUSED));
+    c.H = 32, c.F = 16, c.Fs = 16;
+    c.E = Es[i], c.K = Es[i] < 4 ? Es[i] : 4;
+    c.use_router_bias = c.use_expert_bias = c.use_shared_gate = c.use_bias_select = 1;
+    if (c.E % 4 == 0 && c.E >= 16) c.n_group = 4, c.topk_group = 2;
+    const int b = exact_vs_reference(c, 40, c.E % 2 ? 1 : 2);
+    if (b) printf("    (E = %lld)\n", (long long)c.E);
+    bad += b;
+  }
+  return bad;
+}
+
 /* Runs the same problem in BF16 and EXACT numerics and compares every output; those that
  * a clamp's step reaches (dx and the gradients upstream of d_a) to grad_tol. */
 static int bf16_vs_exact_tol(mok_config_t c, int64_t T, int W, double grad_tol) {
@@ -293,6 +312,7 @@ const test_case_t suite_numerics[] = {
     {"exact_expert_bias", exact_expert_bias},
     {"exact_clamped_swiglu", exact_clamped_swiglu},
     {"exact_shared_gate", exact_shared_gate},
+    {"exact_variants_any_E", exact_variants_any_E},
     {"bf16_softmax", bf16_softmax},
     {"bf16_group_limited", bf16_group_limited},
     {"bf16_sigmoid_bias", bf16_sigmoid_bias},
