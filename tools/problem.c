@@ -810,8 +810,8 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
   cudaGraph_t graph = NULL;
   cudaGraphExec_t exec = NULL;
   int met = 0; /* passed the first meeting: takes part in the second */
-  enum { X, WR, BIAS, BR, W13, W2, WS13, WS2, DY, IDX, TW, DAUX, DZ, Y, DX, DTW, TPE, AUX, Z, DWR, DBR, DW13,
-         DW2, DWS13, DWS2, SAVED, WS, WS_BWD, NBUF };
+  enum { X, WR, BIAS, BR, W13, W2, B13, B2, WS13, WS2, WSG, DY, IDX, TW, DAUX, DZ, Y, DX, DTW, TPE, AUX, Z, DWR,
+         DBR, DW13, DW2, DB13, DB2, DWS13, DWS2, DWSG, SAVED, WS, WS_BWD, NBUF };
 #define SLICE(ptr, offset) ((ptr) ? (void*)((char*)(ptr) + (offset)) : NULL)
   void* idx_host = replay ? (void*)p->topk_idx : (void*)p->out_topk_idx;
   void* tw_host = replay ? p->topk_weight : p->out_topk_weight;
@@ -820,6 +820,9 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
       [BIAS] = {p->bias_select, 0, E * r, 0}, [BR] = {p->b_router, 0, E * r, 0}, [W13] = {SLICE(p->w13, e0 * 2 * F * H * a), 0, El * 2 * F * H * a, 0},
       [W2] = {SLICE(p->w2, e0 * H * F * a), 0, El * H * F * a, 0}, [WS13] = {p->ws13, 0, 2 * Fs * H * a, 0},
       [WS2] = {p->ws2, 0, H * Fs * a, 0}, [DY] = {SLICE(p->dy, t0 * H * a), 0, T * H * a, 0},
+      [B13] = {SLICE(p->b13, e0 * 2 * F * a), 0, El * 2 * F * a, 0}, [B2] = {SLICE(p->b2, e0 * H * a), 0, El * H * a, 0},
+      [WSG] = {p->w_sg, 0, H * a, 0}, [DB13] = {SLICE(p->d_b13, e0 * 2 * F * w), 0, El * 2 * F * w, 1},
+      [DB2] = {SLICE(p->d_b2, e0 * H * w), 0, El * H * w, 1}, [DWSG] = {p->d_w_sg, 0, H * w, rep ? 1 : 2},
       [IDX] = {SLICE(idx_host, t0 * K * 4), 0, T * K * 4, !replay},
       [TW] = {SLICE(tw_host, t0 * K * r), 0, T * K * r, !replay},
       [DAUX] = {p->d_aux_loss, 0, r, 0}, [DZ] = {p->d_z_loss, 0, r, 0},
@@ -901,6 +904,9 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
   fa.w2 = b[W2].dev;
   fa.ws13 = Fs ? b[WS13].dev : NULL;
   fa.ws2 = Fs ? b[WS2].dev : NULL;
+  fa.b13 = c->use_expert_bias ? b[B13].dev : NULL;
+  fa.b2 = c->use_expert_bias ? b[B2].dev : NULL;
+  fa.w_sg = c->use_shared_gate ? b[WSG].dev : NULL;
   fa.topk_idx = b[IDX].dev;
   fa.topk_weight = b[TW].dev;
   fa.y = b[Y].dev;
@@ -920,6 +926,8 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
   ba.w2 = fa.w2;
   ba.ws13 = fa.ws13;
   ba.ws2 = fa.ws2;
+  ba.b13 = fa.b13;
+  ba.w_sg = fa.w_sg;
   ba.dy = b[DY].dev;
   ba.d_aux_loss = b[DAUX].dev;
   ba.d_z_loss = b[DZ].dev;
@@ -933,6 +941,9 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
   ba.d_w2 = b[DW2].dev;
   ba.d_ws13 = Fs ? b[DWS13].dev : NULL;
   ba.d_ws2 = Fs ? b[DWS2].dev : NULL;
+  ba.d_b13 = c->use_expert_bias ? b[DB13].dev : NULL;
+  ba.d_b2 = c->use_expert_bias ? b[DB2].dev : NULL;
+  ba.d_w_sg = c->use_shared_gate ? b[DWSG].dev : NULL;
   ba.workspace = b[WS_BWD].dev; /* (not forward's: filled with 0xff before each step, below) */
   ba.workspace_bytes = b[WS_BWD].bytes;
   ba.stream = stream;
