@@ -210,8 +210,8 @@ typedef struct {
    * its bound passes the gradient, as torch.clamp does). Rules with the clamped SwiGLU:
    * swiglu_alpha and swiglu_limit finite (else MOK_STATUS_NONFINITE_VALUE) and > 0 (else
    * MOK_STATUS_INVALID_ARGUMENT); with MOK_ACTIVATION_SWIGLU both must be 0 (else
-   * MOK_STATUS_INVALID_ARGUMENT: set cfg.activation). CPU backend (CUDA:
-   * MOK_STATUS_UNSUPPORTED_SHAPE). */
+   * MOK_STATUS_INVALID_ARGUMENT: set cfg.activation). Both backends (CUDA: a kernel pair
+   * of its own, the same launches). */
   mok_activation_t activation;
   float swiglu_alpha;
   float swiglu_limit;

@@ -231,10 +231,6 @@ static mok_status_t cuda_variants(const mok_config_t* c) {
     return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
                    "cfg.use_expert_bias = %d: the expert biases are CPU-only so far (the CUDA kernels have "
                    "none); use cfg.backend = MOK_BACKEND_CPU, or use_expert_bias = 0", c->use_expert_bias);
-  if (c->activation != MOK_ACTIVATION_SWIGLU)
-    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
-                   "cfg.activation = %d: the clamped SwiGLU is CPU-only so far (the CUDA kernels run the plain "
-                   "SwiGLU); use cfg.backend = MOK_BACKEND_CPU, or MOK_ACTIVATION_SWIGLU", (int)c->activation);
   if (c->use_shared_gate)
     return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
                    "cfg.use_shared_gate = %d: the gated shared expert is CPU-only so far (the CUDA kernels "

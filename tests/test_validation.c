@@ -412,7 +412,8 @@ static int create_activation(void) {
 /* Without nvcc the library has no CUDA backend: BACKEND_UNAVAILABLE. With it, a shape
  * the kernels take creates (a GPU) or gives BACKEND_UNAVAILABLE (no device), and one
  * they do not take (F = 32, K = 33) gives UNSUPPORTED_SHAPE. EXACT numerics is CPU-only.
- * The kernels take any E up to MOK_MAX_EXPERTS, group-limited routing and the router bias. */
+ * The kernels take any E up to MOK_MAX_EXPERTS, group-limited routing, the router bias
+ * and the clamped SwiGLU. */
 static int cuda_takes(const mok_config_t* c, const char* what) {
 #ifndef MOK_HAVE_CUDA
   return expect_create(c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda", what);
@@ -444,6 +445,8 @@ static int create_backend(void) {
   bad += cuda_takes(&v, "cuda backend, E = 3");
   v = c, v.use_router_bias = 1;
   bad += cuda_takes(&v, "cuda backend, use_router_bias = 1");
+  v = c, v.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, v.swiglu_alpha = 1.702f, v.swiglu_limit = 7.0f;
+  bad += cuda_takes(&v, "cuda backend, the clamped SwiGLU");
   v = c, v.E = 1024, v.K = 32;  /* the most experts (internal.h: MOK_MAX_EXPERTS) */
   bad += cuda_takes(&v, "cuda backend, E = 1024, K = 32");
 #ifdef MOK_HAVE_CUDA
@@ -734,19 +737,18 @@ static int variant_arguments(void) {
   return bad;
 }
 
-/* The CUDA kernels have the router bias, not the expert variants yet: each refused at create by name
- * (UNSUPPORTED_SHAPE, on a shape the kernels take otherwise), or BACKEND_UNAVAILABLE
- * without a CUDA backend. */
+/* The CUDA kernels have the router bias and the clamped SwiGLU, not the expert biases or
+ * the shared expert's gate yet: each refused at create by name (UNSUPPORTED_SHAPE, on a
+ * shape the kernels take otherwise), or BACKEND_UNAVAILABLE without a CUDA backend. */
 static int create_backend_variants(void) {
-  static const char* const names[] = {"use_expert_bias", "activation", "use_shared_gate"};
+  static const char* const names[] = {"use_expert_bias", "use_shared_gate"};
   int bad = 0;
   for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++) {
     mok_config_t c = base_config();
     c.backend = MOK_BACKEND_CUDA;
     c.F = c.Fs = 64;
     if (i == 0) c.use_expert_bias = 1;
-    if (i == 1) c.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c.swiglu_alpha = 1.702f, c.swiglu_limit = 7.0f;
-    if (i == 2) c.use_shared_gate = 1;
+    if (i == 1) c.use_shared_gate = 1;
 #ifndef MOK_HAVE_CUDA
     bad += expect_create(&c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda", names[i]);
 #else

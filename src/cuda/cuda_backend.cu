@@ -22,6 +22,9 @@
 namespace mok {
 __global__ void sm90_moe_forward_kernel(const __grid_constant__ FwdParams p);
 __global__ void sm90_moe_backward_kernel(const __grid_constant__ BwdParams p);
+// the same with the routed experts' clamped SwiGLU (cfg.activation = MOK_ACTIVATION_SWIGLU_CLAMPED)
+__global__ void sm90_moe_forward_clamped_kernel(const __grid_constant__ FwdParams p);
+__global__ void sm90_moe_backward_clamped_kernel(const __grid_constant__ BwdParams p);
 }  // namespace mok
 #include "sm90_common.cuh"
 
@@ -139,6 +142,13 @@ static int64_t recv_rows(const mok_config_t& c, int64_t T) { return c.W == 1 ? T
 
 // logits' and dlogits' row stride (Shape::Ep): E rounded up to 8.
 static int64_t router_stride(const mok_config_t& c) { return (c.E + 7) / 8 * 8; }
+// The layer's two kernels: the plain SwiGLU's, or the clamped one's (cfg.activation).
+static void (*forward_kernel(const mok_config_t& c))(FwdParams) {
+  return c.activation == MOK_ACTIVATION_SWIGLU_CLAMPED ? sm90_moe_forward_clamped_kernel : sm90_moe_forward_kernel;
+}
+static void (*backward_kernel(const mok_config_t& c))(BwdParams) {
+  return c.activation == MOK_ACTIVATION_SWIGLU_CLAMPED ? sm90_moe_backward_clamped_kernel : sm90_moe_backward_kernel;
+}
 // A chunk's replicated-gradient partials, the vector the tree sums: [d_w_router E H |
 // d_ws13 2 Fs H | d_ws2 H Fs | d_b_router E, rounded up to 4 (the tree's float4 columns;
 // use_router_bias)].
@@ -156,6 +166,7 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   s.normalize = c.normalize != 0;
   s.use_bias = c.use_bias_select != 0;
   s.use_router_bias = c.use_router_bias != 0;
+  s.swiglu_alpha = c.swiglu_alpha, s.swiglu_limit = c.swiglu_limit;
   s.Ep = (int)router_stride(c);
   s.n_group = c.n_group, s.topk_group = c.topk_group;
   s.group_top2 = c.group_score == MOK_GROUP_SCORE_TOP2;
@@ -527,8 +538,8 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   CUDA_TRY(ctx, cudaMalloc(&g.status, sizeof(uint32_t)));
   CUDA_TRY(ctx, (cudaError_t)mok_cuda_zero_now(g.status, sizeof(uint32_t)));
   const int smem = (int)sizeof(Smem) + 1024;
-  CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CUDA_TRY(ctx, cudaFuncSetAttribute(sm90_moe_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CUDA_TRY(ctx, cudaFuncSetAttribute(forward_kernel(c), cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CUDA_TRY(ctx, cudaFuncSetAttribute(backward_kernel(c), cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // Clusters of 2 (cfg.cta_pairs) when the grid is even and every pair fits at once; an
   // odd grid runs unclustered, and the bits are the same either way (D2). AUTO pairs
   // every shape: with no tile padded in, pairs were faster on 7 of the benchmark's 8
@@ -541,8 +552,8 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t lc = launch_config(g.grid & ~1, true, &attr, nullptr);
     int fwd = 0, bwd = 0;
-    if (cudaOccupancyMaxActiveClusters(&fwd, sm90_moe_forward_kernel, &lc) == cudaSuccess &&
-        cudaOccupancyMaxActiveClusters(&bwd, sm90_moe_backward_kernel, &lc) == cudaSuccess) {
+    if (cudaOccupancyMaxActiveClusters(&fwd, forward_kernel(c), &lc) == cudaSuccess &&
+        cudaOccupancyMaxActiveClusters(&bwd, backward_kernel(c), &lc) == cudaSuccess) {
       const int pairs = std::min(fwd, bwd);
       if (c.num_ctas == 0 && 2 * pairs < g.grid && 2 * pairs >= g.grid - 4) g.grid = 2 * pairs;
       g.clusters = g.grid % 2 == 0 && 2 * pairs >= g.grid;
@@ -858,7 +869,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.shared_o = reinterpret_cast<bf16*>(ws + wp.shared_o);
   MAP_TRY(make_store_map(ctx, &p.st_shared_o, Fs ? p.shared_o : nullptr, T, H, "shared_o"));
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
-  CUDA_TRY(ctx, launch(ctx, sm90_moe_forward_kernel, p, stream));
+  CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, stream));
   gpu(ctx)->last_stream = stream;
   return MOK_STATUS_SUCCESS;
 }
@@ -947,7 +958,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.d_ws13 = a->d_ws13;
   p.d_ws2 = a->d_ws2;
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
-  CUDA_TRY(ctx, launch(ctx, sm90_moe_backward_kernel, p, stream));
+  CUDA_TRY(ctx, launch(ctx, backward_kernel(c), p, stream));
   gpu(ctx)->last_stream = stream;
   return MOK_STATUS_SUCCESS;
 }

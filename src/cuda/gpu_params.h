@@ -204,6 +204,7 @@ struct Shape {
                 // the fp32 stores and the bf16 TMA maps; the columns past E are zero)
   int fused, score, normalize, use_bias;
   int use_router_bias;      // the logits' bias b_router (mok.h cfg.use_router_bias)
+  float swiglu_alpha, swiglu_limit;  // the clamped SwiGLU's (cfg.activation: the *_clamped_kernel launches)
   float route_scale, aux_coef, z_coef;
   int n_group, topk_group;  // group-limited routing (mok.h cfg.n_group) when n_group > 1
   int group_top2;           // a group's score: its two largest selection keys (1) or the largest

@@ -1113,6 +1113,18 @@ __device__ __forceinline__ float sigmoid_fast(float g) {
   return rcp_approx(__fadd_rn(1.f, ex2_approx_ftz(__fmul_rn(-g, __int_as_float(0x3fb8aa3b)))));
 }
 __device__ __forceinline__ float silu(float g) { return __fmul_rn(g, sigmoid_fast(g)); }
+// gpt-oss's clamped SwiGLU (mok.h cfg.activation, docs/CPU.md): gate' = min(gate, limit),
+// up' = clamp(up, -limit, limit), NaN staying NaN (the comparisons fail for it).
+__device__ __forceinline__ float clamp_gate(float g, float limit) { return g > limit ? limit : g; }
+__device__ __forceinline__ float clamp_up(float u, float limit) { return u > limit ? limit : u < -limit ? -limit : u; }
+// h of a bf16 gate and up, in fp32: silu(gate) up, or (kClamped) (up' + 1) (gate'
+// sigmoid(alpha gate')) in that order.
+template <bool kClamped>
+__device__ __forceinline__ float swiglu_h(float g, float u, float alpha, float limit) {
+  if constexpr (!kClamped) return __fmul_rn(silu(g), u);
+  const float gc = clamp_gate(g, limit);
+  return __fmul_rn(__fadd_rn(clamp_up(u, limit), 1.f), __fmul_rn(gc, sigmoid_fast(__fmul_rn(alpha, gc))));
+}
 
 // ---- epilogues: accumulators -> sm.epi -> 16-byte global stores ----
 // The plain layout of sm.epi: 128 rows of 256 bytes (128 bf16 or 64 fp32 columns), the
@@ -1338,10 +1350,13 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
 // [.., F] (store map st_h). A thread holds gate and up of the same columns (pairs i and
 // i + 16), so h comes from registers. With a spare stage two rounds (gate from sm.epi,
 // up and h's first box from the spare; then h's second box, once the gate's stores alone
-// have read sm.epi), without three.
+// have read sm.epi), without three. kClamped: gpt-oss's clamped SwiGLU (swiglu_h; alpha,
+// limit), the routed experts' under cfg.activation, in the kernels' clamped variants.
+template <bool kClamped = false>
 __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0, int row_end,
                                              int f0, int F, bf16* a_rows, bf16* h_rows, const StoreMap* st_a,
-                                             const StoreMap* st_h, int map_row, uint8_t* spare) {
+                                             const StoreMap* st_h, int map_row, uint8_t* spare, float alpha = 0.f,
+                                             float limit = 0.f) {
   if (sm.knobs & 2) return;
   const int rows = min(BM, row_end - row0);
   auto apair = [&](int i, int h) { return pack_bf16x2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]); };
@@ -1350,7 +1365,8 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
   // beside silu's two MUFU (measured on the H200: together they halve the rate).
   auto hpair = [&](int i, int h) {
     const uint32_t g = apair(i, h), u = apair(i + 16, h);
-    return pack_bf16x2(__fmul_rn(silu(bf16_lo(g)), bf16_lo(u)), __fmul_rn(silu(bf16_hi(g)), bf16_hi(u)));
+    return pack_bf16x2(swiglu_h<kClamped>(bf16_lo(g), bf16_lo(u), alpha, limit),
+                       swiglu_h<kClamped>(bf16_hi(g), bf16_hi(u), alpha, limit));
   };
   auto write_a = [&](const uint8_t* buf, int half) {  // gate (half 0) or up (1): 2 boxes
     epi_write_boxes(
@@ -1413,10 +1429,14 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
 // quarter q's stores have read the buffer, so they land while quarter q + 1 computes.
 // The last store group comes from sm.epi (gemm_tiles' refill of the spare waits for
 // all groups but the newest). epi_full[b] completes two phases a tile: quarter q
-// waits for parity q / 2.
+// waits for parity q / 2. kClamped: the clamped SwiGLU's derivative (docs/CPU.md: d_gate
+// = dh (up' + 1) (s + alpha gate' s (1 - s)), 0 where gate > limit; d_up = dh gate' s,
+// 0 where |up| > limit; s = sigmoid(alpha gate')).
+template <bool kClamped = false>
 __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0,
                                                  int row_end, int f0, int F, const CUtensorMap* ld_a, int a_row,
-                                                 const StoreMap* st_da, int map_row, bf16* d_a, uint8_t* spare) {
+                                                 const StoreMap* st_da, int map_row, bf16* d_a, uint8_t* spare,
+                                                 float alpha = 0.f, float limit = 0.f) {
   if (sm.knobs & 2) return;
   const int tid = tid_here(), rows = min(BM, row_end - row0);
   auto load = [&](int q) {  // thread 0: quarter q's gate and up boxes (none past F)
@@ -1454,10 +1474,17 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
             const float gate = x ? bf16_hi(g2) : bf16_lo(g2);
             const float up = x ? bf16_hi(u2) : bf16_lo(u2);
             const float dh = dh_at(4 * j + 2 * h + x);
-            const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
-            const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
-            dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
-            du[x] = __fmul_rn(dh, si);
+            if constexpr (kClamped) {
+              const float gc = clamp_gate(gate, limit), ag = __fmul_rn(alpha, gc), sg = sigmoid_fast(ag);
+              const float dglu = __fadd_rn(sg, __fmul_rn(__fmul_rn(ag, sg), __fsub_rn(1.f, sg)));
+              dg[x] = gate > limit ? 0.f : __fmul_rn(__fmul_rn(dh, __fadd_rn(clamp_up(up, limit), 1.f)), dglu);
+              du[x] = up > limit || up < -limit ? 0.f : __fmul_rn(dh, __fmul_rn(gc, sg));
+            } else {
+              const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
+              const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
+              dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
+              du[x] = __fmul_rn(dh, si);
+            }
           }
           st_shared_b32(at, pack_bf16x2(dg[0], dg[1]));
           st_shared_b32(at + kBox, pack_bf16x2(du[0], du[1]));

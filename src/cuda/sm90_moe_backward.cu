@@ -415,6 +415,7 @@ __device__ __forceinline__ bool expert_tile(const BwdParams& p, int mt, int* e, 
 // The forward's GEMM1 and SHARED1 tasks with the same operands, K order and epilogue
 // (swiglu_store), so a_rows, h_rows, sa and sh get the forward's bits: a row's values
 // do not depend on the tile that holds it. Unpaired (pairing changes no bit either).
+template <bool kClamped>
 __device__ __forceinline__ void rg_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   int e = -1, row0 = 0, row_end = 0;
@@ -428,8 +429,8 @@ __device__ __forceinline__ void rg_task(Smem& sm, const BwdParams& p, int mt, in
           B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-          swiglu_store(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows,
-                       &p.st_hrows, row0, spare);
+          swiglu_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows,
+                                 &p.st_hrows, row0, spare, s.swiglu_alpha, s.swiglu_limit);
         });
   }
   signal_counter(sm, &p.st.sync->counter[c_rg(s, mt)]);
@@ -474,6 +475,7 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
 
 // pairable: this task and the partner CTA's are in the same GEMM phase (next_task);
 // the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
+template <bool kClamped>
 __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
   const bool ok = (p.st.knobs & kKnobOnlyDh) ||
@@ -490,8 +492,8 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
           B = wide(&p.m_w2, nt * BN, e * s.H);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-          swiglu_bwd_store(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da, row0,
-                           p.d_a, spare);
+          swiglu_bwd_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da,
+                                     row0, p.d_a, spare, s.swiglu_alpha, s.swiglu_limit);
         });
   });
   if (!ok) return;
@@ -925,7 +927,10 @@ constexpr bool bwd_place_inverts_order() {
 }
 static_assert(bwd_place_inverts_order(), "bwd_place is bwd_order's inverse");
 
-__global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
+// The kernel's body; kClamped: the routed experts' clamped SwiGLU (cfg.activation) in
+// the recompute's and dh's epilogues, a kernel of its own as the forward's.
+template <bool kClamped>
+__device__ __forceinline__ void backward_kernel(const BwdParams& p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
   set_peers(sm, p.px, s, p.st);
@@ -989,7 +994,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
       case 1: dhs_task(sm, p, row, col); break;
       case 2:
         expert_band_order(p.sv.tile_band, local, s.max_mt, phase_cols[i], &row, &col);
-        dh_task(sm, p, row, col, pairable);
+        dh_task<kClamped>(sm, p, row, col, pairable);
         break;
       case 3: dxr_task(sm, p, row, col, wg2_total()); break;
       case 4: dxs_task(sm, p, row, col); break;
@@ -1012,13 +1017,20 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __
         tree_task(sm, p, local, rw_total, slices);
         break;
       }
-      case 11: rg_task(sm, p, row, col); break;
+      case 11: rg_task<kClamped>(sm, p, row, col); break;
       case 12: rgs_task(sm, p, row, col); break;
       default: dxsum_task(sm, p, local); break;
     }
     profile_task(sm, p.st, k < 11 ? 8 + k : 10 + k);
   }
   finish_step(sm, p.st, p.reuse ? &p.sv.header[0] : nullptr);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
+  backward_kernel<false>(p);
+}
+__global__ void __launch_bounds__(kThreads, 1) sm90_moe_backward_clamped_kernel(const __grid_constant__ BwdParams p) {
+  backward_kernel<true>(p);
 }
 
 }  // namespace mok

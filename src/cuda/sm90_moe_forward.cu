@@ -589,6 +589,7 @@ static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p,
 // ---- expert and shared GEMMs ----
 // pairable: this task and the partner CTA's are in the same GEMM phase (next_task);
 // the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
+template <bool kClamped>
 __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int task, bool pairable) {
   const Shape& s = p.s;
   const int num_g = groups(cdiv(s.F, BF), s.H / BK);
@@ -607,8 +608,8 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int tas
           B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-          swiglu_store(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows, &p.st_hrows,
-                       row0, spare);
+          swiglu_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows,
+                                 &p.st_hrows, row0, spare, s.swiglu_alpha, s.swiglu_limit);
         });
   });
   if (!ok) return;
@@ -756,7 +757,11 @@ __device__ __forceinline__ bool paired_phase(int k) { return k == 4 || k == 6; }
 constexpr int kFwdPhases = 9;
 __host__ __device__ constexpr int fwd_order(int i) { return i <= 5 ? i : i == 6 ? 8 : i - 1; }
 
-__global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
+// The kernel's body; kClamped: the routed experts' clamped SwiGLU (cfg.activation), in a
+// kernel of its own so that the plain one keeps its code and registers (one body inlining
+// both epilogues spilled at 255 registers).
+template <bool kClamped>
+__device__ __forceinline__ void forward_kernel(const FwdParams& p) {
   Smem& sm = kernel_smem(p.st.knobs);
   const Shape& s = p.s;
   set_peers(sm, p.px, s, p.st);
@@ -798,7 +803,7 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
       case 1: shared1_task(sm, p, local / nS1, local % nS1); break;
       case 2: prefix_task(sm, p); break;
       case 3: dispatch_task(sm, p, local); break;
-      case 4: gemm1_task(sm, p, local, pairable); break;
+      case 4: gemm1_task<kClamped>(sm, p, local, pairable); break;
       case 5: shared2_task(sm, p, local / nHs, local % nHs); break;
       case 6: gemm2_task(sm, p, local, pairable); break;
       case 7: combine_task(sm, p, local); break;
@@ -807,6 +812,12 @@ __global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __g
     profile_task(sm, p.st, kind == 8 ? 23 : kind);
   }
   finish_step(sm, p.st);
+}
+__global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
+  forward_kernel<false>(p);
+}
+__global__ void __launch_bounds__(kThreads, 1) sm90_moe_forward_clamped_kernel(const __grid_constant__ FwdParams p) {
+  forward_kernel<true>(p);
 }
 
 }  // namespace mok
