@@ -125,7 +125,7 @@ def optimizer_step(params, master, opt, grad):
 def checksum(params):
     h = hashlib.sha256()
     for p in params:
-        t = p.detach().contiguous()
+        t = p.detach().contiguous().cpu()  # (a CUDA tensor's bytes through host memory)
         h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
     return h.hexdigest()[:16]
 

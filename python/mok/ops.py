@@ -325,10 +325,9 @@ def _moe_backward_fake(dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux_loss, d
 
 def _setup_context(ctx, inputs, output):
     x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, grad_acc, config = inputs[:11]
-    # the trailing variant tensors as the call passed them (torch 2.11 gives setup_context
-    # only the passed arguments, and wants as many gradients back: ctx.num_inputs)
+    # the trailing variant tensors as the call passed them (torch 2.11 can leave out those
+    # at their default)
     b_router, b13, b2, w_sg = (tuple(inputs[11:]) + (None,) * 4)[:4]
-    ctx.num_inputs = len(inputs)
     y, aux, z, tpe, idx, wt, saved = output
     ctx.save_for_backward(x, w_router, w13, w2, ws13, ws2, saved, b13, w_sg)
     # not through save_for_backward: the buffers are added into in place by every
@@ -373,7 +372,9 @@ def _backward(ctx, dy, d_aux, d_z, d_tpe, d_idx, d_wt, d_saved):
         db2 if cfg.expert_bias else None,
         dwsg if cfg.shared_gate else None,
     )
-    return grads[: ctx.num_inputs]
+    # as many as the op's inputs in torch's record of the call (torch 2.11 leaves out
+    # trailing arguments at their default; ctx.needs_input_grad has its structure)
+    return grads[: len(ctx.needs_input_grad)]
 
 
 _moe_forward_op.register_autograd(_backward, setup_context=_setup_context)
