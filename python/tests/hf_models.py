@@ -258,6 +258,8 @@ def check_compile(path, device="cpu"):
         torch.use_deterministic_algorithms(was)
         torch._dynamo.reset()
     assert sum("mok.moe_forward" in t for t in traced) == LAYERS, [t for t in traced if "mok" in t]
-    check_close(got, ref, tol=1e-4)
+    # CPU: 1e-4. CUDA: inductor's kernels for the dense float32 parts against cuBLAS in
+    # eager measured up to 2.3e-3 on the H200 (logits 6e-4), mok's parts the same op
+    check_close(got, ref, tol=1e-4 if device == "cpu" else 5e-3)
     check_routing(got["routing"], ref["routing"])
     check_same_step(got, again)
