@@ -105,9 +105,9 @@ static const gpu_shape_t router_shapes[] = {
     {"bias_groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 1, 0.f},
     // gpt-oss's clamped SwiGLU (the *_clamped_kernel launches): at its limit 7 (rarely
     // active here) beside the logit bias, and at 0.5 (gate and up clamped often) with the
-    // shared expert's plain SwiGLU and fp32 accumulation, and in replay routing
+    // shared expert's plain SwiGLU, and in replay routing
     {"clamped_gptoss", 512, 256, 128, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 7.f},
-    {"clamped_tight", 300, 128, 192, 16, 2, 64, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f},
+    {"clamped_tight", 300, 128, 192, 16, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f},
     {"clamped_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f},
 };
 
@@ -283,14 +283,7 @@ static int d4_of(const gpu_shape_t* s) {
     TEST_ASSERT(one, "problem");
     const size_t row = (size_t)s->H * 2;
     memcpy(one->x, (char*)big->x + tokens[i] * row, row);
-    memcpy(one->w_router, big->w_router, (size_t)s->E * s->H * 2);
-    memcpy(one->w13, big->w13, (size_t)s->E * 2 * s->F * s->H * 2);
-    memcpy(one->w2, big->w2, (size_t)s->E * s->H * s->F * 2);
-    memcpy(one->bias_select, big->bias_select, (size_t)s->E * big->real);
-    if (s->Fs) {
-      memcpy(one->ws13, big->ws13, (size_t)2 * s->Fs * s->H * 2);
-      memcpy(one->ws2, big->ws2, (size_t)s->H * s->Fs * 2);
-    }
+    mok_problem_copy_weights(one, big);  // (every weight and variant tensor: b_router too)
     if (run_cuda(one, &o)) return 1;
     TEST_ASSERT(memcmp(one->y, (char*)big->y + tokens[i] * row, row) == 0,
                 "D4 (%s): token %lld alone differs from in the batch", s->name, (long long)tokens[i]);
@@ -350,7 +343,6 @@ static int clamped_gate_up(void) {
     mok_problem_t* other = shape_problem_as(s, test_case_seed(), gate_up[v], saved_use[v]);
     TEST_ASSERT(keep && other, "problems");
     mok_run_opts_t o = MOK_RUN_OPTS_INIT;
-    o.steps = 2;  // (fp32 accumulation)
     if (run_cuda(keep, &o) || run_cuda(other, &o)) return 1;
     test_outputs_t a, b;
     test_snapshot(keep, 1, &a);
