@@ -24,6 +24,9 @@ by two integer sums over their bits, so that no gradient is held twice).
 gate|up again instead of the forward keeping it: less peak memory, one more GEMM).
 --reuse-saved: mok's layer with reuse_saved=True (its backward writes its scratch over
 the saved tensor's parts it has read: less peak memory, the same work).
+--variants: mok alone, uniform routing, each shape with every variant off and then with
+each of shapes.VARIANTS on, in turn, --rounds times; ms is the median of the rounds and
+the cost each variant's ms over the variants-off ms of the same rounds.
 """
 import argparse
 import hashlib
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import mok  # noqa: E402
 from ep_peer import route  # noqa: E402  (bench/ is this script's directory)
-from shapes import ROUTERS, SHAPES, hot_experts, step_flops  # noqa: E402
+from shapes import ROUTERS, SHAPES, VARIANTS, hot_experts, step_flops  # noqa: E402
 
 # mok.MoE's memory options, set from --recompute-gate-up and --reuse-saved
 LAYER_OPTIONS = {"recompute_gate_up": False, "reuse_saved": False}
@@ -212,20 +215,21 @@ class Problem:
     is the shape's own router), x and dy, and one training step of mok or of the PyTorch
     peer on them (the same weights, inputs and routing)."""
 
-    def __init__(self, name, routing="uniform"):
+    def __init__(self, name, routing="uniform", variant=None):
         T, H, Fd, E, K = SHAPES[name]
         torch.manual_seed(0)
         self.K = K
         self.router = ROUTERS.get(name, {}).get(routing, {})
         self.layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda",
-                             **self.router, **LAYER_OPTIONS)
+                             **self.router, **(variant or {}), **LAYER_OPTIONS)
         with torch.no_grad():
             self.layer.bias_select.zero_()
             if routing == "skewed":
                 self.layer.bias_select[: hot_experts(E)] = 1.0
         self.x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
         self.dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        self.params = [self.layer.w_router, self.layer.w13, self.layer.w2]
+        self.params = [p for p in (self.layer.w_router, self.layer.w13, self.layer.w2, self.layer.b_router,
+                                   self.layer.b13, self.layer.b2) if p is not None]
         self.peer = self.bias = None  # at the first peer_step
 
     def zero(self):
@@ -428,6 +432,35 @@ def bench_shape(name, routing, steps, ceiling, mok_only=False, rounds=1):
     return result
 
 
+def bench_variants(names, steps, rounds):
+    """--variants: per shape, mok's step with every variant off, then with each of
+    shapes.VARIANTS, in turn (the order reversed in odd rounds), `rounds` times; a line a
+    variant: median ms, its ratio to variants off, the rounds' ratios, determinism."""
+    rows = []
+    for name in names:
+        kinds = ["off", *VARIANTS]
+        ms = {k: [] for k in kinds}
+        det = {}
+        for r in range(rounds):
+            for k in (kinds if r % 2 == 0 else kinds[::-1]):
+                pb = Problem(name, variant=VARIANTS.get(k))
+                ms[k].append(time_ms(pb.mok_step, steps))
+                if r == 0:
+                    f1 = step_fingerprint(pb.mok_step(), pb.x, pb.params)
+                    det[k] = f1 == step_fingerprint(pb.mok_step(), pb.x, pb.params)
+                pb.release()
+        off = statistics.median(ms["off"])
+        for k in kinds:
+            ratios = [a / b for a, b in zip(ms[k], ms["off"])]
+            m = statistics.median(ms[k])
+            rows.append({"shape": name, "variant": k, "ms": m, "ms_rounds": ms[k], "x_off": m / off,
+                         "ratio_rounds": ratios, "deterministic": det[k]})
+            print(f"{name:15} {k:15} | {m:8.3f} ms  x off {m / off:6.3f}  (rounds {min(ratios):.3f}-{max(ratios):.3f})"
+                  f"  det {'yes' if det[k] else 'no'}")
+            sys.stdout.flush()
+    return rows
+
+
 def routings(name, uniform_only):
     """The routing modes a shape is timed with: uniform, then skewed and the shape's own
     routers (shapes.ROUTERS) unless uniform_only."""
@@ -457,8 +490,19 @@ def main():
     ap.add_argument("--warm", type=float, default=0.0,
                     help="--profile, --kernel-times: seconds of back-to-back steps before the measured one(s), "
                     "so that they run at a sustained run's clock (default 0: from idle, near full clock)")
+    ap.add_argument("--variants", action="store_true",
+                    help="mok only: each shape with shapes.VARIANTS off and each on, in turn, --rounds times")
     args = ap.parse_args()
     LAYER_OPTIONS.update(recompute_gate_up=args.recompute_gate_up, reuse_saved=args.reuse_saved)
+    if args.variants:
+        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                               text=True).stdout.strip()
+        print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}: mok's step, variants off and on")
+        rows = bench_variants(args.shapes.split(","), args.steps, max(1, args.rounds))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "commit": commit, "rows": rows}, f, indent=1)
+        return
     if args.kernel_times:
         for name in args.shapes.split(","):
             kernel_times(name, warm=args.warm)

@@ -16,6 +16,9 @@
 #   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
 #                 (BENCH_ROUNDS=N: mok and the peer timed N times a row, in turn;
 #                 BENCH_ARGS: more bench_moe.py options, e.g. --recompute-gate-up)
+#   variants      bench_moe.py --variants: mok's step with every variant off and with each
+#                 of shapes.VARIANTS on, in turn, ROUNDS times (default 2), STEPS steps a
+#                 timing (default 10); JSON in $OUT/variants.json (docs/PERF.md's cost table)
 #   test-refs     each of TEST_REFS's builds (build-NAME directories from build_refs.sh,
 #                 space-separated): its mok_gpu_tests (the C GPU suites, comm included),
 #                 the last line and what failed; for telling which of several branches
@@ -163,6 +166,10 @@ for part in "$@"; do
       python3 bench/bench_moe.py --shapes "$SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" \
         --rounds "${BENCH_ROUNDS:-1}" ${BENCH_ARGS:-} 2>&1 |
         tee "$OUT/bench.txt"
+      ;;
+    variants)
+      python3 bench/bench_moe.py --variants --shapes "$SHAPES" --steps "${STEPS:-10}" --rounds "${ROUNDS:-2}" \
+        --commit "$COMMIT" --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants.txt"
       ;;
     ab)
       REF=${REF:-build-ref/libmok.so}
@@ -324,7 +331,7 @@ for part in "$@"; do
       for m in build/micro/*; do echo "== $m"; "$m"; done 2>&1 | tee "$OUT/micro.txt"
       ;;
     *)
-      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, comm, stalls, ab, peer-cycles, block-cycles, micro, phase-ncu, dram)"
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, variants, comm, stalls, ab, peer-cycles, block-cycles, micro, phase-ncu, dram)"
       exit 2
       ;;
   esac

@@ -17,6 +17,17 @@ ROUTERS = {
     "deepseek-v3": {"groups": dict(score="sigmoid", route_scale=2.5, n_group=8, topk_group=4)},
 }
 
+# The router and expert variants whose cost bench_moe.py --variants measures (mok.MoE's
+# options; docs/PERF.md's cost table): each alone, gpt-oss's three together, and
+# DeepSeek-V3's group-limited router (8 groups, every named shape's E a multiple of 8).
+VARIANTS = {
+    "router_bias": dict(router_bias=True),
+    "expert_bias": dict(expert_bias=True),
+    "clamped_swiglu": dict(swiglu_limit=7.0),
+    "gpt-oss": dict(router_bias=True, expert_bias=True, swiglu_limit=7.0),
+    "groups": dict(score="sigmoid", route_scale=2.5, n_group=8, topk_group=4),
+}
+
 
 def step_flops(T, H, F, E, K):
     """A training step's FLOPs (forward + backward): 3 x the forward's 6 T K H F (three

@@ -195,8 +195,10 @@ typedef struct {
    * d_b13[e] = sum over the expert's rows of d_a, d_b2[e] = sum over them of dy_j (the
    * bf16 rows that dw13 and dw2 use), fp32 sums over the rows in global token order (the
    * order of the weight gradients' sums), written or added into per cfg.wgrad like
-   * d_w13 and d_w2. The shared expert has none. CPU backend (CUDA:
-   * MOK_STATUS_UNSUPPORTED_SHAPE). 0 = off. */
+   * d_w13 and d_w2: on the CPU one sum a column from +0 in row order, on CUDA 16
+   * interleaved sums (rows j, j + 16, ... from +0) added in j order, each fixed by the
+   * expert's rows alone (the same bits at every W). The shared expert has none. Both
+   * backends. 0 = off. */
   int use_expert_bias;
   /* the clamped SwiGLU of gpt-oss (cfg.activation = MOK_ACTIVATION_SWIGLU_CLAMPED; gpt-oss:
    * swiglu_alpha 1.702, swiglu_limit 7), for the routed experts (the shared expert keeps

@@ -227,10 +227,6 @@ static mok_status_t validate_variants(const mok_config_t* c) {
 #ifdef MOK_HAVE_CUDA
 /* The variants the CUDA kernels do not have yet: each UNSUPPORTED_SHAPE, naming its field. */
 static mok_status_t cuda_variants(const mok_config_t* c) {
-  if (c->use_expert_bias)
-    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
-                   "cfg.use_expert_bias = %d: the expert biases are CPU-only so far (the CUDA kernels have "
-                   "none); use cfg.backend = MOK_BACKEND_CPU, or use_expert_bias = 0", c->use_expert_bias);
   if (c->use_shared_gate)
     return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
                    "cfg.use_shared_gate = %d: the gated shared expert is CPU-only so far (the CUDA kernels "

@@ -34,7 +34,7 @@ def step(m, x, dy, idx=None, w=None):
         out.update(aux_loss=m.aux_loss.detach(), z_loss=m.z_loss.detach())
     else:
         out["d_topk_weight"] = w.grad
-    for name in ("w_router", "w13", "w2", "ws13", "ws2"):
+    for name in ("w_router", "w13", "w2", "ws13", "ws2", "b_router", "b13", "b2"):
         p = getattr(m, name)
         if p is not None:
             out["d_" + name] = p.grad
@@ -56,7 +56,12 @@ def inputs(device):
 
 
 @pytest.mark.parametrize("kw", [dict(score="softmax", aux_loss_coef=1e-2, z_loss_coef=1e-3, shared_ffn=FS),
-                                dict(score="sigmoid", bias_select=True, route_scale=2.0)])
+                                dict(score="sigmoid", bias_select=True, route_scale=2.0),
+                                # gpt-oss's router and experts: logit bias, expert biases, clamped SwiGLU
+                                dict(router_bias=True, expert_bias=True, swiglu_limit=7.0, aux_loss_coef=1e-2),
+                                # DeepSeek-V3's router: 4 groups, the best 2 by their top-2 sums
+                                dict(score="sigmoid", bias_select=True, route_scale=2.5, n_group=4, topk_group=2,
+                                     shared_ffn=FS)])
 def test_cuda_matches_cpu(kw):
     cpu = mok.MoE(H, F, E, K, **kw)
     gpu = copy.deepcopy(cpu).cuda()

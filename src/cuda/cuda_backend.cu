@@ -846,6 +846,8 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.x = static_cast<const bf16*>(a->x);
   p.bias = c.use_bias_select ? a->bias_select : nullptr;
   p.b_router = c.use_router_bias ? a->b_router : nullptr;
+  p.b13 = c.use_expert_bias ? static_cast<const bf16*>(a->b13) : nullptr;
+  p.b2 = c.use_expert_bias ? static_cast<const bf16*>(a->b2) : nullptr;
   p.in_idx = a->topk_idx;
   p.in_w = a->topk_weight;
   p.y = static_cast<bf16*>(a->y);
@@ -955,6 +957,9 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.d_b_router = c.use_router_bias ? a->d_b_router : nullptr;
   p.d_w13 = a->d_w13;
   p.d_w2 = a->d_w2;
+  p.b13 = c.use_expert_bias ? static_cast<const bf16*>(a->b13) : nullptr;
+  p.d_b13 = c.use_expert_bias ? a->d_b13 : nullptr;
+  p.d_b2 = c.use_expert_bias ? a->d_b2 : nullptr;
   p.d_ws13 = a->d_ws13;
   p.d_ws2 = a->d_ws2;
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);

@@ -285,6 +285,8 @@ struct FwdParams {
   const bf16* x;
   const float* bias;          // [E] or null
   const float* b_router;      // [E] fp32, added to the logits (use_router_bias), or null
+  const bf16* b13;            // [E/W, 2F] this rank's experts' gate|up biases (use_expert_bias), or null
+  const bf16* b2;             // [E/W, H] their output biases (use_expert_bias), or null
   const int32_t* in_idx;      // replay [T, K]
   const float* in_w;          // replay [T, K]
   bf16* y;
@@ -365,6 +367,9 @@ struct BwdParams {
   float* d_b_router;    // [E] fp32 whatever cfg.wgrad (use_router_bias), or null
   void* d_w13;          // [E, 2F, H]
   void* d_w2;           // [E, H, F]
+  const bf16* b13;      // [E/W, 2F] the gate|up biases for the recompute (use_expert_bias), or null
+  void* d_b13;          // [E/W, 2F] like d_w13 (use_expert_bias), or null
+  void* d_b2;           // [E/W, H] like d_w2 (use_expert_bias), or null
   void* d_ws13;         // [2Fs, H]
   void* d_ws2;          // [H, Fs]
   // workspace

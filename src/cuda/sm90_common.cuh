@@ -1344,6 +1344,34 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
   }
 }
 
+// The expert biases (cfg.use_expert_bias) into a 128 x 256 accumulator tile before its
+// bf16 rounding: one fp32 addition a value. Tile column c < 128 gets lo[c] while c < n_lo,
+// c >= 128 hi[c - 128] while c - 128 < n_hi (columns past them are never stored: no
+// bias is read there). A thread's pair i is tile column acc_col(l, i) of both its rows;
+// the 8 lanes of a warp with the same l % 4 share those columns, so each loads 4 of the
+// 32 bias words and the rest come by shuffle (4 registers, not 32: the epilogue has none
+// to spare).
+__device__ __forceinline__ void add_col_bias(float (&acc)[kAcc], int l, const bf16* lo, int n_lo, const bf16* hi,
+                                             int n_hi) {
+  constexpr int kPairs = kAcc / 4, kHalf = kPairs / 2;  // 32 pairs, the first 16 in lo
+  const int q = l % 4, r = l / 4;
+  uint32_t word[kPairs / 8];  // pair r + 8k's bias
+#pragma unroll
+  for (int k = 0; k < kPairs / 8; k++) {
+    const int i = r + 8 * k, c = acc_col(l, i) % 128;  // (n even: a pair's columns both in or both out)
+    word[k] = c < (i < kHalf ? n_lo : n_hi) ? __ldg(reinterpret_cast<const unsigned int*>((i < kHalf ? lo : hi) + c)) : 0u;
+  }
+#pragma unroll
+  for (int i = 0; i < kPairs; i++) {
+    const uint32_t b = __shfl_sync(~0u, word[i / 8], (i % 8) * 4 + q);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      acc[4 * i + 2 * h] = __fadd_rn(acc[4 * i + 2 * h], bf16_lo(b));
+      acc[4 * i + 2 * h + 1] = __fadd_rn(acc[4 * i + 2 * h + 1], bf16_hi(b));
+    }
+  }
+}
+
 // SwiGLU forward epilogue of a gate|up tile (columns 0..127 gate f0.., 128..255 up f0..),
 // rows [row0, row_end), f < F: a = bf16(gate | up) into a_rows [.., 2F] (store map st_a:
 // [rows][2][F], row map_row = row0), and h = bf16(silu(a_gate) * a_up) into h_rows

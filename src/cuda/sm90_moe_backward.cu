@@ -429,6 +429,10 @@ __device__ __forceinline__ void rg_task(Smem& sm, const BwdParams& p, int mt, in
           B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          if (p.b13) {  // (the forward's gemm1_task)
+            const bf16* b = p.b13 + (int64_t)e * 2 * F + nt * BF;
+            add_col_bias(acc, l, b, F - nt * BF, b + F, F - nt * BF);
+          }
           swiglu_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows,
                                  &p.st_hrows, row0, spare, s.swiglu_alpha, s.swiglu_limit);
         });
@@ -590,6 +594,61 @@ __device__ __forceinline__ void zero_block(bf16* out, int64_t ld, int r0, int nr
     *reinterpret_cast<uint4*>(out + (r0 + i / words) * ld + c0 + 8 * (i % words)) = make_uint4(0u, 0u, 0u, 0u);
 }
 
+// The expert biases' gradients (cfg.use_expert_bias) of row tile mt of a weight gradient:
+// d_b2[e] columns [mt*128, +128) summing dy_rows [.., H] (which 2), or d_b13[e] summing
+// d_a [.., 2F] (13), over the expert's rows off .. off + n - 1 (global token order, as its
+// weight gradient). The order, fixed by the rows alone (so the same bits at every W):
+// kLanes row lanes, lane j summing rows j, j + kLanes, ... in increasing order from +0,
+// then the lanes' sums j = 0, 1, .. in order from +0 (fp32 throughout). A thread holds 8
+// columns (one 16-byte word) of one lane. Out: bf16 written, or fp32 added into.
+// Called before the task's GEMM, so the task's signals (wgrad2_done: the readers of
+// dy_rows before RW's partials and dx_late's dx_rows overwrite them) count these reads.
+__device__ __noinline__ void bias_grad(Smem& sm, const BwdParams& p, int which, int e, int mt, int off, int n) {
+  constexpr int kLanes = kThreads / 16, kUnroll = 4;
+  const int cols = which == 2 ? p.s.H : 2 * p.s.F;  // (a multiple of 64: whole 8-column words)
+  const bf16* src = which == 2 ? p.dy_rows : p.d_a;
+  const int q = threadIdx.x % 16, j = threadIdx.x / 16, c = mt * BM + 8 * q;
+  float sum[8];
+#pragma unroll
+  for (int k = 0; k < 8; k++) sum[k] = 0.f;
+  auto add = [&](uint4 v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      sum[2 * k] = __fadd_rn(sum[2 * k], bf16_lo(w[k]));
+      sum[2 * k + 1] = __fadd_rn(sum[2 * k + 1], bf16_hi(w[k]));
+    }
+  };
+  if (c < cols) {
+    const bf16* col = src + (int64_t)off * cols + c;
+    int r = j;
+    for (; r + (kUnroll - 1) * kLanes < n; r += kUnroll * kLanes) {  // kUnroll rows in flight, added in order
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; u++) v[u] = *reinterpret_cast<const uint4*>(col + (int64_t)(r + u * kLanes) * cols);
+#pragma unroll
+      for (int u = 0; u < kUnroll; u++) add(v[u]);
+    }
+    for (; r < n; r += kLanes) add(*reinterpret_cast<const uint4*>(col + (int64_t)r * cols));
+  }
+  if (threadIdx.x == 0) release_stages_from_stores(sm);  // (the stages as scratch: [kLanes][128] floats)
+  __syncthreads();
+  float* lanes = reinterpret_cast<float*>(sm.stage[0]);
+  reinterpret_cast<float4*>(lanes + j * BM + 8 * q)[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+  reinterpret_cast<float4*>(lanes + j * BM + 8 * q)[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
+  __syncthreads();
+  const int x = mt * BM + threadIdx.x;
+  if (threadIdx.x < BM && x < cols) {
+    float t = 0.f;
+    for (int l = 0; l < kLanes; l++) t = __fadd_rn(t, lanes[l * BM + threadIdx.x]);
+    void* out = which == 2 ? p.d_b2 : p.d_b13;
+    const int64_t at = (int64_t)e * cols + x;
+    if (p.wgrad_fp32) static_cast<float*>(out)[at] = __fadd_rn(static_cast<float*>(out)[at], t);
+    else static_cast<bf16*>(out)[at] = to_bf(t);
+  }
+  __syncthreads();  // (the scratch read before the stages are loaded again)
+}
+
 // dW[e] rows [mt*128, +128), column tiles [g * wgrad_group, +wgrad_group) in one
 // pipeline; each tile sums over the expert's rows in order, 64 per K block. Its
 // operands come through maps cut to the expert's rows (cut_maps): the last K block's
@@ -608,6 +667,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
   const int eg = s.rank * s.e_loc + e;  // (e: this rank's expert, as the gradients are)
   const int off = p.sv.expert_off[eg], n = p.sv.counts[eg], nk = cdivb(n, BK);
+  if (ok && g == 0 && (which == 2 ? p.d_b2 : p.d_b13)) bias_grad(sm, p, which, e, mt, off, n);  // (one task a row tile)
   // An expert of at most kArBlocks K blocks runs alone with its A resident (below): 32 KB
   // of B a K block, the L2 bytes a CTA of a pair (16 of A, 16 of B), without a pair's
   // lockstep. Larger ones pair. (pair_agree is still called, as both CTAs of a cluster

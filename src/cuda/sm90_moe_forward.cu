@@ -608,6 +608,10 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int tas
           B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          if (p.b13) {  // gate columns f = nt BF + c of b13[e] [2F], up columns F + f
+            const bf16* b = p.b13 + (int64_t)e * 2 * F + nt * BF;
+            add_col_bias(acc, l, b, F - nt * BF, b + F, F - nt * BF);
+          }
           swiglu_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows,
                                  &p.st_hrows, row0, spare, s.swiglu_alpha, s.swiglu_limit);
         });
@@ -648,6 +652,10 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int tas
           B = wide(&p.m_w2, e * s.H + nt * BN, 0);
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          if (p.b2) {  // columns h = nt BN + c of b2[e] [H]
+            const bf16* b = p.b2 + (int64_t)e * s.H + nt * BN;
+            add_col_bias(acc, l, b, s.H - nt * BN, b + 128, s.H - nt * BN - 128);
+          }
           store_tile<kStoreBf16>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.H, p.sv.o_rows, s.H, &p.st_orows, row0, spare);
         });
   });

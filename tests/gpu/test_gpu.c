@@ -30,6 +30,7 @@ typedef struct {
   int router_bias;                       /* cfg.use_router_bias (b_router ~ U(-0.5, 0.5)) */
   float swiglu_limit;                    /* > 0: gpt-oss's clamped SwiGLU at this limit (alpha
                                             1.702), or 0 */
+  int expert_bias;                       /* cfg.use_expert_bias (b13, b2 ~ U(-0.5, 0.5)) */
 } gpu_shape_t;
 
 #define FUSED MOK_ROUTING_FUSED
@@ -43,35 +44,35 @@ typedef struct {
  * sigmoid, accumulation, NaN input, skewed routing with empty experts (edge cases of
  * DESIGN.md section 6). */
 static const gpu_shape_t shapes[] = {
-    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0, 0, 0.f},
-    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0, 0, 0.f},
-    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
+    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0, 0, 0.f, 0},
+    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0, 0, 0.f, 0},
+    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
     // 4096 rows an expert: weight-gradient tasks of 2 of the 3 column tiles (two groups)
-    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
+    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
     // skewed routing: 4 experts of 8192 rows, 4 empty ones whose zero gradients span
     // two column groups (2 tiles, then 1 of 64 columns) and a last row tile of 64 rows
-    {"skewed_groups", 8192, 576, 576, 8, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0, 0, 0.f},
+    {"skewed_groups", 8192, 576, 576, 8, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0, 0, 0.f, 0},
 };
 
 #define TOP2 MOK_GROUP_SCORE_TOP2
@@ -84,31 +85,42 @@ static const gpu_shape_t shapes[] = {
  * of one expert, groups beyond 256 experts; gpt-oss's router logit bias and clamped
  * SwiGLU. */
 static const gpu_shape_t router_shapes[] = {
-    {"e1", 200, 128, 64, 1, 1, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"e3", 300, 128, 64, 3, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"e4_sigmoid", 257, 128, 128, 4, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"e6", 500, 192, 64, 6, 3, 0, FUSED, SOFTMAX, 0, 0, ACCUM, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"e60", 1000, 256, 64, 60, 4, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"e384_k8", 1024, 256, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"e512_k10", 1024, 128, 64, 512, 10, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"e1024_k32", 512, 128, 64, 1024, 32, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"e1000_replay", 300, 128, 64, 1000, 6, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f},
-    {"groups_v3", 1024, 256, 64, 256, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 8, 4, TOP2, 0, 0.f},
-    {"groups_v2", 700, 128, 128, 64, 6, 64, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 8, 3, MAX1, 0, 0.f},
-    {"groups_of_one", 300, 128, 64, 16, 2, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 0.f, -1, 0, 16, 5, TOP2, 0, 0.f},
-    {"groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 0, 0.f},
-    {"groups_e60", 400, 128, 64, 60, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 0, 6, 2, TOP2, 0, 0.f},
+    {"e1", 200, 128, 64, 1, 1, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"e3", 300, 128, 64, 3, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"e4_sigmoid", 257, 128, 128, 4, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"e6", 500, 192, 64, 6, 3, 0, FUSED, SOFTMAX, 0, 0, ACCUM, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"e60", 1000, 256, 64, 60, 4, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"e384_k8", 1024, 256, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"e512_k10", 1024, 128, 64, 512, 10, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"e1024_k32", 512, 128, 64, 1024, 32, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"e1000_replay", 300, 128, 64, 1000, 6, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"groups_v3", 1024, 256, 64, 256, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 8, 4, TOP2, 0, 0.f, 0},
+    {"groups_v2", 700, 128, 128, 64, 6, 64, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 8, 3, MAX1, 0, 0.f, 0},
+    {"groups_of_one", 300, 128, 64, 16, 2, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 0.f, -1, 0, 16, 5, TOP2, 0, 0.f, 0},
+    {"groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 0, 0.f, 0},
+    {"groups_e60", 400, 128, 64, 60, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 0, 6, 2, TOP2, 0, 0.f, 0},
     // gpt-oss's router logit bias: softmax over the biased logits, d_b_router through the
     // tree (written fp32, or added into; chunks of T = 300 with a tail), and with groups
-    {"bias_gptoss", 512, 256, 128, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 0.f},
-    {"bias_accum_e60", 300, 128, 64, 60, 4, 64, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 0.f},
-    {"bias_groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 1, 0.f},
+    {"bias_gptoss", 512, 256, 128, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 0.f, 0},
+    {"bias_accum_e60", 300, 128, 64, 60, 4, 64, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 0.f, 0},
+    {"bias_groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 1, 0.f, 0},
     // gpt-oss's clamped SwiGLU (the *_clamped_kernel launches): at its limit 7 (rarely
     // active here) beside the logit bias, and at 0.5 (gate and up clamped often) with the
     // shared expert's plain SwiGLU, and in replay routing
-    {"clamped_gptoss", 512, 256, 128, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 7.f},
-    {"clamped_tight", 300, 128, 192, 16, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f},
-    {"clamped_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f},
+    {"clamped_gptoss", 512, 256, 128, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 7.f, 0},
+    {"clamped_tight", 300, 128, 192, 16, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f, 0},
+    {"clamped_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f, 0},
+    // gpt-oss's expert biases (b13 in GEMM1's and RG's epilogues, b2 in GEMM2's; d_b13,
+    // d_b2 in the weight-gradient tasks): with its router bias and clamped SwiGLU, an F
+    // tail of half a tile (F % 128 = 64) and an H tail of a quarter (H % 256 = 64); added
+    // into fp32 beside a shared expert and E not a multiple of 8; replay; skewed routing
+    // (empty experts: zero gradients, + 0 added); experts of several row blocks each
+    {"ebias_gptoss", 512, 320, 192, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 7.f, 1},
+    {"ebias_accum_e60", 300, 128, 64, 60, 4, 64, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 1},
+    {"ebias_replay", 200, 256, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f, 1},
+    {"ebias_skewed", 1024, 192, 128, 16, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0, 0, 0.f, 1},
+    {"ebias_skewed_accum", 1024, 192, 128, 16, 4, 0, FUSED, SIGMOID, 1, 1, ACCUM, 1.f, 0.f, 0.f, -1, 4, 0, 0, 0, 0, 0.f, 1},
+    {"ebias_tall", 8192, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 1},
 };
 
 static mok_config_t shape_config(const gpu_shape_t* s) {
@@ -118,7 +130,7 @@ static mok_config_t shape_config(const gpu_shape_t* s) {
   c.use_bias_select = s->bias, c.wgrad = s->wgrad, c.route_scale = s->route_scale;
   c.aux_loss_coef = s->aux, c.z_loss_coef = s->z;
   c.n_group = s->n_group, c.topk_group = s->topk_group, c.group_score = (mok_group_score_t)s->group_score;
-  c.use_router_bias = s->router_bias;
+  c.use_router_bias = s->router_bias, c.use_expert_bias = s->expert_bias;
   if (s->swiglu_limit > 0)
     c.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c.swiglu_alpha = 1.702f, c.swiglu_limit = s->swiglu_limit;
   return c;
@@ -310,8 +322,8 @@ static const gpu_shape_t* router_shape(const char* name) {
   return NULL;
 }
 static int router_determinism(void) {
-  static const char* const names[] = {"e3",          "e384_k8",          "e1024_k32",    "groups_v3", "groups_e384",
-                                      "bias_gptoss", "bias_groups_e384", "clamped_tight"};
+  static const char* const names[] = {"e3",          "e384_k8",          "e1024_k32",     "groups_v3",   "groups_e384",
+                                      "bias_gptoss", "bias_groups_e384", "clamped_tight", "ebias_gptoss", "ebias_skewed"};
   int bad = 0;
   for (size_t k = 0; k < COUNT(names); k++) {
     const gpu_shape_t* s = router_shape(names[k]);
@@ -330,25 +342,29 @@ static int router_determinism(void) {
   return bad != 0;
 }
 
-/* The clamped SwiGLU with gate|up recomputed in the backward (its RG tasks' epilogue)
- * and with saved reused gives the bits of keeping gate|up. */
-static int clamped_gate_up(void) {
-  const gpu_shape_t* s = router_shape("clamped_tight");
-  TEST_ASSERT(s, "no router shape clamped_tight");
+/* The clamped SwiGLU and the expert biases with gate|up recomputed in the backward (the
+ * RG tasks' epilogue) and with saved reused give the bits of keeping gate|up. */
+static int variants_gate_up(void) {
+  static const char* const names[] = {"clamped_tight", "ebias_gptoss"};
   const mok_gate_up_t gate_up[] = {MOK_GATE_UP_RECOMPUTE, MOK_GATE_UP_SAVE};
   const mok_saved_use_t saved_use[] = {MOK_SAVED_KEEP, MOK_SAVED_REUSE};
   int bad = 0;
-  for (int v = 0; v < 2; v++) {
-    mok_problem_t* keep = shape_problem_as(s, test_case_seed(), MOK_GATE_UP_SAVE, MOK_SAVED_KEEP);
-    mok_problem_t* other = shape_problem_as(s, test_case_seed(), gate_up[v], saved_use[v]);
-    TEST_ASSERT(keep && other, "problems");
-    mok_run_opts_t o = MOK_RUN_OPTS_INIT;
-    if (run_cuda(keep, &o) || run_cuda(other, &o)) return 1;
-    test_outputs_t a, b;
-    test_snapshot(keep, 1, &a);
-    test_snapshot(other, 1, &b);
-    bad += test_same_bits(&b, &a, NULL, v ? "clamped_tight: reuse vs keep" : "clamped_tight: recompute vs keep") != 0;
-  }
+  for (size_t k = 0; k < COUNT(names); k++)
+    for (int v = 0; v < 2; v++) {
+      const gpu_shape_t* s = router_shape(names[k]);
+      TEST_ASSERT(s, "no router shape %s", names[k]);
+      mok_problem_t* keep = shape_problem_as(s, test_case_seed(), MOK_GATE_UP_SAVE, MOK_SAVED_KEEP);
+      mok_problem_t* other = shape_problem_as(s, test_case_seed(), gate_up[v], saved_use[v]);
+      TEST_ASSERT(keep && other, "problems");
+      mok_run_opts_t o = MOK_RUN_OPTS_INIT;
+      if (run_cuda(keep, &o) || run_cuda(other, &o)) return 1;
+      test_outputs_t a, b;
+      test_snapshot(keep, 1, &a);
+      test_snapshot(other, 1, &b);
+      char what[96];
+      snprintf(what, sizeof what, "%s: %s vs keep", s->name, v ? "reuse" : "recompute");
+      bad += test_same_bits(&b, &a, NULL, what) != 0;
+    }
   return bad;
 }
 
@@ -856,7 +872,7 @@ const test_case_t suite_gpu[] = {
     {"d4_batch", d4_batch},
     {"router_vs_cpu", router_vs_cpu},
     {"router_determinism", router_determinism},
-    {"clamped_gate_up", clamped_gate_up},
+    {"variants_gate_up", variants_gate_up},
     {"graph_capture", graph_capture},
     {"step_thread", step_thread},
     {"gate_up_recompute", gate_up_recompute},
