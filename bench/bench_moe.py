@@ -461,10 +461,12 @@ def bench_variants(names, steps, rounds):
     return rows
 
 
-def routings(name, uniform_only):
+def routings(name, uniform_only, only=""):
     """The routing modes a shape is timed with: uniform, then skewed and the shape's own
-    routers (shapes.ROUTERS) unless uniform_only."""
-    return ["uniform"] if uniform_only else ["uniform", "skewed", *ROUTERS.get(name, {})]
+    routers (shapes.ROUTERS) unless uniform_only; with only (a comma-separated list),
+    those of them named there."""
+    modes = ["uniform"] if uniform_only else ["uniform", "skewed", *ROUTERS.get(name, {})]
+    return [m for m in modes if m in only.split(",")] if only else modes
 
 
 def main():
@@ -490,6 +492,8 @@ def main():
     ap.add_argument("--warm", type=float, default=0.0,
                     help="--profile, --kernel-times: seconds of back-to-back steps before the measured one(s), "
                     "so that they run at a sustained run's clock (default 0: from idle, near full clock)")
+    ap.add_argument("--routings", default="",
+                    help="only these routing modes (comma-separated: uniform, skewed, a shape's own from shapes.ROUTERS)")
     ap.add_argument("--variants", action="store_true",
                     help="mok only: each shape with shapes.VARIANTS off and each on, in turn, --rounds times")
     args = ap.parse_args()
@@ -509,7 +513,7 @@ def main():
         return
     if args.profile:
         for name in args.shapes.split(","):
-            for routing in routings(name, args.uniform_only):
+            for routing in routings(name, args.uniform_only, args.routings):
                 profile_shape(name, routing, args.warm)
         return
     global SAMPLER
@@ -530,7 +534,7 @@ def main():
     print("-" * len(hdr))
     rows = []
     for name in args.shapes.split(","):
-        for routing in routings(name, args.uniform_only):
+        for routing in routings(name, args.uniform_only, args.routings):
             r = bench_shape(name, routing, args.steps, ceiling, args.mok_only, args.rounds)
             rows.append(r)
             m, p = r["mok"], r.get("peer", {})  # (no peer with --mok-only)
