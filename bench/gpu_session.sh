@@ -176,8 +176,16 @@ for part in "$@"; do
       for round in $(seq "${ROUNDS:-2}"); do
         for lib in $REF build/libmok.so; do
           echo "== ab round $round: $lib"
-          MOK_LIBRARY="$PWD/$lib" python3 bench/bench_moe.py --mok-only $([ -n "${SKEWED:-}" ] || echo --uniform-only) --shapes "$SHAPES" \
-            --commit "$lib" 2>&1 | grep -v "^-\|^shape" | tee -a "$OUT/ab.txt"
+          # a build with its own bench/ and python/ (build_refs.sh's tree.tar) runs them:
+          # another commit's binding may not load this one's library, nor this one its
+          tree=$PWD dir=$(dirname "$lib")
+          if [ -f "$dir/tree.tar" ]; then
+            tree=/tmp/ab-tree-$(basename "$dir")
+            [ -d "$tree" ] || { mkdir -p "$tree" && tar -xf "$dir/tree.tar" -C "$tree"; }
+          fi
+          (cd "$tree" && MOK_LIBRARY="$OLDPWD/$lib" python3 bench/bench_moe.py --mok-only \
+            $([ -n "${SKEWED:-}" ] || echo --uniform-only) --shapes "$SHAPES" --commit "$lib" 2>&1) |
+            grep -v "^-\|^shape" | tee -a "$OUT/ab.txt"
         done
       done
       ;;
