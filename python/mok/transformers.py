@@ -4,7 +4,7 @@ import it.
 
     import mok.transformers                     # registers experts_implementation="mok"
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="mok")
-    # or, the router inside mok too (Qwen3-MoE, Mixtral, OLMoE blocks):
+    # or, the router (and the shared expert) inside mok too:
     names = mok.transformers.fuse(model)
 
 Two paths:
@@ -14,36 +14,42 @@ Two paths:
   mok's replay mode (mok::moe_forward with topk_idx / topk_weight), forward and
   backward, on the module's own parameters. `replay(model, **options)` sets that
   implementation and mok's options (max_tokens, threads, expert parallelism, ...) on
-  every experts module.
-- Fused (`fuse(model, **options)`): each supported block (router + experts) becomes a
-  MokSparseMoeBlock that runs routing, experts and combine in mok's fused mode. The
-  block keeps the router and experts modules it had (the same objects, so parameters,
-  state_dict keys and output-recording hooks stay), and when the model collects router
-  logits (output_router_logits) it calls its router module for them, so that
-  transformers computes the model-level load-balancing loss from them exactly as it
-  does for its own blocks (see fuse's docstring).
+  every experts module. It runs the experts of Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE,
+  DeepSeek-V3 and gpt-oss (its expert biases as mok's b13 / b2, its gate function as
+  mok's clamped SwiGLU with the module's limit and alpha); routers and shared experts
+  stay in torch.
+- Fused (`fuse(model, **options)`): each block of FUSED_FAMILIES (Qwen3-MoE, Mixtral,
+  OLMoE, Qwen2-MoE, DeepSeek-V3, gpt-oss) becomes a MokSparseMoeBlock that runs
+  routing, experts, shared expert and combine in mok's fused mode. The block keeps the
+  submodules it had (the same objects, so parameters, state_dict keys and
+  output-recording hooks stay), and when the model collects router logits
+  (output_router_logits) it calls its router module for them, so that transformers
+  computes the model-level load-balancing loss from them exactly as it does for its
+  own blocks (see fuse's docstring, which also gives each family's routing rule).
 
 Layouts and their cost. mok's expert weights are w13 [E, 2F, H] (gate rows first) and
-w2 [E, H, F], bf16: the layout of Qwen3-MoE's, Mixtral's and OLMoE's gate_up_proj and
-down_proj, which mok then reads in place (no copy) when the model is bf16. What differs
-is converted on every call, through autograd (the gradients come back in the module's
-layout and dtype):
+w2 [E, H, F], bf16: the layout of Qwen3-MoE's, Mixtral's, OLMoE's, Qwen2-MoE's and
+DeepSeek-V3's gate_up_proj and down_proj, which mok then reads in place (no copy) when
+the model is bf16. What differs is converted on every call, through autograd (the
+gradients come back in the module's layout and dtype):
   - a float32 module: its weights and activations are rounded to bf16 (a copy of each
     expert weight, 2 bytes a parameter, every forward; its gradient is mok's bf16 one);
   - is_transposed (gate_up_proj [E, H, 2F], down_proj [E, F, H]): a transposed copy;
-  - not is_concatenated (gate and up rows interleaved): a reordered copy.
+  - not is_concatenated (gate and up rows interleaved): a reordered copy, and of
+    gate_up_proj_bias the same reordering (gpt-oss is both transposed and interleaved);
+  - fused shared experts: [gate_proj; up_proj] concatenated (a copy of 2 Fs H).
 float16 and other dtypes are refused (mok's numerics are bf16 with fp32 accumulation).
+gpt-oss's clamp is a step in the gradient: a gate or up entry that bf16 rounding (of x,
+of gate|up) moves across swiglu_limit gains or loses its whole gradient term, so mok's
+gradients differ from a float32 model's more where many entries lie near the limit.
 
 What mok lacks raises UnsupportedModuleError (a NotImplementedError) naming the module
-and the feature, never a fallback to another implementation: expert biases (gpt-oss),
-a custom gate function (_apply_gate: gpt-oss's clamped SwiGLU), post-expert norms,
-ungated experts, an activation other than SiLU, transformers' own tensor/expert
-parallelism (DTensor parameters), and in fuse() the blocks whose routing or shared
-expert mok's fused mode does not have (Qwen2-MoE's sigmoid-gated shared expert,
-DeepSeek-V3's group-limited routing, and any family not listed in FUSED_FAMILIES).
-The replay path runs the routed experts of Qwen2-MoE and DeepSeek-V3 (transformers'
-router and shared expert stay in torch); gpt-oss's experts are refused (biases, clamped
-SwiGLU).
+and the feature, never a fallback to another implementation: a custom gate function
+(_apply_gate) other than gpt-oss's, post-expert norms, ungated experts, an activation
+other than SiLU (routed or shared experts), biases in a shared expert or its gate,
+transformers' own tensor/expert parallelism (DTensor parameters), and in fuse() any
+family not in FUSED_FAMILIES, and a configuration that libmok's backend on the block's
+device refuses (the gated shared expert of Qwen2-MoE on CUDA, so far).
 
 Expert parallelism: with process_group= (a NCCL group, a GPU per rank, max_tokens
 required), replay() and fuse() keep on each rank only its E / W experts (rank r:
@@ -51,14 +57,16 @@ experts r E / W .. (r + 1) E / W - 1, the gate_up_proj / down_proj parameters re
 by that slice: same keys, smaller shapes) and mok sends each token to its experts' rank
 inside the kernels. Each rank passes its own tokens. The parameters outside the experts
 are replicated: in the replay path their gradients are this rank's (all-reduce them as
-in data parallelism); in the fused path the router's gradient comes out of mok already
-summed over the ranks (mok's fixed tree), so it must not be all-reduced again over that
-group.
+in data parallelism); in the fused path the gradients of the router (weight and bias)
+and of the shared expert and its gate come out of mok already summed over the ranks
+(mok's fixed tree), so they must not be all-reduced again over that group.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -68,12 +76,17 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ExpertsInterface
 
 from . import _lib
-from ._context import Config
+from ._context import Config, Context
 
 try:  # transformers 5.x; the gate function that a module without its own gets
     from transformers.integrations.moe import _default_apply_gate
 except ImportError:  # pragma: no cover
     _default_apply_gate = None
+
+try:  # gpt-oss's experts: their gate function is mok's clamped SwiGLU
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as _GptOssExperts
+except ImportError:  # pragma: no cover
+    _GptOssExperts = None
 
 try:  # the collector of capture_outputs (output_router_logits, ...), 5.x
     from transformers.utils.output_capturing import _active_collector
@@ -116,22 +129,41 @@ def _is_experts(module: nn.Module) -> bool:
     return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "is_concatenated")
 
 
-def _check_experts(module: nn.Module):
-    """Raises UnsupportedModuleError for what mok's SwiGLU experts cannot run."""
+def _gate_variant(module: nn.Module) -> dict:
+    """mok's activation for the module's gate function, as Config fields: {} for
+    silu(gate) * up (the default _apply_gate with a SiLU act_fn), gpt-oss's clamped
+    SwiGLU (GptOssExperts._apply_gate) as swiglu_limit / swiglu_alpha from the module's
+    limit and alpha. Raises UnsupportedModuleError for any other."""
+    own_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
+    if _default_apply_gate is None or own_gate is _default_apply_gate:
+        act = getattr(module, "act_fn", None)
+        if type(act) not in (SiLUActivation, nn.SiLU):
+            _refuse(module, f"the activation {type(act).__name__}: mok's experts compute silu(gate) * up (SwiGLU)")
+        return {}
+    if _GptOssExperts is not None and own_gate is _GptOssExperts._apply_gate:
+        limit, alpha = getattr(module, "limit", None), getattr(module, "alpha", None)
+        for name, v in (("limit", limit), ("alpha", alpha)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                _refuse(module, f"a clamped SwiGLU with {name} = {v!r}: mok's takes a finite limit and alpha > 0")
+        return dict(swiglu_limit=float(limit), swiglu_alpha=float(alpha))
+    _refuse(module, "its own gate function (_apply_gate): mok computes silu(gate) * up, or gpt-oss's clamped "
+                    "SwiGLU (GptOssExperts._apply_gate)")
+
+
+def _check_experts(module: nn.Module) -> dict:
+    """Raises UnsupportedModuleError for what mok's experts cannot run; returns the
+    experts' variants as Config fields (expert_bias, swiglu_limit, swiglu_alpha)."""
     if not module.has_gate:
         _refuse(module, "experts without a gate projection (has_gate=False): mok's experts are gated (SwiGLU)")
+    variants = {}
     if module.has_bias:
-        _refuse(module, "expert biases (has_bias: gate_up_proj_bias, down_proj_bias, as in gpt-oss): mok's "
-                        "expert-bias variant is not in its PyTorch binding yet")
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            if not isinstance(getattr(module, name, None), Tensor):
+                _refuse(module, f"expert biases (has_bias) without a {name} tensor")
+        variants["expert_bias"] = True
     if getattr(module, "has_post_expert_norm", False):
         _refuse(module, "a norm after each expert (has_post_expert_norm)")
-    own_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
-    if _default_apply_gate is not None and own_gate is not _default_apply_gate:
-        _refuse(module, "its own gate function (_apply_gate, e.g. gpt-oss's clamped SwiGLU): mok computes "
-                        "silu(gate) * up")
-    act = getattr(module, "act_fn", None)
-    if type(act) not in (SiLUActivation, nn.SiLU):
-        _refuse(module, f"the activation {type(act).__name__}: mok's experts compute silu(gate) * up (SwiGLU)")
+    variants.update(_gate_variant(module))
     if getattr(module, "_is_expert_parallel", False) or any(isinstance(p, DTensor) for p in module.parameters()):
         _refuse(module, "transformers' own tensor or expert parallelism (a tp_plan / distributed_config: DTensor "
                         "or sharded experts); mok shards the experts itself: replay(model, process_group=...) "
@@ -140,6 +172,7 @@ def _check_experts(module: nn.Module):
     if dtype not in (torch.bfloat16, torch.float32):
         _refuse(module, f"weights of dtype {dtype}: mok runs bf16 (fp32 accumulation) and takes bfloat16 or "
                         "float32 modules (float32 is rounded to bf16 on every call)")
+    return variants
 
 
 def _expert_shapes(module: nn.Module) -> Tuple[int, int, int]:
@@ -157,10 +190,26 @@ def _expert_weights(module: nn.Module) -> Tuple[Tensor, Tensor]:
     w13, w2 = module.gate_up_proj, module.down_proj
     if module.is_transposed:  # [E, H, 2F], [E, F, H]
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
-    if not module.is_concatenated:  # rows gate_0, up_0, gate_1, up_1, ...
-        E, F2, H = w13.shape
-        w13 = w13.reshape(E, F2 // 2, 2, H).transpose(1, 2).reshape(E, F2, H)
+    if not module.is_concatenated:
+        w13 = _gate_rows_first(w13)
     return w13.to(torch.bfloat16).contiguous(), w2.to(torch.bfloat16).contiguous()
+
+
+def _gate_rows_first(t: Tensor) -> Tensor:
+    """[E, 2F, ...] interleaved (gate_0, up_0, gate_1, up_1, ...) -> gate rows, then up
+    rows (a copy, through autograd)."""
+    return t.unflatten(1, (t.shape[1] // 2, 2)).transpose(1, 2).flatten(1, 2)
+
+
+def _expert_biases(module: nn.Module) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The module's expert biases as mok's b13 [E, 2F] (gate entries first, reordered as
+    the gate_up rows are) and b2 [E, H], bf16; (None, None) without has_bias."""
+    if not module.has_bias:
+        return None, None
+    b13, b2 = module.gate_up_proj_bias, module.down_proj_bias
+    if not module.is_concatenated:
+        b13 = _gate_rows_first(b13)
+    return b13.to(torch.bfloat16).contiguous(), b2.to(torch.bfloat16).contiguous()
 
 
 _NO_OPTIONS: dict = {}
@@ -173,22 +222,31 @@ def _options_of(module: nn.Module) -> Tuple[str, dict]:
 
 
 @torch.compiler.assume_constant_result
-def _replay_key(H: int, F: int, E: int, K: int, options: str) -> str:
+def _replay_key(H: int, F: int, E: int, K: int, options: str, expert_bias: bool, swiglu_limit: Optional[float],
+                swiglu_alpha: float) -> str:
     """The mok config key of a replay call (a constant to torch.compile: the config is
     made here, outside the traced code)."""
-    return _replay_config(H, F, E, K, options).key()
+    return _replay_config(H, F, E, K, options, expert_bias, swiglu_limit, swiglu_alpha).key()
 
 
 _configs: Dict[tuple, Config] = {}
 
 
-def _replay_config(H: int, F: int, E: int, K: int, options: str) -> Config:
-    key = (H, F, E, K, options)
+def _replay_config(H: int, F: int, E: int, K: int, options: str, expert_bias: bool = False,
+                   swiglu_limit: Optional[float] = None, swiglu_alpha: float = 1.702) -> Config:
+    key = (H, F, E, K, options, expert_bias, swiglu_limit, swiglu_alpha)
     cfg = _configs.get(key)
     if cfg is None:
-        cfg = Config(hidden=H, ffn=F, num_experts=E, top_k=K, routing="replay", **json.loads(options))
+        cfg = Config(hidden=H, ffn=F, num_experts=E, top_k=K, routing="replay", expert_bias=expert_bias,
+                     swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, **json.loads(options))
         _configs[key] = cfg
     return cfg
+
+
+def _variant_args(variants: dict) -> Tuple[bool, Optional[float], float]:
+    """The experts' variants (_check_experts) as _replay_config's last three arguments."""
+    return (variants.get("expert_bias", False), variants.get("swiglu_limit"),
+            variants.get("swiglu_alpha", Config.swiglu_alpha))
 
 
 def _check_tokens(module: nn.Module, x: Tensor, options: dict):
@@ -204,21 +262,24 @@ def _check_tokens(module: nn.Module, x: Tensor, options: dict):
 def mok_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The ExpertsInterface function "mok": hidden_states [T, H], top_k_index [T, K]
     (int64, global expert ids), top_k_weights [T, K] -> [T, H] in hidden_states' dtype,
-    through mok's replay mode. top_k_weights gets mok's d_topk_weight as its gradient."""
-    _check_experts(self)
+    through mok's replay mode. top_k_weights gets mok's d_topk_weight as its gradient;
+    expert biases (gate_up_proj_bias, down_proj_bias) are mok's b13, b2 and gpt-oss's
+    gate function its clamped SwiGLU."""
+    variants = _check_experts(self)
     H, F, E_local = _expert_shapes(self)
     options, opts = _options_of(self)
     E = E_local * opts.get("world_size", 1)
     K = int(top_k_index.shape[-1])
     _check_tokens(self, hidden_states, opts)
-    key = _replay_key(H, F, E, K, options)
+    key = _replay_key(H, F, E, K, options, *_variant_args(variants))
     w13, w2 = _expert_weights(self)
+    b13, b2 = _expert_biases(self)
     # HF's router indices are in [0, E) (mok refuses any other: INDEX_OUT_OF_RANGE), so
     # the narrowing to mok's int32 is exact
     idx = top_k_index.to(torch.int32)
     wt = top_k_weights.to(torch.float32)
     y = torch.ops.mok.moe_forward(
-        hidden_states.to(torch.bfloat16), None, None, w13, w2, None, None, idx, wt, [], key
+        hidden_states.to(torch.bfloat16), None, None, w13, w2, None, None, idx, wt, [], key, None, b13, b2, None
     )[0]
     return y.to(hidden_states.dtype)
 
@@ -246,13 +307,14 @@ def _group_options(process_group, modules: List[nn.Module]) -> List[dict]:
 
 
 def _shard(module: nn.Module, world_size: int, rank: int):
-    """Keeps only this rank's E / W experts in gate_up_proj and down_proj (new
-    parameters, the same names)."""
+    """Keeps only this rank's E / W experts in gate_up_proj and down_proj (and their
+    biases: new parameters, the same names)."""
     E = int(module.gate_up_proj.shape[0])
     if E % world_size:
         raise ValueError(f"mok: {_name(module)} has {E} experts, not a multiple of the {world_size} ranks")
     El = E // world_size
-    for name in ("gate_up_proj", "down_proj"):
+    biases = ("gate_up_proj_bias", "down_proj_bias") if module.has_bias else ()
+    for name in ("gate_up_proj", "down_proj") + biases:
         p = getattr(module, name)
         mine = p.detach()[rank * El:(rank + 1) * El].clone()
         setattr(module, name, nn.Parameter(mine, requires_grad=p.requires_grad))
@@ -279,13 +341,14 @@ def replay(model: nn.Module, **mok_options) -> List[str]:
     anything, when one of them needs what mok lacks."""
     options, group = _take_options(mok_options, _REPLAY_OPTIONS, "replay()")
     found = [(n, m) for n, m in model.named_modules() if _is_experts(m) and not getattr(m, "_mok_fused", False)]
+    variants = []
     for n, m in found:
         m._mok_name = n
-        _check_experts(m)
-    for (n, m), g in zip(found, _group_options(group, [m for _, m in found])):
+        variants.append(_check_experts(m))
+    for (n, m), v, g in zip(found, variants, _group_options(group, [m for _, m in found])):
         H, F, E = _expert_shapes(m)
         opts = dict(options, **g)
-        _replay_config(H, F, E, 1, json.dumps(opts, sort_keys=True))  # the options' errors, now
+        _replay_config(H, F, E, 1, json.dumps(opts, sort_keys=True), *_variant_args(v))  # the options' errors, now
         if g:
             _shard(m, g["world_size"], g["rank"])
         m._mok_options = json.dumps(opts, sort_keys=True)
@@ -310,27 +373,36 @@ def _router_logits_wanted() -> bool:
 
 
 class MokSparseMoeBlock(nn.Module):
-    """A sparse-MoE block (router + routed experts) run in mok's fused mode: routing
-    (softmax, top-K with ties to the lower expert, optional normalisation), the SwiGLU
-    experts and the weighted combine in one forward and one backward of libmok.
+    """A sparse-MoE block (router + routed experts, and the family's shared expert) run
+    in mok's fused mode: routing (the family's rule: softmax or sigmoid scores, group
+    limits, a logit bias or a selection bias, top-K with ties to the lower expert,
+    normalisation, scaling), the experts (SwiGLU or gpt-oss's clamped one, with their
+    biases), the shared expert (and its sigmoid gate) and the weighted combine in one
+    forward and one backward of libmok.
 
-    Holds the block's own router (`gate`) and experts (`experts`) modules, so its
-    parameters and state_dict keys are the block's: gate.weight [E, H],
+    Holds the block's own submodules under their names (router `gate`, or `router` in
+    gpt-oss; `experts`; `shared_expert(s)`, `shared_expert_gate`), so its parameters
+    and state_dict keys are the block's: e.g. gate.weight [E, H],
     experts.gate_up_proj [E, 2F, H] (E / W of them under expert parallelism),
-    experts.down_proj [E, H, F].
+    experts.down_proj [E, H, F]. Its forward returns what the block's did: gpt-oss's
+    (hidden states, router scores [T, K]), the others' hidden states.
 
     After a forward: aux_loss and z_loss (mok's own per-block losses, 0 unless fuse() was
     given aux_loss_coef / z_loss_coef; router_losses(model) sums them), tokens_per_expert
     (int32 [E]), topk_idx (int32 [T, K]) and topk_weight (fp32 [T, K]).
     """
 
-    def __init__(self, block: nn.Module, family: str, config: Config, jitter_noise: float = 0.0):
+    def __init__(self, block: nn.Module, family: "_Family", config: Config, jitter_noise: float = 0.0):
         super().__init__()
-        self.gate = block.gate
-        self.experts = block.experts
-        self.family = family
+        for name, child in block.named_children():  # (the block's order: its state_dict keys' order)
+            self.add_module(name, child)
+        self.family = family.name
         self.config = config
         self.jitter_noise = float(jitter_noise)
+        self._router_name = family.router
+        self._shared_name = family.shared
+        self._shared_gate_name = family.shared_gate
+        self._returns_scores = family.returns_scores
         self.experts._mok_fused = True
         self.aux_loss: Optional[Tensor] = None
         self.z_loss: Optional[Tensor] = None
@@ -338,7 +410,21 @@ class MokSparseMoeBlock(nn.Module):
         self.topk_idx: Optional[Tensor] = None
         self.topk_weight: Optional[Tensor] = None
 
-    def forward(self, hidden_states: Tensor) -> Tensor:
+    def _shared_weights(self) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """ws13 [2Fs, H] (gate_proj's rows, then up_proj's), ws2 [H, Fs] and w_sg [H],
+        bf16 copies through autograd; None where the block has none."""
+        cfg = self.config
+        if not cfg.shared_ffn:
+            return None, None, None
+        mlp = getattr(self, self._shared_name)
+        ws13 = torch.cat([mlp.gate_proj.weight.to(torch.bfloat16), mlp.up_proj.weight.to(torch.bfloat16)])
+        ws2 = mlp.down_proj.weight.to(torch.bfloat16).contiguous()
+        w_sg = None
+        if cfg.shared_gate:
+            w_sg = getattr(self, self._shared_gate_name).weight.reshape(cfg.hidden).to(torch.bfloat16).contiguous()
+        return ws13, ws2, w_sg
+
+    def forward(self, hidden_states: Tensor):
         cfg = self.config
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, cfg.hidden)
@@ -350,10 +436,17 @@ class MokSparseMoeBlock(nn.Module):
         if cfg.world_size > 1 and x.device.type != "cuda":
             raise ValueError(f"mok: {_name(self)} is expert-parallel over {cfg.world_size} ranks, which runs on "
                              f"the CUDA backend, but its tokens are on {x.device}")
+        router = getattr(self, self._router_name)
         w13, w2 = _expert_weights(self.experts)
-        w_router = self.gate.weight.to(torch.bfloat16)
+        b13, b2 = _expert_biases(self.experts)
+        w_router = router.weight.to(torch.bfloat16)
+        # DeepSeek-V3's e_score_correction_bias: a buffer, for selection only (no gradient)
+        bias_select = router.e_score_correction_bias.detach().to(torch.float32) if cfg.bias_select else None
+        b_router = router.bias.to(torch.float32) if cfg.router_bias else None  # gpt-oss's logit bias
+        ws13, ws2, w_sg = self._shared_weights()
         y, aux, z, tpe, idx, wt, _saved = torch.ops.mok.moe_forward(
-            x.to(torch.bfloat16), w_router, None, w13, w2, None, None, None, None, [], cfg.key()
+            x.to(torch.bfloat16), w_router, bias_select, w13, w2, ws13, ws2, None, None, [], cfg.key(),
+            b_router, b13, b2, w_sg
         )
         self.aux_loss, self.z_loss, self.tokens_per_expert = aux, z, tpe
         self.topk_idx, self.topk_weight = idx, wt.detach()
@@ -361,13 +454,27 @@ class MokSparseMoeBlock(nn.Module):
             # the model collects router logits (for its load-balancing loss): the block's
             # router module computes them, and the model's recording hook on it takes
             # them, as for transformers' own block; its choice of experts is not used
-            self.gate(x)
-        return y.to(hidden_states.dtype).reshape(shape)
+            router(x)
+        y = y.to(hidden_states.dtype).reshape(shape)
+        if self._returns_scores:  # gpt-oss's block: (hidden states, router scores); mok's weights, detached
+            return y, self.topk_weight.to(hidden_states.dtype)
+        return y
 
     def extra_repr(self) -> str:
         c = self.config
         s = f"family={self.family!r}, hidden={c.hidden}, ffn={c.ffn}, num_experts={c.num_experts}, top_k={c.top_k}"
-        s += f", normalize={c.normalize}"
+        s += f", score={c.score!r}, normalize={c.normalize}"
+        if c.route_scale != 1.0:
+            s += f", route_scale={c.route_scale}"
+        if c.n_group:
+            s += f", n_group={c.n_group}, topk_group={c.topk_group}"
+        if c.shared_ffn:
+            s += f", shared_ffn={c.shared_ffn}"
+        for flag in ("bias_select", "router_bias", "expert_bias", "shared_gate"):
+            if getattr(c, flag):
+                s += f", {flag}=True"
+        if c.swiglu_limit is not None:
+            s += f", swiglu_limit={c.swiglu_limit}, swiglu_alpha={c.swiglu_alpha}"
         if c.world_size > 1:
             s += f", world_size={c.world_size}, rank={c.rank}"
         return s
@@ -381,58 +488,203 @@ class MokSparseMoeBlock(nn.Module):
         return state
 
 
-def _families() -> Dict[type, Tuple[str, object]]:
-    """The blocks fuse() replaces: class -> (family, how it routes: a function of the
-    block giving (top_k, normalize, jitter_noise))."""
+class _Family(NamedTuple):
+    """How fuse() reads a family's block."""
+
+    name: str
+    router: str  # the block's router module: weight [E, H] (and top_k, ...)
+    routing: Callable[[nn.Module], dict]  # the block -> the Config fields of its routing rule
+    shared: str = ""  # the block's shared-expert MLP (gate_proj, up_proj, down_proj; SiLU), if any
+    shared_gate: str = ""  # its gate, nn.Linear(H, 1, bias=False): y += sigmoid(x . w) * shared(x)
+    returns_scores: bool = False  # the block returns (hidden states, router scores)
+    jitter: str = ""  # the block's router jitter attribute (Mixtral)
+
+
+def _top_k_normalized(block: nn.Module) -> dict:
+    """softmax over the E logits, top-K, divided by their sum per norm_topk_prob
+    (Qwen3-MoE, OLMoE, Qwen2-MoE)."""
+    return dict(top_k=int(block.gate.top_k), normalize=bool(block.gate.norm_topk_prob))
+
+
+def _deepseek_v3_routing(block: nn.Module) -> dict:
+    """sigmoid scores; the selection keys scores + e_score_correction_bias; the best
+    topk_group of n_group groups by the sum of each group's two largest keys; top-K
+    keys among theirs; the weights the scores, divided by their sum (+1e-20, below fp32's
+    resolution of a sum of sigmoids) per norm_topk_prob, times routed_scaling_factor."""
+    g = block.gate
+    n_group, topk_group = g.num_group, g.topk_group
+    for name, v in (("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            _refuse(block, f"{name} = {v!r}: mok's group-limited routing takes n_group >= topk_group >= 1")
+    return dict(top_k=int(g.top_k), score="sigmoid", normalize=bool(g.norm_topk_prob),
+                route_scale=float(g.routed_scaling_factor), n_group=n_group, topk_group=topk_group,
+                group_score="top2", bias_select=True)
+
+
+def _families() -> Dict[type, _Family]:
+    """The blocks fuse() replaces, by class."""
     out = {}
-    try:
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-        out[Qwen3MoeSparseMoeBlock] = ("qwen3_moe", lambda b: (b.gate.top_k, bool(b.gate.norm_topk_prob), 0.0))
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
-        out[MixtralSparseMoeBlock] = ("mixtral", lambda b: (b.gate.top_k, True, float(b.jitter_noise)))
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
-
-        out[OlmoeSparseMoeBlock] = ("olmoe", lambda b: (b.gate.top_k, bool(b.gate.norm_topk_prob), 0.0))
-    except ImportError:  # pragma: no cover
-        pass
+    known = (
+        ("qwen3_moe", "Qwen3MoeSparseMoeBlock", _Family("qwen3_moe", "gate", _top_k_normalized)),
+        # softmax, top-K, always normalised
+        ("mixtral", "MixtralSparseMoeBlock",
+         _Family("mixtral", "gate", lambda b: dict(top_k=int(b.gate.top_k), normalize=True), jitter="jitter_noise")),
+        ("olmoe", "OlmoeSparseMoeBlock", _Family("olmoe", "gate", _top_k_normalized)),
+        ("qwen2_moe", "Qwen2MoeSparseMoeBlock",
+         _Family("qwen2_moe", "gate", _top_k_normalized, shared="shared_expert", shared_gate="shared_expert_gate")),
+        ("deepseek_v3", "DeepseekV3MoE", _Family("deepseek_v3", "gate", _deepseek_v3_routing, shared="shared_experts")),
+        # top-K of the biased logits, softmax over those K: mok's softmax over E of the
+        # biased logits, top-K, normalised (the same K weights)
+        ("gpt_oss", "GptOssMLP",
+         _Family("gpt_oss", "router", lambda b: dict(top_k=int(b.router.top_k), normalize=True, router_bias=True),
+                 returns_scores=True)),
+    )
+    for module_name, class_name, family in known:
+        try:
+            mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+        except ImportError:  # pragma: no cover
+            continue
+        cls = getattr(mod, class_name, None)
+        if cls is not None:
+            out[cls] = family
     return out
 
 
-# the families fuse() knows, and those it refuses with the reason
-FUSED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
-_REFUSED = {
-    "Qwen2MoeSparseMoeBlock": "a shared expert scaled by a sigmoid gate (shared_expert_gate), a variant that "
-                              "mok's fused mode does not have yet; its routed experts run in the replay path "
-                              "(experts_implementation='mok')",
-    "DeepseekV3MoE": "group-limited routing (n_group, topk_group), which mok's PyTorch binding does not have yet "
-                     "(the library's CPU backend has it); its routed experts run in the replay path "
-                     "(experts_implementation='mok')",
-}
+# the families fuse() runs (FUSED_FAMILIES): the families' names in transformers
+FUSED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")
 
 
 def _looks_like_moe_block(module: nn.Module) -> bool:
     return any(_is_experts(c) for c in module.children())
 
 
-def fuse(model: nn.Module, **mok_options) -> List[str]:
-    """Replaces each sparse-MoE block of `model` (Qwen3-MoE, Mixtral, OLMoE) by a
-    MokSparseMoeBlock running the whole block in mok's fused mode, and returns the
-    replaced modules' names. Options: those of mok.MoE (max_tokens, num_threads,
-    capacity, recompute_gate_up, reuse_saved, aux_loss_coef, z_loss_coef) and
-    process_group (expert parallelism; module docstring).
+def _check_linear(owner: nn.Module, name: str, shape: Tuple[int, int]) -> Tensor:
+    lin = getattr(owner, name, None)
+    if not isinstance(lin, nn.Linear):
+        _refuse(owner, f"a {name} that is not an nn.Linear ({type(lin).__name__})")
+    if lin.bias is not None:
+        _refuse(owner, f"a bias in {name}: mok's shared expert and its gate have none")
+    if tuple(lin.weight.shape) != shape:
+        raise ValueError(f"mok: {_name(owner)}: {name}.weight {list(lin.weight.shape)} is not {list(shape)}")
+    if lin.weight.dtype not in (torch.bfloat16, torch.float32) or isinstance(lin.weight, DTensor):
+        _refuse(owner, f"a {name}.weight of dtype {lin.weight.dtype} or a DTensor: mok takes bf16 or float32")
+    return lin.weight
 
-    Routing: the block's router weight and rule (softmax over E, top-K, normalised when
-    the family normalises: Mixtral always, Qwen3-MoE and OLMoE per norm_topk_prob), in
-    mok's numerics: logits from bf16 products with fp32 sums, the weights kept in fp32
-    (transformers rounds them to the model's dtype), ties to the lower expert index.
+
+def _check_shared(block: nn.Module, family: _Family, H: int) -> dict:
+    """The shared expert's Config fields (shared_ffn, shared_gate): mok's is one SwiGLU
+    MLP, ws13 = [gate_proj; up_proj] [2Fs, H], ws2 = down_proj [H, Fs], no biases."""
+    if not family.shared:
+        return {}
+    mlp = getattr(block, family.shared)
+    mlp._mok_name = block._mok_name + "." + family.shared
+    Fs = int(mlp.gate_proj.weight.shape[0]) if isinstance(getattr(mlp, "gate_proj", None), nn.Linear) else 0
+    _check_linear(mlp, "gate_proj", (Fs, H))
+    _check_linear(mlp, "up_proj", (Fs, H))
+    _check_linear(mlp, "down_proj", (H, Fs))
+    if type(getattr(mlp, "act_fn", None)) not in (SiLUActivation, nn.SiLU):
+        _refuse(mlp, f"the activation {type(getattr(mlp, 'act_fn', None)).__name__}: mok's shared expert computes "
+                     "silu(gate) * up (SwiGLU)")
+    if set(n for n, _ in mlp.named_children()) != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+        _refuse(mlp, "submodules besides gate_proj, up_proj, down_proj and act_fn")
+    if Fs == 0:  # a zero-width shared expert adds 0 (gated or not)
+        return {}
+    fields = dict(shared_ffn=Fs)
+    if family.shared_gate:
+        _check_linear(block, family.shared_gate, (1, H))
+        fields["shared_gate"] = True
+    return fields
+
+
+def _check_block(block: nn.Module, family: _Family, E: int, H: int) -> dict:
+    """The Config fields of a family's block (routing, shared expert), or
+    UnsupportedModuleError / ValueError for what does not fit."""
+    names = {family.router, "experts", family.shared, family.shared_gate} - {""}
+    extra = sorted(set(n for n, _ in block.named_children()) - names)
+    if extra or any(True for _ in block.named_parameters(recurse=False)):
+        _refuse(block, f"submodules or parameters fuse() does not know ({', '.join(extra) or 'its own parameters'})")
+    router = getattr(block, family.router)
+    if isinstance(router.weight, DTensor):
+        _refuse(router, "a DTensor router weight (transformers' tensor parallelism)")
+    if tuple(router.weight.shape) != (E, H):
+        raise ValueError(f"mok: {_name(block)}: router weight {list(router.weight.shape)} does not match "
+                         f"{E} experts of hidden size {H}")
+    fields = family.routing(block)
+    for flag, name in (("router_bias", "bias"), ("bias_select", "e_score_correction_bias")):
+        if fields.get(flag):
+            t = getattr(router, name, None)
+            if not isinstance(t, Tensor) or tuple(t.shape) != (E,):
+                raise ValueError(f"mok: {_name(block)}: the router's {name} is not a tensor [{E}]")
+    fields.update(_check_shared(block, family, H))
+    return fields
+
+
+_probed: Dict[tuple, Optional[str]] = {}
+
+
+def _check_backend(block: nn.Module, cfg: Config, device: torch.device):
+    """Asks libmok whether its backend on `device` runs this block's configuration: a
+    context for 16 tokens (and one rank) made and destroyed, once per configuration and
+    device. A variant the backend lacks (MOK_STATUS_UNSUPPORTED_SHAPE: the gated shared
+    expert on CUDA) is an UnsupportedModuleError naming the block and libmok's reason."""
+    probe = dataclasses.replace(cfg, world_size=1, rank=0, comm_id="", max_tokens=None)
+    key = (probe.key(), str(device))
+    if key not in _probed:
+        why = None
+        try:
+            Context(probe, 16, device).destroy()
+        except _lib.MokError as e:
+            if e.status_name != "MOK_STATUS_UNSUPPORTED_SHAPE":
+                raise
+            why = str(e)
+        _probed[key] = why
+    why = _probed[key]
+    if why is not None:
+        features = [words for flag, words in _VARIANT_WORDS if getattr(cfg, flag)]
+        raise UnsupportedModuleError(
+            f"mok: {_name(block)} has {', '.join(features) or 'a configuration'} on {device}, which libmok's "
+            f"backend there does not run ({why}); fuse() does not run it there")
+
+
+_VARIANT_WORDS = (
+    ("shared_gate", "a sigmoid-gated shared expert (shared_expert_gate)"),
+    ("n_group", "group-limited routing (n_group)"),
+    ("router_bias", "a router logit bias"),
+    ("expert_bias", "expert biases"),
+    ("swiglu_limit", "a clamped SwiGLU (swiglu_limit)"),
+)
+
+
+def fuse(model: nn.Module, **mok_options) -> List[str]:
+    """Replaces each sparse-MoE block of `model` (FUSED_FAMILIES: Qwen3-MoE, Mixtral,
+    OLMoE, Qwen2-MoE, DeepSeek-V3, gpt-oss) by a MokSparseMoeBlock running the whole
+    block in mok's fused mode, and returns the replaced modules' names. Options: those
+    of mok.MoE (max_tokens, num_threads, capacity, recompute_gate_up, reuse_saved,
+    aux_loss_coef, z_loss_coef) and process_group (expert parallelism; module docstring).
+
+    Routing: the block's router weight and rule, in mok's numerics: logits from bf16
+    products with fp32 sums (a float32 router weight, DeepSeek-V3's included, is rounded
+    to bf16), the weights kept in fp32 (transformers rounds them to the model's dtype),
+    ties to the lower expert index. Per family (transformers' code, read for 5.24):
+      - Qwen3-MoE, OLMoE, Qwen2-MoE: softmax over E, top-K, normalised per
+        norm_topk_prob; Mixtral: the same, always normalised (and its jitter noise).
+      - DeepSeek-V3: sigmoid scores; e_score_correction_bias (a buffer) added for the
+        selection only (mok's bias_select); the topk_group best of n_group groups by
+        the sum of their two largest selection keys; top-K among those; weights the
+        unbiased scores, normalised per norm_topk_prob, times routed_scaling_factor.
+      - gpt-oss: router logits with the router's bias (mok's router_bias: b_router gets
+        its gradient), top-K of them, softmax over those K (mok's softmax over E, top-K,
+        normalised: the same weights).
+    The experts as in the replay path (expert biases, gpt-oss's clamped SwiGLU). The
+    shared expert, where the family has one, runs inside mok too: DeepSeek-V3's
+    shared_experts and Qwen2-MoE's shared_expert become mok's shared expert of width Fs
+    (ws13 = [gate_proj; up_proj], ws2 = down_proj: a bf16 copy of them every forward,
+    through autograd), and Qwen2-MoE's shared_expert_gate mok's shared gate (w_sg,
+    y += sigmoid(x . w_sg) * shared(x)). libmok's CUDA backend does not run the shared
+    gate yet: fuse() asks libmok about each block's configuration on the block's device
+    (a context made and destroyed) and refuses, with UnsupportedModuleError, what its
+    backend there refuses (Qwen2-MoE on CUDA; the CPU backend runs it; a model fused on
+    the CPU and then moved to CUDA gets libmok's MokError at its first forward).
 
     The load-balancing loss: transformers computes it over all layers together, from
     the router logits it collects when output_router_logits is set (f_e and P_e summed
@@ -441,15 +693,16 @@ def fuse(model: nn.Module, **mok_options) -> List[str]:
     model collects router logits the block calls its router module on its input (one
     [T, H] x [H, E] product in torch, and the recording hook on it), and the model's
     aux_loss and loss are then transformers' own, gradients included, with the same
-    router_aux_loss_coef. mok's in-kernel losses are off unless asked for: with
-    aux_loss_coef mok adds its per-block load-balancing loss, aux_loss_coef * E *
-    sum_e f_e P_e with f_e = count_e / (T K), K times smaller than transformers' per-layer
-    form (f_e = count_e / T) at the same coefficient; z_loss_coef adds mok's router
-    z-loss. Those are not in the model's outputs: add router_losses(model) to the loss.
+    router_aux_loss_coef (DeepSeek-V3's model records the logits and has no such loss).
+    mok's in-kernel losses are off unless asked for: with aux_loss_coef mok adds its
+    per-block load-balancing loss, aux_loss_coef * E * sum_e f_e P_e with f_e = count_e
+    / (T K), K times smaller than transformers' per-layer form (f_e = count_e / T) at the
+    same coefficient; z_loss_coef adds mok's router z-loss. Those are not in the model's
+    outputs: add router_losses(model) to the loss.
 
     Raises UnsupportedModuleError, before replacing anything, for a block mok cannot
-    run (Qwen2-MoE's gated shared expert, DeepSeek-V3's group-limited routing, an unknown
-    family's block, experts that need what mok lacks)."""
+    run (an unknown family's block, experts or a shared expert that need what mok
+    lacks, the shared gate where the backend refuses it)."""
     options, group = _take_options(mok_options, _FUSED_OPTIONS, "fuse()")
     families = _families()
     blocks = []
@@ -458,12 +711,8 @@ def fuse(model: nn.Module, **mok_options) -> List[str]:
             continue
         if getattr(module, "_mok_fused", False):
             continue
-        kind = families.get(type(module))
-        if kind is None:
-            if type(module).__name__ in _REFUSED:
-                module._mok_name = name
-                raise UnsupportedModuleError(f"mok: {_name(module)} has {_REFUSED[type(module).__name__]}; "
-                                             "fuse() does not run it")
+        family = families.get(type(module))
+        if family is None:
             if _looks_like_moe_block(module):
                 module._mok_name = name
                 raise UnsupportedModuleError(
@@ -473,24 +722,19 @@ def fuse(model: nn.Module, **mok_options) -> List[str]:
             continue
         module._mok_name = name
         module.experts._mok_name = name + ".experts"
-        _check_experts(module.experts)
-        if isinstance(module.gate.weight, DTensor):
-            _refuse(module.gate, "a DTensor router weight (transformers' tensor parallelism)")
-        blocks.append((name, module, kind))
+        variants = _check_experts(module.experts)
+        H, F, E = _expert_shapes(module.experts)
+        fields = dict(_check_block(module, family, E, H), **variants)
+        blocks.append((name, module, family, H, F, E, fields))
 
     configs = []
-    for (name, module, (family, routing)), g in zip(blocks, _group_options(group, [b for _, b, _ in blocks])):
-        H, F, E = _expert_shapes(module.experts)
-        E_router, H_router = module.gate.weight.shape
-        if (E_router, H_router) != (E, H):
-            raise ValueError(f"mok: {_name(module)}: router weight {list(module.gate.weight.shape)} does not match "
-                             f"{E} experts of hidden size {H}")
-        top_k, normalize, jitter = routing(module)
-        cfg = Config(hidden=H, ffn=F, num_experts=E, top_k=int(top_k), score="softmax", normalize=normalize,
-                     routing="fused", **options, **g)
+    for (name, module, family, H, F, E, fields), g in zip(blocks, _group_options(group, [b[1] for b in blocks])):
+        cfg = Config(hidden=H, ffn=F, num_experts=E, routing="fused", **fields, **options, **g)
+        _check_backend(module, cfg, module.experts.gate_up_proj.device)
+        jitter = float(getattr(module, family.jitter)) if family.jitter else 0.0
         configs.append((cfg, jitter, g))
     names = []
-    for (name, module, (family, _)), (cfg, jitter, g) in zip(blocks, configs):
+    for (name, module, family, *_), (cfg, jitter, g) in zip(blocks, configs):
         if g:
             _shard(module.experts, g["world_size"], g["rank"])
         fused = MokSparseMoeBlock(module, family, cfg, jitter)

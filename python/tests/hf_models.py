@@ -15,6 +15,11 @@ import transformers
 
 H, F, E, K, LAYERS, VOCAB = 128, 64, 8, 2, 2, 128
 TOL = 2e-2  # mok's bf16 rounding points (a, h, o, y, ...) against a float32 eager model
+# gpt-oss's attention sinks (4 numbers a layer, each a sum over every query that cancels)
+# amplify the bf16 noise of the MoE outputs: rounding just the experts' outputs to bf16 in
+# the eager model moves their gradient by 0.8% where the other parameters' move by 0.4%
+# at most; mok's rounding points then give up to 3.6% there (1% elsewhere)
+LOOSE = {"self_attn.sinks": 5e-2}
 NEAR_TIE = 5e-3  # routing may differ only where two of the top K + 1 probabilities are this close
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
@@ -31,18 +36,25 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(moe_intermediate_size=F, num_experts=E, intermediate_size=2 * F,
                        shared_expert_intermediate_size=F)),
-    # one MoE layer (the first is dense): its input is the same bits in eager and mok copies
+    # every layer MoE (first_k_dense_replace 0); 2 groups of 4 experts, the best one kept
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(moe_intermediate_size=F, n_routed_experts=E, intermediate_size=2 * F, n_shared_experts=1,
-                         n_group=2, topk_group=1, first_k_dense_replace=1, num_key_value_heads=4, kv_lora_rank=32,
+                         n_group=2, topk_group=1, first_k_dense_replace=0, num_key_value_heads=4, kv_lora_rank=32,
                          q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)),
+    # swiglu_limit 2.5 + 2^-7, the midpoint of two bf16 values (so that the rounding of
+    # gate|up itself never moves an entry across it): gate|up entries have a standard
+    # deviation of about 1 here, so the clamp is active (about 1.3% of the routed rows'
+    # gate and up entries beyond it). Nearer the bulk it would move too many entries
+    # across: mok's bf16 input x (eager's is float32) moves each entry by ~0.4%, and an
+    # entry that crosses the limit gains or loses its whole gradient term (test_transformers'
+    # test_gpt_oss_clamp_on_bf16_inputs clamps a quarter of the entries, on bf16 inputs)
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
-                dict(intermediate_size=F, num_local_experts=E, head_dim=32,
+                dict(intermediate_size=F, num_local_experts=E, head_dim=32, swiglu_limit=2.5078125,
                      rope_parameters=dict(rope_type="default", rope_theta=10000.0), layer_types=None)),
 }
-FUSED = ("qwen3_moe", "mixtral", "olmoe")       # the families fuse() runs
-REPLAY = FUSED + ("qwen2_moe",)                 # and those whose experts the replay path runs (deepseek_v3
-                                                # too: test_transformers.py, one MoE layer)
+FUSED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")  # the families fuse() runs
+REPLAY = FUSED                                  # and those whose experts the replay path runs
+FUSED_CUDA = tuple(f for f in FUSED if f != "qwen2_moe")  # libmok's CUDA backend has no shared gate yet
 
 
 def config(family, **overrides):
@@ -56,7 +68,9 @@ def config(family, **overrides):
 def make_model(family, dtype=torch.float32, device="cpu", seed=0, **overrides):
     """The family's causal LM with random bf16-representable weights; routers and
     experts drawn at 1/sqrt(fan_in) (so that routing is well separated and the experts
-    matter to the logits), the rest as the model initialises it."""
+    matter to the logits), their biases (gpt-oss) at 0.3 and DeepSeek-V3's selection
+    bias (e_score_correction_bias, a buffer) at 0.1 (so that they move the outputs and
+    the choice), the rest as the model initialises it."""
     _, model_name, _ = FAMILIES[family]
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config(family, **overrides))
@@ -68,7 +82,12 @@ def make_model(family, dtype=torch.float32, device="cpu", seed=0, **overrides):
             elif "experts." in name and p.dim() == 3:
                 fan_in = p.shape[-1] if name.endswith("gate_up_proj") or name.endswith("down_proj") else p.shape[-2]
                 p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+            elif name.endswith("_proj_bias") or name.endswith("mlp.router.bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
             p.copy_(p.bfloat16().float())
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return model.to(device=device, dtype=dtype).train()
 
 
@@ -84,25 +103,71 @@ def batch(device="cpu", seqs=3, seq=32, seed=5):
 
 
 def routers(model):
-    """The sparse-MoE blocks' router modules, in layer order."""
-    return [m.gate for n, m in model.named_modules() if n.endswith("mlp") and hasattr(m, "gate")]
+    """The sparse-MoE blocks' router modules (`gate`, gpt-oss's `router`), in layer order."""
+    out = []
+    for n, m in model.named_modules():
+        r = getattr(m, "gate", None) if n.endswith("mlp") else None
+        r = getattr(m, "router", None) if n.endswith("mlp") and r is None else r
+        if isinstance(r, torch.nn.Module):
+            out.append(r)
+    return out
+
+
+def _is_grouped(router):
+    """DeepSeek-V3's router: sigmoid scores, a selection bias, groups."""
+    return hasattr(router, "e_score_correction_bias")
+
+
+def _forced_weights(router, logits, chosen):
+    """The weights `router` gives the experts `chosen` [T, K], from its logits as it
+    computes them: DeepSeek-V3 the sigmoid scores, normalised per norm_topk_prob and
+    times routed_scaling_factor; the others the softmax probabilities, normalised where
+    the router normalises (Mixtral always, gpt-oss's softmax over its K logits is that
+    too, the others per norm_topk_prob)."""
+    if _is_grouped(router):
+        w = logits.float().sigmoid().gather(-1, chosen)
+        if router.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * router.routed_scaling_factor
+    w = logits.float().softmax(-1).gather(-1, chosen)
+    if getattr(router, "norm_topk_prob", True):
+        w = w / w.sum(-1, keepdim=True)
+    return w
+
+
+def choice_gap(router, logits, K):
+    """[T]: how near a tie the router's choice of K experts was for each token: the
+    smallest gap between consecutive ones of the top K + 1 of what it selects by (the
+    softmax probabilities; DeepSeek-V3: sigmoid score + selection bias, and the gap
+    between the last group kept and the next)."""
+    if not _is_grouped(router):
+        top = logits.float().softmax(-1).topk(K + 1, dim=-1).values
+        return (top[:, :-1] - top[:, 1:]).min(-1).values
+    keys = logits.float().sigmoid() + router.e_score_correction_bias.float()
+    G, kept = router.num_group, router.topk_group
+    groups = keys.view(keys.shape[0], G, -1).topk(2, dim=-1).values.sum(-1)  # [T, G]
+    order = groups.topk(min(kept + 1, G), dim=-1)
+    gap = torch.full_like(keys[:, 0], float("inf"))
+    if kept < G:
+        gap = order.values[:, kept - 1] - order.values[:, kept]
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, order.indices[:, :kept], True)
+    keys = keys.masked_fill(~mask.repeat_interleave(keys.shape[1] // G, dim=1), float("-inf"))
+    top = keys.topk(min(K + 1, kept * keys.shape[1] // G), dim=-1).values
+    return torch.minimum(gap, (top[:, :-1] - top[:, 1:]).min(-1).values)
 
 
 def _forcing_hook(record, force):
     """A forward hook on a router (which returns logits, weights, indices): records its
-    own choice and logits, and with `force` (a list of [T, K] indices, one a layer)
-    makes the block use those experts instead, their weights recomputed from the
-    router's probabilities as the router does (softmax, gather, normalised where it
-    normalises: Mixtral always, the others per norm_topk_prob)."""
+    own choice, logits and choice_gap, and with `force` (a list of [T, K] indices, one a
+    layer) makes the block use those experts instead, their weights recomputed from the
+    router's logits as the router does (_forced_weights)."""
     def hook(mod, args, out):
         logits, weights, idx = out[0], out[1], out[2]
-        record.append((idx.detach(), logits.detach()))
+        record.append((idx.detach(), logits.detach(), choice_gap(mod, logits.detach(), idx.shape[1])))
         if force is None:
             return None
         chosen = force[len(record) - 1].to(device=idx.device, dtype=idx.dtype)
-        w = logits.float().softmax(-1).gather(-1, chosen)
-        if getattr(mod, "norm_topk_prob", True):
-            w = w / w.sum(-1, keepdim=True)
+        w = _forced_weights(mod, logits, chosen)
         return (logits, w.to(weights.dtype), chosen, *out[3:])
     return hook
 
@@ -111,7 +176,8 @@ def step(model, inputs, output_router_logits=True, force=None):
     """forward + backward of the model's loss (cross-entropy + its aux loss); returns
     the outputs, every parameter's gradient by name, and each MoE layer's routing
     (`routing`: the [T, K] experts the layer used and its router's [T, E] logits, None
-    where the router did not run; `own`: the router's own choice and logits). force:
+    where the router did not run; `own`: the router's own choice and logits; `gaps`: its
+    choice_gap). force:
     per-layer experts that the model's routers must use (_forcing_hook)."""
     ids, mask, labels = inputs
     base = getattr(model, "_orig_mod", model)  # the model itself, under torch.compile
@@ -126,18 +192,19 @@ def step(model, inputs, output_router_logits=True, force=None):
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in base.named_parameters() if p.grad is not None}
     fused = [m for m in base.modules() if type(m).__name__ == "MokSparseMoeBlock"]
+    own = [(idx, lg) for idx, lg, _ in seen]
     if fused:  # mok's own choice of experts (the router module, when it ran, only gave logits)
-        logits = [lg for _, lg in seen] if seen else [None] * len(fused)
+        logits = [lg for _, lg in own] if own else [None] * len(fused)
         routing = [(m.topk_idx.long(), lg) for m, lg in zip(fused, logits)]
     elif force is not None:
-        routing = [(f, lg) for f, (_, lg) in zip(force, seen)]
+        routing = [(f, lg) for f, (_, lg) in zip(force, own)]
     else:
-        routing = seen
+        routing = own
     aux, router_logits = getattr(out, "aux_loss", None), getattr(out, "router_logits", None)  # (not every family's)
     return dict(loss=out.loss.detach(), logits=out.logits.detach(),
                 aux_loss=None if aux is None else aux.detach(),
                 router_logits=None if not router_logits else [r.detach() for r in router_logits],
-                grads=grads, routing=routing, own=seen)
+                grads=grads, routing=routing, own=own, gaps=[gap for _, _, gap in seen])
 
 
 def compare(eager, model, inputs, output_router_logits=True, tol=TOL):
@@ -150,7 +217,7 @@ def compare(eager, model, inputs, output_router_logits=True, tol=TOL):
     got = step(model, inputs, output_router_logits)
     ref = step(eager, inputs, output_router_logits, force=[idx for idx, _ in got["routing"]])
     check_close(got, ref, tol)
-    check_routing(got["routing"], ref["own"])
+    check_routing(got["routing"], ref["own"], ref["gaps"])
     return got, ref
 
 
@@ -160,28 +227,34 @@ def rel_err(a, b):
 
 
 def check_close(got, ref, tol=TOL):
-    """loss, logits, aux loss and every parameter's gradient within tol (relative norm)"""
+    """loss, logits, aux loss and every parameter's gradient within tol (relative norm;
+    LOOSE's where a name ends so)"""
     errs = {"loss": rel_err(got["loss"], ref["loss"]), "logits": rel_err(got["logits"], ref["logits"])}
     if ref["aux_loss"] is not None:
         errs["aux_loss"] = rel_err(got["aux_loss"], ref["aux_loss"])
     assert got["grads"].keys() == ref["grads"].keys(), sorted(set(got["grads"]) ^ set(ref["grads"]))
     for n in ref["grads"]:
         errs["grad " + n] = rel_err(got["grads"][n], ref["grads"][n])
-    bad = {k: v for k, v in errs.items() if not v <= tol}
-    assert not bad, f"above {tol}: {bad}"
+    limit = {k: max([tol] + [t for end, t in LOOSE.items() if k.endswith(end)]) for k in errs}
+    bad = {k: v for k, v in errs.items() if not v <= limit[k]}
+    assert not bad, f"above {tol} (LOOSE: {LOOSE}): {bad}"
     return errs
 
 
-def check_routing(got, ref):
+def check_routing(got, ref, gaps=None):
     """Each layer's experts (got: [(idx, logits)] a layer) the same as the reference
-    router's own choice (ref: the same), except for tokens whose top K + 1
-    probabilities (the reference router's) hold a near tie."""
+    router's own choice (ref: the same), except for tokens whose choice was a near tie
+    for the reference router (gaps: its choice_gap a layer, from step(); without them
+    the gaps of the top K + 1 softmax probabilities of ref's logits)."""
     assert len(got) == len(ref) == LAYERS, (len(got), len(ref))
     for layer, ((gi, _), (ri, rl)) in enumerate(zip(got, ref)):
         assert gi.shape == ri.shape
         differ = (gi.cpu() != ri.cpu()).any(-1)
-        top = rl.float().softmax(-1).topk(ri.shape[1] + 1, dim=-1).values.cpu()
-        gap = (top[:, :-1] - top[:, 1:]).min(-1).values
+        if gaps is not None:
+            gap = gaps[layer].cpu()
+        else:
+            top = rl.float().softmax(-1).topk(ri.shape[1] + 1, dim=-1).values.cpu()
+            gap = (top[:, :-1] - top[:, 1:]).min(-1).values
         assert bool((gap[differ] < NEAR_TIE).all()), \
             f"layer {layer}: {int(differ.sum())} tokens routed otherwise, gaps {gap[differ].tolist()}"
         assert float(differ.float().mean()) <= 0.05, f"layer {layer}: {float(differ.float().mean()):.1%} differ"
@@ -206,13 +279,13 @@ def check_same_step(a, b):
         assert torch.equal(a["grads"][n], b["grads"][n]), n
 
 
-def check_round_trip(path, tmp_path, device="cpu"):
-    """save_pretrained of a mok model (Qwen3-MoE), from_pretrained of it (replay: with
-    experts_implementation="mok"; fused: eager, then fuse()): the same state_dict and
-    step, bit for bit."""
+def check_round_trip(path, tmp_path, device="cpu", family="qwen3_moe"):
+    """save_pretrained of a mok model (Qwen3-MoE by default), from_pretrained of it
+    (replay: with experts_implementation="mok"; fused: eager, then fuse()): the same
+    state_dict (buffers included: DeepSeek-V3's selection bias) and step, bit for bit."""
     import mok.transformers as mt
 
-    eager = make_model("qwen3_moe", device=device)
+    eager = make_model(family, device=device)
     model = mok_copy(eager, path)
     inputs = batch(device)
     before = step(model, inputs)

@@ -3,9 +3,12 @@ of each family (hf_models.py: the family's own config class, 2 layers, no downlo
 float32 with bf16-representable weights, against the same model with
 experts_implementation="eager": logits, loss, aux loss and every parameter's gradient
 within mok's bf16 rounding, routing the same except near ties; for the replay path
-(experts_implementation="mok") and the fused one (mok.transformers.fuse). Then the
-save_pretrained / from_pretrained round trip (bitwise), torch.compile of a patched
-model, the layouts that convert (transposed, interleaved), the errors for what mok
+(experts_implementation="mok") and the fused one (mok.transformers.fuse), every family
+both ways (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE with its gated shared expert,
+DeepSeek-V3 with group-limited sigmoid routing and its shared experts, gpt-oss with its
+biases and clamped SwiGLU). Then the save_pretrained / from_pretrained round trip
+(bitwise), torch.compile of a patched model, the layouts that convert (transposed,
+interleaved), gpt-oss's clamp where most entries are clamped, the errors for what mok
 lacks, the K factor between the two load-balancing losses, and D1 of a training step."""
 import copy
 import os
@@ -36,13 +39,17 @@ def test_matches_eager(family, path):
     eager = make_model(family)
     model = mok_copy(eager, path)
     got, ref = compare(eager, model, batch())
-    # transformers' own aux loss, from router logits the mok model returned
-    assert got["aux_loss"] is not None and len(got["router_logits"]) == LAYERS
+    # transformers' own aux loss, from router logits the mok model returned (DeepSeek-V3's
+    # model records the logits and has no such loss)
+    assert (got["aux_loss"] is None) == (ref["aux_loss"] is None) == (family == "deepseek_v3")
+    assert len(got["router_logits"]) == LAYERS
     for a, b in zip(got["router_logits"], ref["router_logits"]):
         assert a.shape == b.shape and rel_err(a, b) < TOL
-    # the experts' gradients are mok's (not a copy of eager's): bf16 values
+    # the experts' gradients are mok's (not a copy of eager's): bf16 values; in the fused
+    # path the shared expert's and its gate's too (.mlp.shared_expert(s), _gate)
+    mine = (".mlp.experts.", ".mlp.shared_expert") if path == "fused" else (".mlp.experts.",)
     for n, g in got["grads"].items():
-        if "experts." in n:
+        if any(m in n for m in mine):
             assert torch.equal(g, g.bfloat16().float()), n
     assert not torch.equal(got["logits"], ref["logits"])  # mok's bf16 numerics, not eager's float32
 
@@ -93,8 +100,9 @@ def test_training_step_is_bitwise_repeatable(path):
         check_same_step(a, r)
 
 
-def test_state_dict_keys_and_parameters_are_kept():
-    eager = make_model("mixtral")
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_state_dict_keys_and_parameters_are_kept(family):
+    eager = make_model(family)
     keys = list(eager.state_dict())
     for path in PATHS:
         model = mok_copy(eager, path)
@@ -102,13 +110,17 @@ def test_state_dict_keys_and_parameters_are_kept():
         for (n, p), (m, q) in zip(eager.named_parameters(), model.named_parameters()):
             assert n == m and torch.equal(p, q)
     fused = copy.deepcopy(eager)
-    blocks = {n: (b.gate, b.experts) for n, b in fused.named_modules() if n.endswith("mlp")}
+    blocks = {n: dict(b.named_children()) for n, b in fused.named_modules() if n.endswith("mlp")}
     mt.fuse(fused)
-    for n, (gate, experts) in blocks.items():  # the same modules inside the new block
+    for n, children in blocks.items():  # the same modules inside the new block, under their names
         b = fused.get_submodule(n)
-        assert isinstance(b, mt.MokSparseMoeBlock) and b.gate is gate and b.experts is experts
-    assert "family='mixtral'" in repr(fused)
-    # the replay path reads bf16 weights in place: nothing is copied
+        assert isinstance(b, mt.MokSparseMoeBlock) and dict(b.named_children()) == children
+        assert all(getattr(b, c) is m for c, m in children.items())
+    assert f"family='{family}'" in repr(fused)
+
+
+def test_bf16_weights_are_read_in_place():
+    """the replay path reads bf16 weights in place: nothing is copied"""
     bf = make_model("qwen3_moe", dtype=torch.bfloat16)
     mt.replay(bf)
     experts = bf.model.layers[0].mlp.experts
@@ -116,9 +128,12 @@ def test_state_dict_keys_and_parameters_are_kept():
     assert w13.data_ptr() == experts.gate_up_proj.data_ptr() and w2.data_ptr() == experts.down_proj.data_ptr()
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_save_pretrained_round_trip(path, tmp_path):
-    check_round_trip(path, tmp_path)
+ROUND_TRIPS = [(p, f) for p in PATHS for f in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss")]
+
+
+@pytest.mark.parametrize("path,family", ROUND_TRIPS, ids=[f"{f}-{p}" for p, f in ROUND_TRIPS])
+def test_save_pretrained_round_trip(path, family, tmp_path):
+    check_round_trip(path, tmp_path, family=family)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -224,48 +239,124 @@ def test_layouts_that_convert(is_transposed, is_concatenated):
 # ---------------------------------------------------------------- what mok lacks
 
 
-def test_gpt_oss_experts_are_refused():
-    model = make_model("gpt_oss", experts_implementation="mok")
-    ids, mask, _ = batch()
-    with pytest.raises(mt.UnsupportedModuleError, match=r"GptOssExperts.*expert biases"):
-        model(input_ids=ids)
+def test_gpt_oss_clamp_on_bf16_inputs():
+    """gpt-oss's experts module (its own eager forward: gate_up_proj [E, H, 2F] with
+    gate and up columns interleaved, the biases, the clamped SwiGLU) against mok's replay
+    on bf16 inputs, with the limit where a quarter of the gate|up entries lie beyond it: the
+    output, dx, d_weights and each parameter's gradient within bf16 rounding. The limit,
+    1 + 2^-8, is the midpoint of two bf16 values, and the inputs are bf16 values: an
+    entry is then clamped in mok's bf16 gate|up exactly when it is in eager's float32
+    one (an entry that crosses the limit gains or loses its gradient term)."""
+    limit = 1.00390625
+    experts = make_model("gpt_oss", swiglu_limit=limit).model.layers[0].mlp.experts
+    assert mt._check_experts(experts) == dict(expert_bias=True, swiglu_limit=limit, swiglu_alpha=1.702)
+    g = torch.Generator().manual_seed(9)
+    T = 96
+    x = torch.randn(T, H, generator=g).bfloat16().float()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g) + 0.2
+    dy = torch.randn(T, H, generator=g)
+    with torch.no_grad():
+        a = torch.einsum("th,tkhf->tkf", x, experts.gate_up_proj[idx]) + experts.gate_up_proj_bias[idx]
+        gate, up = a[..., ::2], a[..., 1::2]
+        clamped = float(((gate > limit).float().mean() + (up.abs() > limit).float().mean()) / 2)
+    assert clamped > 0.2, clamped
+
+    def run(impl):
+        experts.config._experts_implementation = impl
+        experts.zero_grad()
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = experts(xi, idx, wi)
+        y.backward(dy)
+        return [y, xi.grad, wi.grad] + [p.grad for _, p in experts.named_parameters()]
+
+    ref, got = run("eager"), run("mok")
+    names = ["y", "dx", "d_weights"] + ["d_" + n for n, _ in experts.named_parameters()]
+    for name, a, b in zip(names, got, ref):
+        assert a.shape == b.shape and rel_err(a, b) < 2e-2, (name, rel_err(a, b))
+
+
+def test_gpt_oss_clamp_is_active_in_the_model():
+    """In test_matches_eager's gpt-oss model some routed rows' gate|up entries lie
+    beyond swiglu_limit (the clamp is exercised there too)."""
     model = make_model("gpt_oss")
-    with pytest.raises(mt.UnsupportedModuleError, match=r"model\.layers\.0\.mlp\.experts \(GptOssExperts\).*biases"):
-        mt.replay(model)
-    assert model.config._experts_implementation == "eager"  # nothing changed
-    with pytest.raises(mt.UnsupportedModuleError,
-                       match=r"model\.layers\.0\.mlp \(GptOssMLP\).*family fuse\(\) does not know"):
-        mt.fuse(model)
+    experts = model.model.layers[0].mlp.experts
+    limit = experts.limit
+    seen = []
+    experts.register_forward_hook(lambda m, args, out: seen.append((args[0].detach(), args[1])))
+    ids, mask, _ = batch()
+    model(input_ids=ids, attention_mask=mask)
+    x, idx = seen[0]
+    with torch.no_grad():
+        a = torch.einsum("th,tkhf->tkf", x, experts.gate_up_proj[idx]) + experts.gate_up_proj_bias[idx]
+    beyond = float(((a[..., ::2] > limit).sum() + (a[..., 1::2].abs() > limit).sum()) / a.numel())
+    assert 0.005 < beyond < 0.05, beyond
 
 
-def test_deepseek_v3_replay_matches_eager_and_fuse_is_refused():
-    """DeepSeek-V3 (sigmoid scores, group-limited top-K, routed_scaling_factor, a shared
-    expert): the replay path runs its routed experts under transformers' router; fuse()
-    refuses the block (group-limited routing), changing nothing. The one MoE layer's
-    input is the same bits in both models (the first layer is dense), so the same
-    experts are chosen and no forcing is needed."""
-    eager = make_model("deepseek_v3")
-    model = mok_copy(eager, "replay", layers=1)
-    inputs = batch()
-    got, ref = step(model, inputs), step(eager, inputs)
-    assert len(got["routing"]) == 1 and torch.equal(got["routing"][0][0], ref["routing"][0][0])
-    check_close(got, ref)
-    assert not torch.equal(got["logits"], ref["logits"])
-    assert all(torch.equal(g, g.bfloat16().float()) for n, g in got["grads"].items() if ".mlp.experts." in n)
-    check_fuse_refused("deepseek_v3", r"model\.layers\.1\.mlp \(DeepseekV3MoE\).*group-limited")
+def test_deepseek_v3_selection_bias_is_read():
+    """e_score_correction_bias (a buffer: no gradient) moves the choice only: with a
+    large bias on expert 5 every token of the fused model takes it (its group is kept),
+    and its weight is still the unbiased sigmoid score's share (< routed_scaling_factor)."""
+    model = make_model("deepseek_v3")
+    mt.fuse(model)
+    for b in model.modules():
+        if isinstance(b, mt.MokSparseMoeBlock):
+            b.gate.e_score_correction_bias[5] = 10.0
+    ids, mask, labels = batch()
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    for b in (m for m in model.modules() if isinstance(m, mt.MokSparseMoeBlock)):
+        assert bool((b.topk_idx == 5).any(-1).all())
+        scale = b.gate.routed_scaling_factor
+        assert torch.allclose(b.topk_weight.sum(-1), torch.full((ids.numel(),), scale))
+        assert float(b.topk_weight[b.topk_idx == 5].max()) < scale
+        assert b.gate.e_score_correction_bias.grad is None
 
 
-def check_fuse_refused(family, match):
+def test_shared_gate_where_the_backend_refuses_it(monkeypatch):
+    """fuse() asks libmok whether the block's backend runs its configuration: where it
+    refuses it (MOK_STATUS_UNSUPPORTED_SHAPE, as the CUDA backend refuses the gated
+    shared expert; here a stand-in context that refuses it on the CPU), fuse() raises
+    UnsupportedModuleError naming the block and the feature, and replaces nothing."""
+    class Refusing:
+        def __init__(self, cfg, T, device):
+            if cfg.shared_gate:
+                raise mok.MokError(mok._lib.MOK_STATUS_UNSUPPORTED_SHAPE, "cfg.use_shared_gate = 1: the gated "
+                                   "shared expert is CPU-only so far", "mok_context_create")
+
+        def destroy(self):
+            pass
+
+    monkeypatch.setattr(mt, "Context", Refusing)
+    monkeypatch.setattr(mt, "_probed", {})
+    check_fuse_refused(make_model("qwen2_moe"), r"model\.layers\.0\.mlp \(Qwen2MoeSparseMoeBlock\) has a "
+                       r"sigmoid-gated shared expert \(shared_expert_gate\) on cpu.*MOK_STATUS_UNSUPPORTED_SHAPE")
+    assert len(mt.fuse(make_model("deepseek_v3"))) == LAYERS  # (the stand-in runs the others)
+
+
+def check_fuse_refused(model, match):
     """fuse() raises UnsupportedModuleError matching `match` and replaces nothing."""
-    model = make_model(family)
     before = [type(m).__name__ for m in model.modules()]
     with pytest.raises(mt.UnsupportedModuleError, match=match):
         mt.fuse(model)
     assert [type(m).__name__ for m in model.modules()] == before
 
 
-def test_qwen2_moe_fuse_is_refused_and_nothing_changes():
-    check_fuse_refused("qwen2_moe", r"model\.layers\.0\.mlp \(Qwen2MoeSparseMoeBlock\).*sigmoid")
+def test_what_the_new_families_lack_is_refused():
+    """A shared expert of another activation (DeepSeek-V3), a bias in Qwen2-MoE's shared
+    expert gate, gpt-oss's experts with their gate function replaced."""
+    model = make_model("deepseek_v3")
+    model.model.layers[1].mlp.shared_experts.act_fn = torch.nn.GELU()
+    check_fuse_refused(model, r"model\.layers\.1\.mlp\.shared_experts \(DeepseekV3MLP\).*activation GELU")
+    model = make_model("qwen2_moe")
+    model.model.layers[0].mlp.shared_expert_gate = torch.nn.Linear(H, 1)
+    check_fuse_refused(model, r"model\.layers\.0\.mlp \(Qwen2MoeSparseMoeBlock\).*bias in shared_expert_gate")
+    model = make_model("gpt_oss")
+    experts = model.model.layers[0].mlp.experts
+    experts.__class__ = type("OtherGate", (type(experts),), {"_apply_gate": lambda self, a: a[..., ::2]})
+    with pytest.raises(mt.UnsupportedModuleError, match=r"OtherGate.*own gate function"):
+        mt.replay(model)
+    with pytest.raises(mt.UnsupportedModuleError, match=r"OtherGate.*own gate function"):
+        mt.fuse(model)
 
 
 def test_other_activation_is_refused():
