@@ -498,9 +498,8 @@ def main():
                     help="mok only: each shape with shapes.VARIANTS off and each on, in turn, --rounds times")
     args = ap.parse_args()
     LAYER_OPTIONS.update(recompute_gate_up=args.recompute_gate_up, reuse_saved=args.reuse_saved)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     if args.variants:
-        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                               text=True).stdout.strip()
         print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}: mok's step, variants off and on")
         rows = bench_variants(args.shapes.split(","), args.steps, max(1, args.rounds))
         if args.json:
@@ -522,7 +521,6 @@ def main():
     ceiling = ceiling_tflops(out=ceiling_power)
     sustained_power = {}
     sustained = ceiling_tflops(out=sustained_power, warm=3.0)
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     # (the ceiling's power is in the JSON only: 10 GEMMs are too short for 50 ms samples)
     print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}, dense bf16 8192^3 ceiling {ceiling:.0f} TFLOP/s"
           + "".join(f", mok with {k}" for k, v in LAYER_OPTIONS.items() if v))
