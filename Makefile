@@ -106,10 +106,12 @@ $(BUILD)/mok_gpu_tests: $(BUILD)/tests/gpu/runner.o $(GPU_TEST_OBJ) $(BUILD)/tes
 # Microbenchmarks of the GPU itself (bench/micro/*.cu, run on an H200 by hand or by
 # bench/gpu_session.sh micro); built with everything else when nvcc is found (MICRO is
 # defined above `all`, whose prerequisites make expands where it reads them).
+# MICRO_LIBS: a micro's own libraries (engine_gemm's cuBLAS peer).
 micro: $(MICRO)
+$(BUILD)/micro/engine_gemm: MICRO_LIBS = -lcublas
 $(BUILD)/micro/%: bench/micro/%.cu $(wildcard bench/micro/*.h src/cuda/*.h src/cuda/*.cuh)
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -o $@ $<
+	$(NVCC) $(NVFLAGS) -o $@ $< $(MICRO_LIBS)
 
 test-gpu: $(BUILD)/mok_gpu_tests $(BUILD)/libmok.so
 	MOK_LIBRARY=$(abspath $(BUILD))/libmok.so $(PYTHON) -m pytest -q python/tests/test_cuda.py python/tests/test_cuda_ep.py

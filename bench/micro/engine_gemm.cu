@@ -1,0 +1,660 @@
+// engine_gemm.cu — issue 35's design step: what a GEMM engine on Hopper's own pattern
+// reaches on this project's GEMM shapes, measured alone, before it replaces gemm_tiles
+// (src/cuda/sm90_common.cuh: two warpgroups that both compute, thread 0 issuing the
+// TMA loads, each tile's epilogue in series with its mainloop).
+//
+// C[g] (M x N, bf16) = A[g] (M x K, bf16, K-major) x B[g]^T (B[g]: N x K, bf16, K-major)
+// for g < G: one expert GEMM of a layer at its average rows per expert (M = T K / E) for
+// each of its E experts, in one persistent launch (grid = the SM count, at most one CTA
+// per tile), as the megakernel runs them. A CTA is 384 threads: warpgroup 0 the producer
+// (setmaxnreg down to 40; one thread issues every TMA load into a ring of stages behind
+// full / empty mbarriers), warpgroups 1 and 2 the consumers (setmaxnreg up to 232,
+// wgmma from shared memory, 128 fp32 accumulators a thread). Schedules:
+//   cooperative 128x256: both consumers share a 128 x 256 tile, 64 rows each (m64n256k16,
+//     gemm_tiles' tile and stage: 48 KB a K block, 4 stages);
+//   ping-pong 128x128 / 64x256: each consumer owns its tile (two m64n128k16 row halves,
+//     32 KB stages, 5 of them; or one m64n256k16, 40 KB, 4): the two take turns at the
+//     mainloop (an mbarrier hand-over after the last K block's wgmmas are issued), so one
+//     warpgroup's epilogue runs beside the other's mainloop.
+// Tiles: a static order, CTA c taking tiles c, c + grid, ...; tile t -> (g, m, n) with
+// the m-tiles of each expert in bands of kGroupM, a band walked column by column (A's
+// rows and B's columns reused from L2); ping-pong's warpgroups take a CTA's tiles in turn.
+// Epilogue: accumulators -> bf16 -> stmatrix into 64 x 64 boxes in the 128-byte swizzle
+// (a buffer per warpgroup) -> TMA stores as a bulk async group; only the next write of
+// that buffer waits for the stores to have read it, never the next mainloop. Operands
+// come as 3-D tensor maps ([G][rows][K]), 64 x 64 boxes as gemm_tiles': M, N and K that
+// are not multiples of the tile read zeros past the expert's rows, columns or K (TMA
+// fill) and the stores are clipped there.
+// Summation order: each output is one fp32 accumulator over K blocks of 64 in increasing
+// order; inside a block, four k16 wgmmas in order and the tensor core's order inside each.
+// Each case checks C against an fp32 reference (one thread an output, k increasing, fma;
+// |C - ref| <= 1e-2 |ref| + 1e-3 sqrt(K), inputs uniform in [-1, 1)), checks that two
+// runs give the same bits, and says whether the schedules agree bit for bit with the
+// first one; cuBLAS (strided batched, bf16 in and out, fp32 compute) is the peer, checked
+// the same way. Time: the mean of 20 launches after 5, as TFLOP/s (2 G M N K a launch).
+// Shapes (bench/shapes.py: T, H, F, E, K): gate/up (M, 2F, H) and down (M, H, F) for
+// qwen3-30b-a3b (128 x (1024, 1536, 2048), (1024, 2048, 768)), gpt-oss-120b (128 x
+// (512, 5760, 2880), (512, 2880, 2880)), mixtral-8x7b (8 x (2048, 28672, 4096), (2048,
+// 4096, 14336)), deepseek-v3 (256 x (256, 4096, 7168), (256, 7168, 2048)); a dense
+// 8192^3; and `tails` (3 x (300, 904, 1000): partial and wholly outside A and B boxes,
+// a K block of 40, clipped stores, a coop warpgroup with no row stored), all of --quick.
+// A failed check prints the first bad element; the program goes on and exits non-zero.
+// A wait that hangs (over 2 s) is reported with its role and block, and the launch ends.
+//   make micro && build/micro/engine_gemm [--quick] [--case SUBSTRING]
+#include <cublas_v2.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "micro_host.h"
+#include "cuda/sm90_common.cuh"
+
+using namespace mok;
+
+constexpr int kEngineThreads = 384;  // warpgroup 0 the producer, 1 and 2 the consumers
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "the register file holds the split");
+constexpr int kGroupM = 8;                   // m-tiles a band of the tile order
+constexpr int kSmemOptin = 227 * 1024;       // dynamic shared memory a CTA may have (sm_90)
+constexpr int kBarBytes = 128;               // the mbarriers, after the buffers
+constexpr uint64_t kWaitNs = 2000000000ull;  // a wait past this is a hang: reported, the kernel ends
+constexpr int kWarm = 5, kTimed = 20;
+
+enum { kCooperative, kPingPong };
+
+// One engine: the schedule and a consumer warpgroup's own tile, WM x WN (64 x 256 or
+// 128 x 128); everything else follows from them and from shared memory's size.
+template <int kSched, int WM_, int WN_>
+struct Engine {
+  static constexpr bool kCoop = kSched == kCooperative;
+  static constexpr int WM = WM_, WN = WN_;
+  static constexpr int kRowBlocks = WM / 64;               // m64 wgmmas a k16 step
+  static constexpr int TM = kCoop ? 2 * WM : WM, TN = WN;  // a tile of the tile order
+  static constexpr int kABoxes = TM / 64, kBBoxes = WN / 64;
+  static constexpr int kStageBytes = (kABoxes + kBBoxes) * kBoxBytes;  // A boxes, then B boxes
+  static constexpr int kEpiCols = kCoop ? WN / 2 : WN;                 // columns an epilogue round stores
+  static constexpr int kRounds = WN / kEpiCols;
+  static constexpr int kColBoxes = kEpiCols / 64;
+  static constexpr int kEpiBytes = WM * kEpiCols * 2;  // a consumer's store buffer
+  static constexpr int kStages = (kSmemOptin - 1024 - kBarBytes - 2 * kEpiBytes) / kStageBytes;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kEpiBytes + kBarBytes;
+  static_assert((WM == 64 && WN == 256) || (WM == 128 && WN == 128 && !kCoop), "a warpgroup's tile");
+  static_assert(kStages >= 3 && (2 * kStages + 2) * 8 <= kBarBytes, "the ring and its barriers");
+  static_assert(kSmemBytes <= kSmemOptin, "shared memory");
+  static const char* name() { return kCoop ? "cooperative" : "ping-pong"; }
+};
+using Cooperative = Engine<kCooperative, 64, 256>;
+using PingPong128 = Engine<kPingPong, 128, 128>;
+using PingPong64 = Engine<kPingPong, 64, 256>;
+
+struct Problem {
+  int G, M, N, K;
+  int tiles_m, tiles_n, num_tiles, num_kb;
+};
+struct Params {
+  CUtensorMap a, b, c;  // [G][M][K], [G][N][K], [G][M][N] bf16; boxes of 64 x 64, 128-byte swizzle
+  Problem p;
+};
+
+// The first wait that timed out: role << 32 | block (0: none). Roles: 1 the producer's
+// empty wait, 2 a consumer's full wait, 3 a ping-pong consumer's turn.
+__device__ unsigned long long g_timeout;
+
+// ---- PTX this file alone uses ----
+template <int kRegs>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+// The 128 threads of a consumer warpgroup (named barrier id: 1 + its index).
+__device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
+// D[64 x 128] += A[64 x 16] B[16 x 128], both K-major through 128-byte-swizzle
+// descriptors: d[4i + 2h + x] is row lane / 4 + 8h of the warp's 16, column
+// 8i + 2 (lane % 4) + x, i < 16 (ptx.cuh's m64n256k16 layout, half as wide).
+#define ENGINE_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define ENGINE_D16(i) ENGINE_D4(i), ENGINE_D4(i + 4), ENGINE_D4(i + 8), ENGINE_D4(i + 12)
+__device__ __forceinline__ void wgmma_m64n128k16_kk(float (&d)[64], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}"
+      : ENGINE_D16(0), ENGINE_D16(16), ENGINE_D16(32), ENGINE_D16(48)
+      : "l"(da), "l"(db), "r"(1));
+}
+#undef ENGINE_D16
+#undef ENGINE_D4
+
+// A wait for the phase of parity `parity` of bar. False past kWaitNs (g_timeout set: a
+// hang) or once another wait has timed out: the launch has failed, and its threads go
+// on without waiting so that it ends. (A consumer goes on in any case: an early exit
+// with wgmmas in flight makes ptxas serialise them.) Past 1 ms the clock and the flag
+// are read; a wait that works is far shorter, and spins on the barrier alone.
+__device__ __forceinline__ bool wait_phase(uint64_t* bar, uint32_t parity, unsigned long long role) {
+  if (mbar_try_wait(bar, parity)) return true;
+  const uint64_t t0 = globaltimer_ns();
+  while (!mbar_try_wait(bar, parity)) {
+    const uint64_t dt = globaltimer_ns() - t0;
+    if (dt < 1000000) continue;
+    if (*(volatile unsigned long long*)&g_timeout) return false;
+    if (dt > kWaitNs) {
+      atomicCAS(&g_timeout, 0ull, role << 32 | blockIdx.x);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Tile t's expert g and its first row m0 and column n0 (tiles of TM x TN): an expert's
+// m-tiles in bands of kGroupM, each band's tiles column by column.
+template <int TM, int TN>
+__device__ __forceinline__ void tile_origin(const Problem& p, int t, int& g, int& m0, int& n0) {
+  const int per_expert = p.tiles_m * p.tiles_n, r = t % per_expert, band = kGroupM * p.tiles_n;
+  const int first = r / band * kGroupM, rows = min(p.tiles_m - first, kGroupM), q = r % band;
+  g = t / per_expert;
+  m0 = (first + q % rows) * TM;
+  n0 = q / rows * TN;
+}
+
+// A consumer's K block: acc (its WM x WN tile) += A (WM rows at da) x B (WN rows at db),
+// four k16 steps, one wgmma group. A k16 step is 32 bytes further in a K-major box; the
+// second m64 half of A is the next box.
+template <class E>
+__device__ __forceinline__ void engine_block(float (&acc)[E::kRowBlocks][E::WN / 2], uint64_t da, uint64_t db) {
+  if constexpr (E::WN == 256) {
+    mma_block<0, 0, BK / 16>(acc[0], da, db);
+  } else {
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ks++)
+#pragma unroll
+      for (int rb = 0; rb < E::kRowBlocks; rb++)
+        wgmma_m64n128k16_kk(acc[rb], da + rb * (kBoxBytes / 16) + ks * (32 / 16), db + ks * (32 / 16));
+    wgmma_commit();
+  }
+}
+
+// The producer (one thread): every K block of the CTA's tiles, in order, into the ring;
+// ring position i num_kb + kb holds K block kb of the CTA's i-th tile. Boxes wholly past
+// the expert's rows or columns are not loaded (their rows and columns are not stored).
+template <class E>
+__device__ __forceinline__ void produce(const Params& prm, uint8_t* stages, uint64_t* full, uint64_t* empty) {
+  const Problem& p = prm.p;
+  uint32_t s = 0, ph = 0;
+  for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+    int g, m0, n0;
+    tile_origin<E::TM, E::TN>(p, t, g, m0, n0);
+    const int a_boxes = min(E::kABoxes, (p.M - m0 + 63) / 64), b_boxes = min(E::kBBoxes, (p.N - n0 + 63) / 64);
+    const uint32_t bytes = (uint32_t)(a_boxes + b_boxes) * kBoxBytes;
+    for (int kb = 0; kb < p.num_kb; kb++) {
+      if (!wait_phase(&empty[s], ph ^ 1, 1)) return;  // (a fresh barrier's previous phase counts as done)
+      mbar_arrive_expect_tx(&full[s], bytes);
+      uint8_t* const dst = stages + s * E::kStageBytes;
+#pragma unroll
+      for (int b = 0; b < E::kABoxes; b++)
+        if (b < a_boxes) tma_load_3d(dst + b * kBoxBytes, &prm.a, &full[s], kb * BK, m0 + 64 * b, g);
+#pragma unroll
+      for (int b = 0; b < E::kBBoxes; b++)
+        if (b < b_boxes) tma_load_3d(dst + (E::kABoxes + b) * kBoxBytes, &prm.b, &full[s], kb * BK, n0 + 64 * b, g);
+      if (++s == E::kStages) s = 0, ph ^= 1;
+    }
+  }
+}
+
+// The packed bf16 pair of accumulators 4i + 2h, + 1 (row half h, chunk i of 8 columns).
+template <int N>
+__device__ __forceinline__ uint32_t acc_pair(const float (&a)[N], int i, int h) {
+  return pack_bf16x2(a[4 * i + 2 * h], a[4 * i + 2 * h + 1]);
+}
+
+// A consumer's tile out: round r takes columns [r kEpiCols, (r + 1) kEpiCols) into buf as
+// 64 x 64 boxes (row block rb, column box cb at box rb kColBoxes + cb; 16-byte chunk j of
+// row x at chunk j ^ x % 8), then one thread stores those inside C as one bulk group.
+// stmatrix: one writes the warp's 16 rows x 16 columns (chunks j, j + 1), lane l giving
+// the address of row l % 8 of matrix l / 8 (row half (l / 8) % 2, chunk j + l / 16).
+template <class E>
+__device__ __forceinline__ void store_wg_tile(const Params& prm, const float (&acc)[E::kRowBlocks][E::WN / 2],
+                                              uint8_t* buf, int t, int w, int lt) {
+  const Problem& p = prm.p;
+  int g, m0, n0;
+  tile_origin<E::TM, E::TN>(p, t, g, m0, n0);
+  if (E::kCoop) m0 += 64 * w;  // this warpgroup's half of the shared tile
+  const int lane = lt % 32, q = lane / 8, rr = lane % 8;
+  const uint32_t row = smem_addr(buf) + ((lt / 32) * 16 + rr + 8 * (q % 2)) * 128;
+#pragma unroll
+  for (int r = 0; r < E::kRounds; r++) {
+    if (lt == 0) bulk_wait_read<0>();  // the stores of buf's previous round have read it
+    warpgroup_sync(1 + w);
+#pragma unroll
+    for (int rb = 0; rb < E::kRowBlocks; rb++)
+#pragma unroll
+      for (int cb = 0; cb < E::kColBoxes; cb++)
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+          const int i = r * (E::kEpiCols / 8) + 8 * cb + j;
+          stmatrix_x4(row + (rb * E::kColBoxes + cb) * kBoxBytes + (((j + q / 2) ^ rr) * 16), acc_pair(acc[rb], i, 0),
+                      acc_pair(acc[rb], i, 1), acc_pair(acc[rb], i + 1, 0), acc_pair(acc[rb], i + 1, 1));
+        }
+    fence_proxy_async_smem();
+    warpgroup_sync(1 + w);
+    if (lt == 0) {
+#pragma unroll
+      for (int rb = 0; rb < E::kRowBlocks; rb++)
+#pragma unroll
+        for (int cb = 0; cb < E::kColBoxes; cb++) {
+          const int m = m0 + 64 * rb, n = n0 + r * E::kEpiCols + 64 * cb;
+          if (m < p.M && n < p.N) tma_store_3d(&prm.c, buf + (rb * E::kColBoxes + cb) * kBoxBytes, n, m, g);
+        }
+      bulk_commit();
+    }
+  }
+}
+
+// Consumer w (0 or 1): cooperative, 64 rows of every tile of the CTA; ping-pong, the
+// CTA's tiles i = w, w + 2, ..., its mainloop after the other's (turn[w]: the hand-over).
+template <class E>
+__device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint8_t* epi, uint64_t* full,
+                                        uint64_t* empty, uint64_t* turn, int w) {
+  const Problem& p = prm.p;
+  const int lt = threadIdx.x % 128;
+  uint8_t* const buf = epi + w * E::kEpiBytes;
+  for (int i = E::kCoop ? 0 : w;; i += E::kCoop ? 1 : 2) {
+    const int t = (int)blockIdx.x + i * (int)gridDim.x;
+    if (t >= p.num_tiles) break;
+    float acc[E::kRowBlocks][E::WN / 2];
+#pragma unroll
+    for (int rb = 0; rb < E::kRowBlocks; rb++)
+#pragma unroll
+      for (int x = 0; x < E::WN / 2; x++) acc[rb][x] = 0.f;
+    // hand-over i - 1 (the other warpgroup's) is phase (i - 1) / 2 of turn[w]
+    if (!E::kCoop && i > 0) wait_phase(&turn[w], ((i - 1) / 2) & 1, 3);
+    const uint32_t it0 = (uint32_t)i * (uint32_t)p.num_kb;
+    uint32_t s = it0 % E::kStages, ph = (it0 / E::kStages) & 1, prev = 0;
+    for (int kb = 0; kb < p.num_kb; kb++) {
+      // the descriptors before the wait (pinned there), so the first wgmma issues as the data lands
+      const uint8_t* const st = stages + s * E::kStageBytes;
+      uint64_t da, db;
+      box_descs<0, 0>(st + (E::kCoop ? w : 0) * kBoxBytes, st + E::kABoxes * kBoxBytes, da, db);
+      asm volatile("" : "+l"(da), "+l"(db));
+      wait_phase(&full[s], ph, 2);
+      engine_block<E>(acc, da, db);
+      // this block's wgmmas stay in flight; the previous block's are done: its stage is free
+      // (an arrival a warp: a warp past its wait knows only its own share of the wgmmas)
+      wgmma_wait<1>();
+      if (kb > 0 && lt % 32 == 0) mbar_arrive(&empty[prev]);
+      prev = s;
+      if (++s == E::kStages) s = 0, ph ^= 1;
+    }
+    if (!E::kCoop && lt == 0) mbar_arrive(&turn[w ^ 1]);  // every wgmma of the tile issued
+    wgmma_wait<0>();
+    if (lt % 32 == 0) mbar_arrive(&empty[prev]);
+    store_wg_tile<E>(prm, acc, buf, t, w, lt);
+  }
+  if (lt == 0) bulk_wait_all();  // the stores have read shared memory and are complete
+}
+
+template <class E>
+__global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __grid_constant__ Params prm) {
+  extern __shared__ uint8_t smem_raw[];
+  // stages [kStages][kStageBytes], the consumers' store buffers [2][kEpiBytes] (both
+  // 1024-byte aligned: the 128-byte swizzle), then full [kStages], empty [kStages], turn [2]
+  uint8_t* const stages = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+  uint8_t* const epi = stages + E::kStages * E::kStageBytes;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(epi + 2 * E::kEpiBytes);
+  uint64_t* const empty = full + E::kStages;
+  uint64_t* const turn = empty + E::kStages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < E::kStages; s++) {
+      mbar_init(&full[s], 1);                        // the producer's expect_tx; the bytes
+      mbar_init(&empty[s], (E::kCoop ? 2 : 1) * 4);  // each warp of each consumer that reads it
+    }
+    mbar_init(&turn[0], 1), mbar_init(&turn[1], 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    regs_dec<kProducerRegs>();
+    if (threadIdx.x == 0) produce<E>(prm, stages, full, empty);
+  } else {
+    regs_inc<kConsumerRegs>();
+    consume<E>(prm, stages, epi, full, empty, turn, wg - 1);
+  }
+}
+
+// ---- reference, checks, inputs ----
+
+// ref[g][m][n] = sum over k in increasing order of A[g][m][k] B[g][n][k] (fp32 fma), one
+// thread an output; 32 x 32 outputs a block through shared memory, 32 k at a time.
+__global__ void __launch_bounds__(1024)
+    reference_kernel(const bf16* A, const bf16* B, float* ref, int M, int N, int K) {
+  __shared__ float as[32][33], bs[32][33];
+  const int tx = threadIdx.x, ty = threadIdx.y, g = blockIdx.z;
+  const int m = blockIdx.y * 32 + ty, n = blockIdx.x * 32 + tx, nb = blockIdx.x * 32 + ty;
+  const bf16* a = A + (size_t)g * M * K;
+  const bf16* b = B + (size_t)g * N * K;
+  float acc = 0.f;
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    const int k = k0 + tx;
+    as[ty][tx] = m < M && k < K ? bf(a[(size_t)m * K + k]) : 0.f;
+    bs[ty][tx] = nb < N && k < K ? bf(b[(size_t)nb * K + k]) : 0.f;
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < 32; kk++) acc = __fmaf_rn(as[ty][kk], bs[tx][kk], acc);
+    __syncthreads();
+  }
+  if (m < M && n < N) ref[((size_t)g * M + m) * N + n] = acc;
+}
+
+// The first i where c[i] is not within |c - ref| <= 1e-2 |ref| + atol (NaN: never), into *bad.
+__global__ void check_kernel(const bf16* c, const float* ref, size_t n, float atol, unsigned long long* bad) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const float v = bf(c[i]), r = ref[i];
+    if (!(fabsf(v - r) <= 1e-2f * fabsf(r) + atol)) atomicMin(bad, (unsigned long long)i);
+  }
+}
+// The first i where x and y differ in their bits, into *diff.
+__global__ void same_bits_kernel(const uint16_t* x, const uint16_t* y, size_t n, unsigned long long* diff) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    if (x[i] != y[i]) atomicMin(diff, (unsigned long long)i);
+}
+// x[i] uniform in [-1, 1) (splitmix64 of i and seed), rounded to bf16.
+__global__ void fill_kernel(bf16* x, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint64_t z = i + seed * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    x[i] = to_bf((float)(z >> 40) * (2.f / 16777216.f) - 1.f);
+  }
+}
+
+// ---- host ----
+#define CK(x)                                                                                          \
+  do {                                                                                                 \
+    const cudaError_t e_ = (x);                                                                        \
+    if (e_ != cudaSuccess) {                                                                           \
+      fprintf(stderr, "engine_gemm: %s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(1);                                                                                         \
+    }                                                                                                  \
+  } while (0)
+#define CKB(x)                                                                                        \
+  do {                                                                                                \
+    const cublasStatus_t s_ = (x);                                                                    \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                \
+      fprintf(stderr, "engine_gemm: %s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #x, (int)s_); \
+      exit(1);                                                                                        \
+    }                                                                                                 \
+  } while (0)
+
+// A map of the [G][rows][cols] bf16 tensor at base, boxes of 64 columns x 64 rows x 1
+// (128-byte swizzle, zeros past the tensor), as micro_host.h's 2-D bf16_map.
+static void bf16_map_3d(CUtensorMap* map, const void* base, int G, int rows, int cols) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (!encode) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+    if (!fn) fprintf(stderr, "engine_gemm: no cuTensorMapEncodeTiled\n"), exit(1);
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)G};
+  const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, (cuuint64_t)rows * cols * 2};
+  const cuuint32_t box[3] = {64, 64, 1}, elem[3] = {1, 1, 1};
+  if (encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, elem,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    fprintf(stderr, "engine_gemm: cuTensorMapEncodeTiled failed (%d x %d x %d)\n", G, rows, cols), exit(1);
+}
+
+struct Case {
+  char name[48];
+  int G, M, N, K;
+  double flops() const { return 2.0 * G * M * N * K; }
+};
+
+// One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
+// first schedule's output) [G][M][N] bf16; ref [G][M][N] fp32; two result words.
+struct Buffers {
+  bf16 *A, *B, *C, *C2, *C0;
+  float* ref;
+  unsigned long long* word;
+  size_t nc;
+};
+
+// Mean ms of kTimed launches after kWarm.
+template <class Launch>
+static double launch_ms(Launch launch) {
+  for (int i = 0; i < kWarm; i++) launch();
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < kTimed; i++) launch();
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0.f;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return ms / kTimed;
+}
+
+static int g_sms = 0;
+
+// The first index at which kernel k(args..., word) finds a fault, or -1.
+template <class Kernel, class... Args>
+static long long first_fault(const Buffers& b, Kernel k, Args... args) {
+  const unsigned long long none = ~0ull;
+  CK(cudaMemcpy(b.word, &none, sizeof none, cudaMemcpyHostToDevice));
+  k<<<g_sms * 8, 256>>>(args..., b.word);
+  CK(cudaGetLastError());
+  unsigned long long h = 0;
+  CK(cudaMemcpy(&h, b.word, sizeof h, cudaMemcpyDeviceToHost));
+  return h == none ? -1 : (long long)h;
+}
+
+// C against the reference; true when every element is within tolerance, else a line
+// naming the first bad one.
+static bool check_ref(const Case& c, const Buffers& b, const bf16* C, const char* who) {
+  const long long i =
+      first_fault(b, check_kernel, (const bf16*)C, (const float*)b.ref, b.nc, 1e-3f * sqrtf((float)c.K));
+  if (i < 0) return true;
+  bf16 v;
+  float r;
+  CK(cudaMemcpy(&v, C + i, sizeof v, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&r, b.ref + i, sizeof r, cudaMemcpyDeviceToHost));
+  const long long mn = (long long)c.M * c.N;
+  printf("  %s: MISMATCH at index %lld (expert %lld, row %lld, column %lld): %g, reference %g\n", who, i, i / mn,
+         i % mn / c.N, i % c.N, (double)__bfloat162float(v), (double)r);
+  return false;
+}
+static long long first_diff(const Buffers& b, const bf16* x, const bf16* y) {
+  return first_fault(b, same_bits_kernel, (const uint16_t*)x, (const uint16_t*)y, b.nc);
+}
+
+// Engine E on case c: checked (twice: the reference, then the same bits again), then
+// timed. The first schedule to pass keeps its output in C0 (have_first) for the
+// others' bits to be compared with. Returns false on a failed check.
+template <class E>
+static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
+  Params prm;
+  Problem& p = prm.p;
+  p.G = c.G, p.M = c.M, p.N = c.N, p.K = c.K;
+  p.tiles_m = (c.M + E::TM - 1) / E::TM, p.tiles_n = (c.N + E::TN - 1) / E::TN;
+  p.num_tiles = c.G * p.tiles_m * p.tiles_n, p.num_kb = (c.K + BK - 1) / BK;
+  bf16_map_3d(&prm.a, b.A, c.G, c.M, c.K);
+  bf16_map_3d(&prm.b, b.B, c.G, c.N, c.K);
+  const int grid = p.num_tiles < g_sms ? p.num_tiles : g_sms;
+  auto launch = [&](bf16* C) {
+    bf16_map_3d(&prm.c, C, c.G, c.M, c.N);
+    engine_gemm_kernel<E><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
+  };
+  char who[64];
+  snprintf(who, sizeof who, "%s %dx%d", E::name(), E::TM, E::TN);
+  bool ok = true;
+  for (int run = 0; run < 2 && ok; run++) {
+    bf16* const C = run ? b.C2 : b.C;
+    CK(cudaMemset(C, 0xff, b.nc * 2));  // NaN: an element no store reaches fails the check
+    launch(C);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    unsigned long long to = 0;
+    CK(cudaMemcpyFromSymbol(&to, g_timeout, sizeof to));
+    if (to) {
+      printf("  %s: an mbarrier wait timed out (role %llu: 1 producer empty, 2 consumer full, 3 turn; block %llu)\n",
+             who, to >> 32, to & 0xffffffffull);
+      const unsigned long long zero = 0;
+      CK(cudaMemcpyToSymbol(g_timeout, &zero, sizeof zero));
+      ok = false;
+    }
+    if (ok) ok = check_ref(c, b, C, who);
+  }
+  const long long d = ok ? first_diff(b, b.C, b.C2) : -1;
+  if (d >= 0) printf("  %s: NOT DETERMINISTIC: two runs differ first at index %lld\n", who, d), ok = false;
+  if (!ok) return false;
+  const char* vs_first = "";
+  if (!have_first) {
+    CK(cudaMemcpy(b.C0, b.C, b.nc * 2, cudaMemcpyDeviceToDevice));
+    have_first = true;
+  } else {
+    vs_first = first_diff(b, b.C, b.C0) < 0 ? ", same bits as the first" : ", other bits than the first";
+  }
+  const double ms = launch_ms([&] { engine_gemm_kernel<E><<<grid, kEngineThreads, E::kSmemBytes>>>(prm); });
+  CK(cudaGetLastError());
+  printf("  %-24s %2d stages %8.3f ms %7.1f TFLOP/s %6.3fx cuBLAS  (checked, deterministic%s)\n", who, E::kStages, ms,
+         c.flops() / ms * 1e-9, cublas_ms / ms, vs_first);
+  return true;
+}
+
+// C = A B^T for every expert: cuBLAS is column-major, so it computes C^T (N x M, ld N) =
+// B (N x K: op T of the K x N column-major view, ld K) x A^T (K x M column-major, ld K).
+static void cublas_gemm(cublasHandle_t h, const Case& c, const Buffers& b, bf16* C) {
+  const float one = 1.f, zero = 0.f;
+  CKB(cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, c.N, c.M, c.K, &one, b.B, CUDA_R_16BF, c.K,
+                                 (long long)c.N * c.K, b.A, CUDA_R_16BF, c.K, (long long)c.M * c.K, &zero, C,
+                                 CUDA_R_16BF, c.N, (long long)c.M * c.N, c.G, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// Lets E's kernel have its shared memory and prints its configuration.
+template <class E>
+static void describe(const char* sep) {
+  CK(cudaFuncSetAttribute(engine_gemm_kernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, E::kSmemBytes));
+  cudaFuncAttributes fa;
+  CK(cudaFuncGetAttributes(&fa, engine_gemm_kernel<E>));
+  printf("%s%s %dx%d: %d stages of %d KB, %d KB shared, %d registers a thread at launch", sep, E::name(), E::TM, E::TN,
+         E::kStages, E::kStageBytes / 1024, E::kSmemBytes / 1024, fa.numRegs);
+}
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  const char* only = nullptr;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--quick"))
+      quick = true;
+    else if (!strcmp(argv[i], "--case") && i + 1 < argc)
+      only = argv[++i];
+    else
+      return fprintf(stderr, "usage: engine_gemm [--quick] [--case SUBSTRING]\n"), 2;
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  g_sms = prop.multiProcessorCount;
+  if (prop.major != 9) return fprintf(stderr, "engine_gemm: needs sm_90 (found %d.%d)\n", prop.major, prop.minor), 1;
+  cublasHandle_t handle;
+  CKB(cublasCreate(&handle));
+
+  // The named layers (bench/shapes.py: T, H, F, E, K), each expert at M = T K / E rows.
+  struct Layer {
+    const char* name;
+    int T, H, F, E, K;
+  };
+  const Layer layers[] = {{"qwen3-30b-a3b", 16384, 2048, 768, 128, 8},
+                          {"gpt-oss-120b", 16384, 2880, 2880, 128, 4},
+                          {"mixtral-8x7b", 8192, 4096, 14336, 8, 2},
+                          {"deepseek-v3", 8192, 7168, 2048, 256, 8}};
+  std::vector<Case> cases;
+  cases.push_back({"tails", 3, 300, 904, 1000});
+  if (!quick) {
+    for (const Layer& l : layers) {
+      const int M = l.T * l.K / l.E;
+      Case up{}, down{};
+      snprintf(up.name, sizeof up.name, "%s gate/up", l.name);
+      snprintf(down.name, sizeof down.name, "%s down", l.name);
+      up.G = down.G = l.E, up.M = down.M = M;
+      up.N = 2 * l.F, up.K = l.H, down.N = l.H, down.K = l.F;
+      cases.push_back(up), cases.push_back(down);
+    }
+    cases.push_back({"dense", 1, 8192, 8192, 8192});
+  }
+  printf(
+      "engine_gemm: %s, %d SMs; C = A B^T per expert, bf16 in and out, fp32 accumulation; mean of %d launches "
+      "after %d\n",
+      prop.name, g_sms, kTimed, kWarm);
+  describe<Cooperative>("  ");
+  describe<PingPong128>("; ");
+  describe<PingPong64>("; ");
+  printf(" (setmaxnreg: producer %d, consumers %d)\n", kProducerRegs, kConsumerRegs);
+
+  int failed = 0;
+  for (const Case& c : cases) {
+    if (only && !strstr(c.name, only)) continue;
+    if (c.N % 8 || c.K % 8) {  // TMA: row pitches a multiple of 16 bytes
+      printf("%s: N and K must be multiples of 8\n", c.name);
+      failed++;
+      continue;
+    }
+    printf("%s: %d x (M %d, N %d, K %d), %.1f GFLOP\n", c.name, c.G, c.M, c.N, c.K, c.flops() * 1e-9);
+    fflush(stdout);
+    Buffers b{};
+    const size_t na = (size_t)c.G * c.M * c.K, nb = (size_t)c.G * c.N * c.K;
+    b.nc = (size_t)c.G * c.M * c.N;
+    CK(cudaMalloc(&b.A, na * 2));
+    CK(cudaMalloc(&b.B, nb * 2));
+    CK(cudaMalloc(&b.C, b.nc * 2));
+    CK(cudaMalloc(&b.C2, b.nc * 2));
+    CK(cudaMalloc(&b.C0, b.nc * 2));
+    CK(cudaMalloc(&b.ref, b.nc * 4));
+    CK(cudaMalloc(&b.word, sizeof(unsigned long long)));
+    fill_kernel<<<g_sms * 8, 256>>>(b.A, na, 1);
+    fill_kernel<<<g_sms * 8, 256>>>(b.B, nb, 2);
+    reference_kernel<<<dim3((c.N + 31) / 32, (c.M + 31) / 32, c.G), dim3(32, 32)>>>(b.A, b.B, b.ref, c.M, c.N, c.K);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+
+    CK(cudaMemset(b.C, 0xff, b.nc * 2));
+    cublas_gemm(handle, c, b, b.C);
+    CK(cudaDeviceSynchronize());
+    const bool peer_ok = check_ref(c, b, b.C, "cuBLAS");
+    const double peer_ms = launch_ms([&] { cublas_gemm(handle, c, b, b.C); });
+    printf("  %-24s %9s %8.3f ms %7.1f TFLOP/s%s\n", "cuBLAS", "", peer_ms, c.flops() / peer_ms * 1e-9,
+           peer_ok ? "  (checked)" : "");
+    failed += !peer_ok;
+    bool have_first = false;
+    failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
+    failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
+    failed += !run_engine<PingPong64>(c, b, peer_ms, have_first);
+    fflush(stdout);
+    CK(cudaFree(b.A));
+    CK(cudaFree(b.B));
+    CK(cudaFree(b.C));
+    CK(cudaFree(b.C2));
+    CK(cudaFree(b.C0));
+    CK(cudaFree(b.ref));
+    CK(cudaFree(b.word));
+  }
+  CKB(cublasDestroy(handle));
+  printf(failed ? "engine_gemm: %d checks FAILED\n" : "engine_gemm: every check passed\n", failed);
+  return failed ? 1 : 0;
+}
