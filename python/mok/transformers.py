@@ -15,12 +15,12 @@ Two paths:
   backward, on the module's own parameters. `replay(model, **options)` sets that
   implementation and mok's options (max_tokens, threads, expert parallelism, ...) on
   every experts module. It runs the experts of Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE,
-  DeepSeek-V3 and gpt-oss (its expert biases as mok's b13 / b2, its gate function as
-  mok's clamped SwiGLU with the module's limit and alpha); routers and shared experts
-  stay in torch.
+  DeepSeek-V2, DeepSeek-V3 and gpt-oss (its expert biases as mok's b13 / b2, its gate
+  function as mok's clamped SwiGLU with the module's limit and alpha); routers and
+  shared experts stay in torch.
 - Fused (`fuse(model, **options)`): each block of FUSED_FAMILIES (Qwen3-MoE, Mixtral,
-  OLMoE, Qwen2-MoE, DeepSeek-V3, gpt-oss) becomes a MokSparseMoeBlock that runs
-  routing, experts, shared expert and combine in mok's fused mode. The block keeps the
+  OLMoE, Qwen2-MoE, DeepSeek-V2, DeepSeek-V3, gpt-oss) becomes a MokSparseMoeBlock that
+  runs routing, experts, shared expert and combine in mok's fused mode. The block keeps the
   submodules it had (the same objects, so parameters, state_dict keys and
   output-recording hooks stay), and when the model collects router logits
   (output_router_logits) it calls its router module for them, so that transformers
@@ -29,8 +29,8 @@ Two paths:
 
 Layouts and their cost. mok's expert weights are w13 [E, 2F, H] (gate rows first) and
 w2 [E, H, F], bf16: the layout of Qwen3-MoE's, Mixtral's, OLMoE's, Qwen2-MoE's and
-DeepSeek-V3's gate_up_proj and down_proj, which mok then reads in place (no copy) when
-the model is bf16. What differs is converted on every call, through autograd (the
+DeepSeek-V2's and V3's gate_up_proj and down_proj, which mok then reads in place (no
+copy) when the model is bf16. What differs is converted on every call, through autograd (the
 gradients come back in the module's layout and dtype):
   - a float32 module: its weights and activations are rounded to bf16 (a copy of each
     expert weight, 2 bytes a parameter, every forward; its gradient is mok's bf16 one);
@@ -48,8 +48,9 @@ and the feature, never a fallback to another implementation: a custom gate funct
 (_apply_gate) other than gpt-oss's, post-expert norms, ungated experts, an activation
 other than SiLU (routed or shared experts), biases in a shared expert or its gate,
 transformers' own tensor/expert parallelism (DTensor parameters), and in fuse() any
-family not in FUSED_FAMILIES, and a configuration that libmok's backend on the block's
-device refuses (the gated shared expert of Qwen2-MoE on CUDA, so far).
+family not in FUSED_FAMILIES, a DeepSeek-V2 router whose topk_method mok lacks (or
+whose K exceeds its kept groups' experts), and a configuration that libmok's backend on
+the block's device refuses.
 
 Expert parallelism: with process_group= (a NCCL group, a GPU per rank, max_tokens
 required), replay() and fuse() keep on each rank only its E / W experts (rank r:
@@ -467,7 +468,7 @@ class MokSparseMoeBlock(nn.Module):
         if c.route_scale != 1.0:
             s += f", route_scale={c.route_scale}"
         if c.n_group:
-            s += f", n_group={c.n_group}, topk_group={c.topk_group}"
+            s += f", n_group={c.n_group}, topk_group={c.topk_group}, group_score={c.group_score!r}"
         if c.shared_ffn:
             s += f", shared_ffn={c.shared_ffn}"
         for flag in ("bias_select", "router_bias", "expert_bias", "shared_gate"):
@@ -512,13 +513,40 @@ def _deepseek_v3_routing(block: nn.Module) -> dict:
     keys among theirs; the weights the scores, divided by their sum (+1e-20, below fp32's
     resolution of a sum of sigmoids) per norm_topk_prob, times routed_scaling_factor."""
     g = block.gate
-    n_group, topk_group = g.num_group, g.topk_group
+    return dict(top_k=int(g.top_k), score="sigmoid", normalize=bool(g.norm_topk_prob),
+                route_scale=float(g.routed_scaling_factor), bias_select=True, **_groups(block, "top2"))
+
+
+def _groups(block: nn.Module, group_score: str) -> dict:
+    """The Config fields of the group-limited routing of a DeepSeek router (block.gate:
+    num_group, topk_group), or UnsupportedModuleError where they are not counts."""
+    n_group, topk_group = block.gate.num_group, block.gate.topk_group
     for name, v in (("n_group", n_group), ("topk_group", topk_group)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             _refuse(block, f"{name} = {v!r}: mok's group-limited routing takes n_group >= topk_group >= 1")
-    return dict(top_k=int(g.top_k), score="sigmoid", normalize=bool(g.norm_topk_prob),
-                route_scale=float(g.routed_scaling_factor), n_group=n_group, topk_group=topk_group,
-                group_score="top2", bias_select=True)
+    return dict(n_group=n_group, topk_group=topk_group, group_score=group_score)
+
+
+def _deepseek_v2_routing(block: nn.Module) -> dict:
+    """softmax scores; topk_method "greedy": top-K of all E; "group_limited_greedy": the
+    best topk_group of n_group groups by each group's largest score, top-K among theirs
+    (transformers zeroes the other groups' scores; mok leaves them out, the same choice
+    while K fits in the kept groups); the weights the scores, never normalised
+    (transformers' router reads no norm_topk_prob), times routed_scaling_factor."""
+    g = block.gate
+    fields = dict(top_k=int(g.top_k), score="softmax", normalize=False, route_scale=float(g.routed_scaling_factor))
+    if g.topk_method == "greedy":
+        return fields
+    if g.topk_method != "group_limited_greedy":
+        _refuse(block, f"a router with topk_method = {g.topk_method!r} (mok runs DeepSeek-V2's 'greedy' and "
+                       "'group_limited_greedy')")
+    groups = _groups(block, "max")
+    kept = groups["topk_group"] * (int(g.num_experts) // groups["n_group"])
+    if fields["top_k"] > kept:
+        _refuse(block, f"top_k = {fields['top_k']}, more than the {kept} experts of its topk_group kept groups "
+                       "(transformers then takes experts of the other groups too, at weight 0; mok chooses the K "
+                       "among the kept groups' experts)")
+    return dict(fields, **groups)
 
 
 def _families() -> Dict[type, _Family]:
@@ -532,6 +560,7 @@ def _families() -> Dict[type, _Family]:
         ("olmoe", "OlmoeSparseMoeBlock", _Family("olmoe", "gate", _top_k_normalized)),
         ("qwen2_moe", "Qwen2MoeSparseMoeBlock",
          _Family("qwen2_moe", "gate", _top_k_normalized, shared="shared_expert", shared_gate="shared_expert_gate")),
+        ("deepseek_v2", "DeepseekV2Moe", _Family("deepseek_v2", "gate", _deepseek_v2_routing, shared="shared_experts")),
         ("deepseek_v3", "DeepseekV3MoE", _Family("deepseek_v3", "gate", _deepseek_v3_routing, shared="shared_experts")),
         # top-K of the biased logits, softmax over those K: mok's softmax over E of the
         # biased logits, top-K, normalised (the same K weights)
@@ -551,7 +580,7 @@ def _families() -> Dict[type, _Family]:
 
 
 # the families fuse() runs (FUSED_FAMILIES): the families' names in transformers
-FUSED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")
+FUSED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
 
 def _looks_like_moe_block(module: nn.Module) -> bool:
@@ -625,8 +654,9 @@ _probed: Dict[tuple, Optional[str]] = {}
 def _check_backend(block: nn.Module, cfg: Config, device: torch.device):
     """Asks libmok whether its backend on `device` runs this block's configuration: a
     context for 16 tokens (and one rank) made and destroyed, once per configuration and
-    device. A variant the backend lacks (MOK_STATUS_UNSUPPORTED_SHAPE: the gated shared
-    expert on CUDA) is an UnsupportedModuleError naming the block and libmok's reason."""
+    device. What the backend does not run (MOK_STATUS_UNSUPPORTED_SHAPE: a variant it
+    lacks, a shape its kernels do not take) is an UnsupportedModuleError naming the block
+    and libmok's reason."""
     probe = dataclasses.replace(cfg, world_size=1, rank=0, comm_id="", max_tokens=None)
     key = (probe.key(), str(device))
     if key not in _probed:
@@ -657,17 +687,24 @@ _VARIANT_WORDS = (
 
 def fuse(model: nn.Module, **mok_options) -> List[str]:
     """Replaces each sparse-MoE block of `model` (FUSED_FAMILIES: Qwen3-MoE, Mixtral,
-    OLMoE, Qwen2-MoE, DeepSeek-V3, gpt-oss) by a MokSparseMoeBlock running the whole
-    block in mok's fused mode, and returns the replaced modules' names. Options: those
+    OLMoE, Qwen2-MoE, DeepSeek-V2, DeepSeek-V3, gpt-oss) by a MokSparseMoeBlock running
+    the whole block in mok's fused mode, and returns the replaced modules' names. Options: those
     of mok.MoE (max_tokens, num_threads, capacity, recompute_gate_up, reuse_saved,
     aux_loss_coef, z_loss_coef) and process_group (expert parallelism; module docstring).
 
     Routing: the block's router weight and rule, in mok's numerics: logits from bf16
-    products with fp32 sums (a float32 router weight, DeepSeek-V3's included, is rounded
-    to bf16), the weights kept in fp32 (transformers rounds them to the model's dtype),
-    ties to the lower expert index. Per family (transformers' code, read for 5.24):
+    products with fp32 sums (a float32 router weight, DeepSeek-V2's and V3's included,
+    is rounded to bf16), the weights kept in fp32 (transformers rounds them to the
+    model's dtype), ties to the lower expert index. Per family (transformers' code, read for 5.24):
       - Qwen3-MoE, OLMoE, Qwen2-MoE: softmax over E, top-K, normalised per
         norm_topk_prob; Mixtral: the same, always normalised (and its jitter noise).
+      - DeepSeek-V2: softmax over E; topk_method "greedy" (V2-Lite): top-K;
+        "group_limited_greedy" (V2): the topk_group best of n_group groups by their
+        largest score (mok's group_score "max"), top-K among those (refused where K
+        exceeds the kept groups' experts: transformers then takes other groups' experts
+        at weight 0); weights the scores, never normalised (transformers' DeepSeek-V2
+        router does not read the config's norm_topk_prob), times routed_scaling_factor.
+        Its first_k_dense_replace dense layers are not MoE blocks and stay as they are.
       - DeepSeek-V3: sigmoid scores; e_score_correction_bias (a buffer) added for the
         selection only (mok's bias_select); the topk_group best of n_group groups by
         the sum of their two largest selection keys; top-K among those; weights the
@@ -676,15 +713,16 @@ def fuse(model: nn.Module, **mok_options) -> List[str]:
         its gradient), top-K of them, softmax over those K (mok's softmax over E, top-K,
         normalised: the same weights).
     The experts as in the replay path (expert biases, gpt-oss's clamped SwiGLU). The
-    shared expert, where the family has one, runs inside mok too: DeepSeek-V3's
-    shared_experts and Qwen2-MoE's shared_expert become mok's shared expert of width Fs
-    (ws13 = [gate_proj; up_proj], ws2 = down_proj: a bf16 copy of them every forward,
-    through autograd), and Qwen2-MoE's shared_expert_gate mok's shared gate (w_sg,
-    y += sigmoid(x . w_sg) * shared(x)). libmok's CUDA backend does not run the shared
-    gate yet: fuse() asks libmok about each block's configuration on the block's device
-    (a context made and destroyed) and refuses, with UnsupportedModuleError, what its
-    backend there refuses (Qwen2-MoE on CUDA; the CPU backend runs it; a model fused on
-    the CPU and then moved to CUDA gets libmok's MokError at its first forward).
+    shared expert, where the family has one, runs inside mok too: DeepSeek-V2's and
+    V3's shared_experts (n_shared_experts * moe_intermediate_size wide) and Qwen2-MoE's
+    shared_expert become mok's shared expert of width Fs (ws13 = [gate_proj; up_proj],
+    ws2 = down_proj: a bf16 copy of them every forward, through autograd), and
+    Qwen2-MoE's shared_expert_gate mok's shared gate (w_sg, y += sigmoid(x . w_sg) *
+    shared(x)). fuse() asks libmok about each block's configuration on the block's
+    device (a context made and destroyed) and refuses, with UnsupportedModuleError,
+    what its backend there refuses (a variant or a shape that backend lacks; a model
+    fused on one device and moved to another gets libmok's MokError at its first
+    forward there).
 
     The load-balancing loss: transformers computes it over all layers together, from
     the router logits it collects when output_router_logits is set (f_e and P_e summed
@@ -693,7 +731,8 @@ def fuse(model: nn.Module, **mok_options) -> List[str]:
     model collects router logits the block calls its router module on its input (one
     [T, H] x [H, E] product in torch, and the recording hook on it), and the model's
     aux_loss and loss are then transformers' own, gradients included, with the same
-    router_aux_loss_coef (DeepSeek-V3's model records the logits and has no such loss).
+    router_aux_loss_coef (DeepSeek-V2's and V3's models record the logits and have no
+    such loss).
     mok's in-kernel losses are off unless asked for: with aux_loss_coef mok adds its
     per-block load-balancing loss, aux_loss_coef * E * sum_e f_e P_e with f_e = count_e
     / (T K), K times smaller than transformers' per-layer form (f_e = count_e / T) at the
@@ -702,7 +741,7 @@ def fuse(model: nn.Module, **mok_options) -> List[str]:
 
     Raises UnsupportedModuleError, before replacing anything, for a block mok cannot
     run (an unknown family's block, experts or a shared expert that need what mok
-    lacks, the shared gate where the backend refuses it)."""
+    lacks, a routing rule mok lacks, a variant the block's backend refuses)."""
     options, group = _take_options(mok_options, _FUSED_OPTIONS, "fuse()")
     families = _families()
     blocks = []

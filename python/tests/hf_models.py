@@ -13,7 +13,7 @@ import copy
 import torch
 import transformers
 
-H, F, E, K, LAYERS, VOCAB = 128, 64, 8, 2, 2, 128
+H, F, E, K, LAYERS, VOCAB = 128, 64, 8, 2, 2, 128  # LAYERS: the MoE layers (DeepSeek-V2's model has a dense one more)
 TOL = 2e-2  # mok's bf16 rounding points (a, h, o, y, ...) against a float32 eager model
 # gpt-oss's attention sinks (4 numbers a layer, each a sum over every query that cancels)
 # amplify the bf16 noise of the MoE outputs: rounding just the experts' outputs to bf16 in
@@ -36,6 +36,16 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(moe_intermediate_size=F, num_experts=E, intermediate_size=2 * F,
                        shared_expert_intermediate_size=F)),
+    # DeepSeek-V2's router: softmax, 2 groups of 4 experts, the one with the largest
+    # score kept (topk_method "group_limited_greedy"; a group's score is its largest, so
+    # groups change the choice only where topk_group < K), unnormalised weights times
+    # routed_scaling_factor; 2 shared experts (mok's Fs = 2F); layer 0 dense
+    # (first_k_dense_replace 1), so 3 layers for LAYERS MoE ones
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(moe_intermediate_size=F, n_routed_experts=E, intermediate_size=2 * F, n_shared_experts=2,
+                         topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=2.0,
+                         first_k_dense_replace=1, num_hidden_layers=LAYERS + 1, num_key_value_heads=4,
+                         kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32)),
     # every layer MoE (first_k_dense_replace 0); 2 groups of 4 experts, the best one kept
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     dict(moe_intermediate_size=F, n_routed_experts=E, intermediate_size=2 * F, n_shared_experts=1,
@@ -52,9 +62,9 @@ FAMILIES = {
                 dict(intermediate_size=F, num_local_experts=E, head_dim=32, swiglu_limit=2.5078125,
                      rope_parameters=dict(rope_type="default", rope_theta=10000.0), layer_types=None)),
 }
-FUSED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")  # the families fuse() runs
+FUSED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")  # what fuse() runs
 REPLAY = FUSED                                  # and those whose experts the replay path runs
-FUSED_CUDA = tuple(f for f in FUSED if f != "qwen2_moe")  # libmok's CUDA backend has no shared gate yet
+NO_AUX_LOSS = ("deepseek_v2", "deepseek_v3")   # their models record router logits but compute no aux loss
 
 
 def config(family, **overrides):
@@ -118,18 +128,26 @@ def _is_grouped(router):
     return hasattr(router, "e_score_correction_bias")
 
 
+def _is_deepseek_v2(router):
+    """DeepSeek-V2's router: softmax scores, groups per topk_method, no normalisation."""
+    return hasattr(router, "topk_method")
+
+
 def _forced_weights(router, logits, chosen):
     """The weights `router` gives the experts `chosen` [T, K], from its logits as it
     computes them: DeepSeek-V3 the sigmoid scores, normalised per norm_topk_prob and
-    times routed_scaling_factor; the others the softmax probabilities, normalised where
-    the router normalises (Mixtral always, gpt-oss's softmax over its K logits is that
-    too, the others per norm_topk_prob)."""
+    times routed_scaling_factor; DeepSeek-V2 the softmax probabilities times
+    routed_scaling_factor; the others the softmax probabilities, normalised where the
+    router normalises (Mixtral always, gpt-oss's softmax over its K logits is that too,
+    the others per norm_topk_prob)."""
     if _is_grouped(router):
         w = logits.float().sigmoid().gather(-1, chosen)
         if router.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return w * router.routed_scaling_factor
     w = logits.float().softmax(-1).gather(-1, chosen)
+    if _is_deepseek_v2(router):
+        return w * router.routed_scaling_factor
     if getattr(router, "norm_topk_prob", True):
         w = w / w.sum(-1, keepdim=True)
     return w
@@ -138,14 +156,18 @@ def _forced_weights(router, logits, chosen):
 def choice_gap(router, logits, K):
     """[T]: how near a tie the router's choice of K experts was for each token: the
     smallest gap between consecutive ones of the top K + 1 of what it selects by (the
-    softmax probabilities; DeepSeek-V3: sigmoid score + selection bias, and the gap
-    between the last group kept and the next)."""
-    if not _is_grouped(router):
+    softmax probabilities; DeepSeek-V3: sigmoid score + selection bias), and with groups
+    the gap between the last group kept and the next (a group's score DeepSeek-V3's
+    top-2 sum, DeepSeek-V2's largest)."""
+    if _is_grouped(router):
+        keys, per_group = logits.float().sigmoid() + router.e_score_correction_bias.float(), 2
+    elif _is_deepseek_v2(router) and router.topk_method == "group_limited_greedy":
+        keys, per_group = logits.float().softmax(-1), 1
+    else:
         top = logits.float().softmax(-1).topk(K + 1, dim=-1).values
         return (top[:, :-1] - top[:, 1:]).min(-1).values
-    keys = logits.float().sigmoid() + router.e_score_correction_bias.float()
     G, kept = router.num_group, router.topk_group
-    groups = keys.view(keys.shape[0], G, -1).topk(2, dim=-1).values.sum(-1)  # [T, G]
+    groups = keys.view(keys.shape[0], G, -1).topk(per_group, dim=-1).values.sum(-1)  # [T, G]
     order = groups.topk(min(kept + 1, G), dim=-1)
     gap = torch.full_like(keys[:, 0], float("inf"))
     if kept < G:
@@ -281,8 +303,9 @@ def check_same_step(a, b):
 
 def check_round_trip(path, tmp_path, device="cpu", family="qwen3_moe"):
     """save_pretrained of a mok model (Qwen3-MoE by default), from_pretrained of it
-    (replay: with experts_implementation="mok"; fused: eager, then fuse()): the same
-    state_dict (buffers included: DeepSeek-V3's selection bias) and step, bit for bit."""
+    (replay: with experts_implementation="mok"; fused: eager, then fuse(), the same
+    blocks replaced): the same state_dict (buffers included: DeepSeek-V3's selection
+    bias) and step, bit for bit."""
     import mok.transformers as mt
 
     eager = make_model(family, device=device)
@@ -295,7 +318,7 @@ def check_round_trip(path, tmp_path, device="cpu", family="qwen3_moe"):
     assert loaded.config._experts_implementation == impl
     loaded = loaded.to(device).train()
     if path == "fused":
-        assert mt.fuse(loaded) == [f"model.layers.{i}.mlp" for i in range(LAYERS)]
+        assert mt.fuse(loaded) == [n for n, m in model.named_modules() if isinstance(m, mt.MokSparseMoeBlock)]
     a, b = model.state_dict(), loaded.state_dict()
     assert list(a) == list(b)
     for n in a:

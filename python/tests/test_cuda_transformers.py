@@ -4,11 +4,11 @@ GPU, for the replay path (experts_implementation="mok") and the fused one
 (mok.transformers.fuse), each family's tiny model (hf_models.py) in float32 with
 bf16-representable weights against the same model with experts_implementation="eager"
 on the GPU: logits, loss, aux loss and every parameter's gradient within bf16 rounding,
-routing the same except near ties (every family in the replay path; in the fused one
-all but Qwen2-MoE, whose gated shared expert the CUDA backend refuses: fuse() refuses
-it). Then the save_pretrained / from_pretrained round trip (bitwise), torch.compile of
-a patched model, and D1 of a whole training step (forward, backward, AdamW): two runs
-from the same state give the same bits.
+routing the same except near ties (every family in both paths: Qwen2-MoE's gated
+shared expert in the kernels in the fused one). Then the save_pretrained /
+from_pretrained round trip (bitwise), torch.compile of a patched model, D1 of a whole
+training step (forward, backward, AdamW): two runs from the same state give the same
+bits, and fuse()'s refusal of a block whose shape the CUDA backend does not run.
 
 Run it in a process of its own (CUBLAS_WORKSPACE_CONFIG is set here, before cuBLAS
 starts, for torch's deterministic mode)."""
@@ -25,8 +25,8 @@ pytest.importorskip("transformers.integrations.moe")
 
 import mok  # noqa: E402
 import mok.transformers as mt  # noqa: E402
-from hf_models import (FUSED_CUDA, REPLAY, batch, check_compile, check_round_trip, check_same_step,  # noqa: E402
-                       compare, make_model, mok_copy, step)
+from hf_models import (FUSED, NO_AUX_LOSS, REPLAY, batch, check_compile, check_round_trip,  # noqa: E402
+                       check_same_step, compare, make_model, mok_copy, step)
 
 PATHS = ["replay", "fused"]
 
@@ -60,7 +60,7 @@ def deterministic():
 
 
 def cases():
-    return [(f, p) for p in PATHS for f in (REPLAY if p == "replay" else FUSED_CUDA)]
+    return [(f, p) for p in PATHS for f in (REPLAY if p == "replay" else FUSED)]
 
 
 @pytest.mark.parametrize("family,path", cases(), ids=[f"{f}-{p}" for f, p in cases()])
@@ -68,9 +68,12 @@ def test_cuda_matches_eager(family, path):
     eager = make_model(family, device="cuda")
     model = mok_copy(eager, path)
     got, ref = compare(eager, model, batch("cuda"))
-    assert got["logits"].is_cuda and (got["aux_loss"] is None) == (family == "deepseek_v3")  # (no such loss there)
-    for n, g in got["grads"].items():  # mok's bf16 gradients, not eager's
-        if ".mlp.experts." in n:
+    assert got["logits"].is_cuda and (got["aux_loss"] is None) == (family in NO_AUX_LOSS)  # (no such loss there)
+    # mok's bf16 gradients, not eager's: the experts', and in the fused path the shared
+    # expert's and its gate's (Qwen2-MoE's shared_expert_gate: w_sg's gradient in the kernels)
+    mine = (".mlp.experts.", ".mlp.shared_expert") if path == "fused" else (".mlp.experts.",)
+    for n, g in got["grads"].items():
+        if any(m in n for m in mine):
             assert torch.equal(g, g.bfloat16().float()), n
     assert not torch.equal(got["logits"], ref["logits"])
 
@@ -87,7 +90,7 @@ def training_run(model, inputs, steps=2):
 
 
 @pytest.mark.parametrize("family,path", [("qwen3_moe", "replay"), ("qwen3_moe", "fused"), ("mixtral", "fused"),
-                                         ("olmoe", "replay")])
+                                         ("olmoe", "replay"), ("qwen2_moe", "fused")])
 def test_cuda_training_step_is_bitwise_repeatable(family, path, deterministic):
     """D1 of a whole training step on the GPU: two runs of two steps from the same state
     (weights and a fresh AdamW) give the same loss, logits and gradients at each step
@@ -117,11 +120,13 @@ def test_cuda_torch_compile(path):
 
 
 def test_cuda_unsupported_is_refused():
-    """Qwen2-MoE's block in fuse(): libmok's CUDA backend refuses its gated shared expert
-    (MOK_STATUS_UNSUPPORTED_SHAPE at create), so fuse() refuses it there, replacing
-    nothing; its experts run in the replay path (test_cuda_matches_eager)."""
-    model = make_model("qwen2_moe", device="cuda")
+    """A block whose shape libmok's CUDA backend does not run (an expert width of 96, not
+    a multiple of the kernels' 64: MOK_STATUS_UNSUPPORTED_SHAPE at create): fuse() asks
+    the backend and refuses the block there, naming it and libmok's reason, replacing
+    nothing."""
+    model = make_model("qwen3_moe", device="cuda", moe_intermediate_size=96)
     with pytest.raises(mt.UnsupportedModuleError,
-                       match=r"Qwen2MoeSparseMoeBlock\) has a sigmoid-gated shared expert.*UNSUPPORTED_SHAPE"):
+                       match=r"model\.layers\.0\.mlp \(Qwen3MoeSparseMoeBlock\) has a configuration on cuda.*"
+                             r"UNSUPPORTED_SHAPE.*multiples of 64"):
         mt.fuse(model)
     assert not any(isinstance(m, mt.MokSparseMoeBlock) for m in model.modules())

@@ -5,8 +5,9 @@ experts_implementation="eager": logits, loss, aux loss and every parameter's gra
 within mok's bf16 rounding, routing the same except near ties; for the replay path
 (experts_implementation="mok") and the fused one (mok.transformers.fuse), every family
 both ways (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE with its gated shared expert,
-DeepSeek-V3 with group-limited sigmoid routing and its shared experts, gpt-oss with its
-biases and clamped SwiGLU). Then the save_pretrained / from_pretrained round trip
+DeepSeek-V2 with group-limited softmax routing (a group's largest score), its shared
+experts and a dense first layer, DeepSeek-V3 with group-limited sigmoid routing and its
+shared experts, gpt-oss with its biases and clamped SwiGLU). Then the save_pretrained / from_pretrained round trip
 (bitwise), torch.compile of a patched model, the layouts that convert (transposed,
 interleaved), gpt-oss's clamp where most entries are clamped, the errors for what mok
 lacks, the K factor between the two load-balancing losses, and D1 of a training step."""
@@ -23,9 +24,9 @@ pytest.importorskip("transformers.integrations.moe")
 
 import mok  # noqa: E402
 import mok.transformers as mt  # noqa: E402
-from hf_models import (E, F, FUSED, H, K, LAYERS, REPLAY, TOL, batch, check_close, check_compile,  # noqa: E402
-                       check_round_trip, check_routing, check_same_step, compare, make_model, mok_copy, rel_err,
-                       step)
+from hf_models import (E, F, FUSED, H, K, LAYERS, NO_AUX_LOSS, REPLAY, TOL, batch, check_close,  # noqa: E402
+                       check_compile, check_round_trip, check_routing, check_same_step, compare, make_model, mok_copy,
+                       rel_err, step)
 
 PATHS = ["replay", "fused"]
 
@@ -39,9 +40,9 @@ def test_matches_eager(family, path):
     eager = make_model(family)
     model = mok_copy(eager, path)
     got, ref = compare(eager, model, batch())
-    # transformers' own aux loss, from router logits the mok model returned (DeepSeek-V3's
-    # model records the logits and has no such loss)
-    assert (got["aux_loss"] is None) == (ref["aux_loss"] is None) == (family == "deepseek_v3")
+    # transformers' own aux loss, from router logits the mok model returned (DeepSeek-V2's
+    # and V3's models record the logits and have no such loss)
+    assert (got["aux_loss"] is None) == (ref["aux_loss"] is None) == (family in NO_AUX_LOSS)
     assert len(got["router_logits"]) == LAYERS
     for a, b in zip(got["router_logits"], ref["router_logits"]):
         assert a.shape == b.shape and rel_err(a, b) < TOL
@@ -100,7 +101,7 @@ def test_training_step_is_bitwise_repeatable(path):
         check_same_step(a, r)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"])
 def test_state_dict_keys_and_parameters_are_kept(family):
     eager = make_model(family)
     keys = list(eager.state_dict())
@@ -110,7 +111,7 @@ def test_state_dict_keys_and_parameters_are_kept(family):
         for (n, p), (m, q) in zip(eager.named_parameters(), model.named_parameters()):
             assert n == m and torch.equal(p, q)
     fused = copy.deepcopy(eager)
-    blocks = {n: dict(b.named_children()) for n, b in fused.named_modules() if n.endswith("mlp")}
+    blocks = {n: dict(b.named_children()) for n, b in fused.named_modules() if hasattr(b, "experts")}
     mt.fuse(fused)
     for n, children in blocks.items():  # the same modules inside the new block, under their names
         b = fused.get_submodule(n)
@@ -128,7 +129,7 @@ def test_bf16_weights_are_read_in_place():
     assert w13.data_ptr() == experts.gate_up_proj.data_ptr() and w2.data_ptr() == experts.down_proj.data_ptr()
 
 
-ROUND_TRIPS = [(p, f) for p in PATHS for f in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss")]
+ROUND_TRIPS = [(p, f) for p in PATHS for f in ("qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")]
 
 
 @pytest.mark.parametrize("path,family", ROUND_TRIPS, ids=[f"{f}-{p}" for p, f in ROUND_TRIPS])
@@ -312,6 +313,23 @@ def test_deepseek_v3_selection_bias_is_read():
         assert b.gate.e_score_correction_bias.grad is None
 
 
+def test_deepseek_v2_greedy_and_dense_layer():
+    """DeepSeek-V2-Lite's router, topk_method "greedy" (top-K of the softmax over all E,
+    no groups), both paths against eager; fuse() replaces the MoE layers only (layer 0 is
+    dense, first_k_dense_replace) and its blocks carry the router rule: no groups in
+    greedy, a group's largest score in group_limited_greedy, never normalised."""
+    eager = make_model("deepseek_v2", topk_method="greedy", n_group=None, topk_group=None)
+    for path in PATHS:
+        compare(eager, mok_copy(eager, path), batch())
+    fused = mok_copy(eager, "fused")
+    assert type(fused.model.layers[0].mlp).__name__ == "DeepseekV2MLP"
+    blocks = [m for m in fused.modules() if isinstance(m, mt.MokSparseMoeBlock)]
+    assert [(b.config.n_group, b.config.normalize, b.config.route_scale) for b in blocks] == [(0, False, 2.0)] * LAYERS
+    grouped = [m for m in mok_copy(make_model("deepseek_v2"), "fused").modules() if isinstance(m, mt.MokSparseMoeBlock)]
+    assert [(b.config.n_group, b.config.topk_group, b.config.group_score, b.config.shared_ffn) for b in grouped] \
+        == [(2, 1, "max", 2 * F)] * LAYERS
+
+
 def test_shared_gate_where_the_backend_refuses_it(monkeypatch):
     """fuse() asks libmok whether the block's backend runs its configuration: where it
     refuses it (MOK_STATUS_UNSUPPORTED_SHAPE, as the CUDA backend refuses the gated
@@ -343,7 +361,8 @@ def check_fuse_refused(model, match):
 
 def test_what_the_new_families_lack_is_refused():
     """A shared expert of another activation (DeepSeek-V3), a bias in Qwen2-MoE's shared
-    expert gate, gpt-oss's experts with their gate function replaced."""
+    expert gate, gpt-oss's experts with their gate function replaced, DeepSeek-V2's
+    router with a topk_method mok lacks or more experts than its kept groups hold."""
     model = make_model("deepseek_v3")
     model.model.layers[1].mlp.shared_experts.act_fn = torch.nn.GELU()
     check_fuse_refused(model, r"model\.layers\.1\.mlp\.shared_experts \(DeepseekV3MLP\).*activation GELU")
@@ -357,6 +376,12 @@ def test_what_the_new_families_lack_is_refused():
         mt.replay(model)
     with pytest.raises(mt.UnsupportedModuleError, match=r"OtherGate.*own gate function"):
         mt.fuse(model)
+    model = make_model("deepseek_v2")
+    model.model.layers[2].mlp.gate.topk_method = "noaux_tc"
+    check_fuse_refused(model, r"model\.layers\.2\.mlp \(DeepseekV2Moe\) has a router with topk_method = 'noaux_tc'")
+    check_fuse_refused(make_model("deepseek_v2", num_experts_per_tok=5),
+                       r"model\.layers\.1\.mlp \(DeepseekV2Moe\) has top_k = 5, more than the 4 experts of its "
+                       r"topk_group kept groups")
 
 
 def test_other_activation_is_refused():
