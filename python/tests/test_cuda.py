@@ -1,7 +1,9 @@
 """mok.MoE on the CUDA backend (skipped without a GPU; `make test-gpu` runs it on the
-H200): the GPU layer against the CPU layer with the same weights, bitwise repeatable
-steps, replay routing, torch.compile(fullgraph=True) against eager, and
-reduce_replicated on GPU partials against the host's bits."""
+H200): the GPU layer against the CPU layer with the same weights (the variants too:
+gpt-oss's, DeepSeek-V3's groups, Qwen2-MoE's gated shared expert), bitwise repeatable
+steps, replay routing (the shared expert with and without its gate),
+torch.compile(fullgraph=True) against eager, and reduce_replicated on GPU partials
+against the host's bits."""
 import copy
 
 import pytest
@@ -34,7 +36,7 @@ def step(m, x, dy, idx=None, w=None):
         out.update(aux_loss=m.aux_loss.detach(), z_loss=m.z_loss.detach())
     else:
         out["d_topk_weight"] = w.grad
-    for name in ("w_router", "w13", "w2", "ws13", "ws2", "b_router", "b13", "b2"):
+    for name in ("w_router", "w13", "w2", "ws13", "ws2", "b_router", "b13", "b2", "w_sg"):
         p = getattr(m, name)
         if p is not None:
             out["d_" + name] = p.grad
@@ -61,7 +63,9 @@ def inputs(device):
                                 dict(router_bias=True, expert_bias=True, swiglu_limit=7.0, aux_loss_coef=1e-2),
                                 # DeepSeek-V3's router: 4 groups, the best 2 by their top-2 sums
                                 dict(score="sigmoid", bias_select=True, route_scale=2.5, n_group=4, topk_group=2,
-                                     shared_ffn=FS)])
+                                     shared_ffn=FS),
+                                # Qwen2-MoE's gated shared expert: sigmoid(x . w_sg) scales it, w_sg's gradient
+                                dict(shared_ffn=FS, shared_gate=True, aux_loss_coef=1e-2, z_loss_coef=1e-3)])
 def test_cuda_matches_cpu(kw):
     cpu = mok.MoE(H, F, E, K, **kw)
     gpu = copy.deepcopy(cpu).cuda()
@@ -72,6 +76,7 @@ def test_cuda_matches_cpu(kw):
     assert differ <= 0.01, f"{differ:.2%} of the top-K slots differ (only near-ties may)"
     errs = {k: rel_err(b[k], a[k]) for k in a if k not in ("topk_idx", "tokens_per_expert")}
     assert all(e <= TOL for e in errs.values()), errs
+    assert ("d_w_sg" in errs) == bool(kw.get("shared_gate"))  # the gate's gradient is among them
 
 
 def same_bits_as_kept(**variant):
@@ -121,8 +126,10 @@ def test_cuda_reuse_saved_gives_the_same_bits_and_one_backward():
     mok.synchronize()  # (the error is reported once)
 
 
-def test_cuda_replay_matches_cpu():
-    cpu = mok.MoE(H, F, E, K, routing="replay", shared_ffn=FS)
+@pytest.mark.parametrize("kw", [dict(shared_ffn=FS), dict(shared_ffn=FS, shared_gate=True)],
+                         ids=["shared", "shared-gate"])
+def test_cuda_replay_matches_cpu(kw):
+    cpu = mok.MoE(H, F, E, K, routing="replay", **kw)
     gpu = copy.deepcopy(cpu).cuda()
     x, dy, idx, w = inputs("cpu")
     a = step(cpu, x, dy, idx, w)
@@ -130,6 +137,7 @@ def test_cuda_replay_matches_cpu():
     assert torch.equal(a["tokens_per_expert"], b["tokens_per_expert"].cpu())
     errs = {k: rel_err(b[k], a[k]) for k in a if k not in ("topk_idx", "tokens_per_expert")}
     assert all(e <= TOL for e in errs.values()), errs
+    assert ("d_w_sg" in errs) == bool(kw.get("shared_gate"))
 
 
 def test_cuda_int64_index_outside_int32_is_refused_on_the_device():
