@@ -332,8 +332,9 @@ def test_deepseek_v2_greedy_and_dense_layer():
 
 def test_shared_gate_where_the_backend_refuses_it(monkeypatch):
     """fuse() asks libmok whether the block's backend runs its configuration: where it
-    refuses it (MOK_STATUS_UNSUPPORTED_SHAPE, as the CUDA backend refuses the gated
-    shared expert; here a stand-in context that refuses it on the CPU), fuse() raises
+    refuses it (MOK_STATUS_UNSUPPORTED_SHAPE, as CUDA builds before the kernels' shared
+    gate refused the gated shared expert; here a stand-in context that refuses it on the
+    CPU), fuse() raises
     UnsupportedModuleError naming the block and the feature, and replaces nothing."""
     class Refusing:
         def __init__(self, cfg, T, device):
