@@ -228,8 +228,12 @@ typedef struct {
    * from h_s), dl_g = bf16(d s_g s_g (1 - s_g)); dx[t] adds dl_g w_sg[h] (one fp32
    * product) after the shared expert's d_a_s·ws13; d_w_sg = sum over tokens of dl_g x[t]
    * (fp32), a replicated gradient through mok's fixed tree like d_w_router, written or
-   * added into per cfg.wgrad. Needs Fs > 0 (else MOK_STATUS_INVALID_ARGUMENT); CPU
-   * backend (CUDA: MOK_STATUS_UNSUPPORTED_SHAPE). 0 = off. */
+   * added into per cfg.wgrad. Needs Fs > 0 (else MOK_STATUS_INVALID_ARGUMENT). Both
+   * backends; the CUDA kernels sum the two dot products in a warp (a lane's 8-element
+   * chunks h = 8 (lane + 32 u) .. in increasing u, then a fixed butterfly), keep o_s in
+   * the saved buffer (T (4 + 2H) bytes more) and sum d_w_sg over 64-token chunks in
+   * increasing t, then the tree: the same bits at every W and batch (D3, D4), agreeing
+   * with the CPU to fp32 rounding of those sums. 0 = off. */
   int use_shared_gate;
   /* outputs and execution */
   mok_wgrad_t wgrad;

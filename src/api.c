@@ -224,17 +224,6 @@ static mok_status_t validate_variants(const mok_config_t* c) {
   return MOK_STATUS_SUCCESS;
 }
 
-#ifdef MOK_HAVE_CUDA
-/* The variants the CUDA kernels do not have yet: each UNSUPPORTED_SHAPE, naming its field. */
-static mok_status_t cuda_variants(const mok_config_t* c) {
-  if (c->use_shared_gate)
-    return CFG_ERR(MOK_STATUS_UNSUPPORTED_SHAPE,
-                   "cfg.use_shared_gate = %d: the gated shared expert is CPU-only so far (the CUDA kernels "
-                   "have no gate); use cfg.backend = MOK_BACKEND_CPU, or use_shared_gate = 0", c->use_shared_gate);
-  return MOK_STATUS_SUCCESS;
-}
-#endif
-
 static mok_status_t validate_config(const mok_config_t* c) {
   if (c->struct_size != sizeof(mok_config_t) || c->version != MOK_VERSION_CODE)
     return CFG_ERR(MOK_STATUS_VERSION_MISMATCH,
@@ -323,8 +312,6 @@ static mok_status_t validate_config(const mok_config_t* c) {
                        "cfg.comm_unique_id is NULL: the CUDA backend with W = %d > 1 needs the ranks' NCCL unique "
                        "id (mok_comm_unique_id on one rank, the same bytes on every rank)", c->W);
     }
-    const mok_status_t kernels = cuda_variants(c);
-    if (kernels) return kernels;
 #endif
   }
   if (c->E > MOK_MAX_EXPERTS)

@@ -412,8 +412,8 @@ static int create_activation(void) {
 /* Without nvcc the library has no CUDA backend: BACKEND_UNAVAILABLE. With it, a shape
  * the kernels take creates (a GPU) or gives BACKEND_UNAVAILABLE (no device), and one
  * they do not take (F = 32, K = 33) gives UNSUPPORTED_SHAPE. EXACT numerics is CPU-only.
- * The kernels take any E up to MOK_MAX_EXPERTS, group-limited routing, the router bias
- * and the clamped SwiGLU. */
+ * The kernels take any E up to MOK_MAX_EXPERTS, group-limited routing, the router bias,
+ * the clamped SwiGLU and the gated shared expert. */
 static int cuda_takes(const mok_config_t* c, const char* what) {
 #ifndef MOK_HAVE_CUDA
   return expect_create(c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda", what);
@@ -447,6 +447,8 @@ static int create_backend(void) {
   bad += cuda_takes(&v, "cuda backend, use_router_bias = 1");
   v = c, v.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, v.swiglu_alpha = 1.702f, v.swiglu_limit = 7.0f;
   bad += cuda_takes(&v, "cuda backend, the clamped SwiGLU");
+  v = c, v.use_shared_gate = 1;
+  bad += cuda_takes(&v, "cuda backend, use_shared_gate = 1");
   v = c, v.E = 1024, v.K = 32;  /* the most experts (internal.h: MOK_MAX_EXPERTS) */
   bad += cuda_takes(&v, "cuda backend, E = 1024, K = 32");
 #ifdef MOK_HAVE_CUDA
@@ -737,21 +739,6 @@ static int variant_arguments(void) {
   return bad;
 }
 
-/* The CUDA kernels have every variant but the shared expert's gate so far: it is refused
- * at create by name (UNSUPPORTED_SHAPE, on a shape the kernels take otherwise), or
- * BACKEND_UNAVAILABLE without a CUDA backend. */
-static int create_backend_variants(void) {
-  mok_config_t c = base_config();
-  c.backend = MOK_BACKEND_CUDA;
-  c.F = c.Fs = 64;
-  c.use_shared_gate = 1;
-#ifndef MOK_HAVE_CUDA
-  return expect_create(&c, MOK_STATUS_BACKEND_UNAVAILABLE, -1, "backend|CUDA|cuda", "use_shared_gate");
-#else
-  return expect_create(&c, MOK_STATUS_UNSUPPORTED_SHAPE, -1, "use_shared_gate", "use_shared_gate");
-#endif
-}
-
 static int status_strings(void) {
   for (int i = 0; i < MOK_STATUS_COUNT_; i++) {
     const char* s = mok_status_string((mok_status_t)i);
@@ -818,7 +805,6 @@ const test_case_t suite_validation[] = {
     {"empty_batch", empty_batch},
     {"variant_arguments", variant_arguments},
     {"create_activation", create_activation},
-    {"create_backend_variants", create_backend_variants},
     {"status_strings", status_strings},
     {"version", version},
     {"comm_unique_id", comm_unique_id},

@@ -151,9 +151,9 @@ static void (*backward_kernel(const mok_config_t& c))(BwdParams) {
 }
 // A chunk's replicated-gradient partials, the vector the tree sums: [d_w_router E H |
 // d_ws13 2 Fs H | d_ws2 H Fs | d_b_router E, rounded up to 4 (the tree's float4 columns;
-// use_router_bias)].
+// use_router_bias) | d_w_sg H (use_shared_gate)].
 static int64_t partial_len(const mok_config_t& c) {
-  return c.E * c.H + 3 * c.Fs * c.H + (c.use_router_bias ? (c.E + 3) / 4 * 4 : 0);
+  return c.E * c.H + 3 * c.Fs * c.H + (c.use_router_bias ? (c.E + 3) / 4 * 4 : 0) + (c.use_shared_gate ? c.H : 0);
 }
 
 static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
@@ -166,6 +166,7 @@ static Shape make_shape(const mok_config_t& c, int64_t T, bool pairs) {
   s.normalize = c.normalize != 0;
   s.use_bias = c.use_bias_select != 0;
   s.use_router_bias = c.use_router_bias != 0;
+  s.shared_gate = c.use_shared_gate != 0;
   s.swiglu_alpha = c.swiglu_alpha, s.swiglu_limit = c.swiglu_limit;
   s.Ep = (int)router_stride(c);
   s.n_group = c.n_group, s.topk_group = c.topk_group;
@@ -219,7 +220,7 @@ struct Plan {
 
 struct SavedPlan {
   size_t header, idx, g, pos, logits, counts, expert_off, tile_band, sorted, loc_off, loc_shift, x_rows, a_rows,
-      h_rows, o_rows, sa, sh, total;
+      h_rows, o_rows, sa, sh, sg, shared_o, total;
 };
 static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   const int64_t R = recv_rows(c, T), Rx = c.W == 1 ? R : 0;  // (W > 1: x_rows, o_rows in the window)
@@ -243,6 +244,9 @@ static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   s.o_rows = p.take(Rx * c.H * 2);
   s.sa = p.take(keep * T * 2 * c.Fs * 2);
   s.sh = p.take(keep * T * c.Fs * 2);
+  const int64_t gated = c.use_shared_gate != 0;  // (the gate and o_s for d s_g = dy . o_s)
+  s.sg = p.take(gated * T * 4);
+  s.shared_o = p.take(gated * T * c.H * 2);
   s.total = p.at;
   return s;
 }
@@ -296,14 +300,15 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   w.tile_row_end = p.take((int64_t)s.max_mt * 4);
   w.num_tiles = p.take(4);
   w.chunk_stats = p.take((int64_t)s.nb * 2 * (c.E + 1) * 4);
-  w.shared_o = p.take((c.Fs > 0) * T * c.H * 2);  // (the shared expert's output: none without one)
+  // the shared expert's output: none without one, in saved with the gate (plan_saved)
+  w.shared_o = p.take((c.Fs > 0 && !c.use_shared_gate) * T * c.H * 2);
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
   w.gate_up = plan_gate_up(c, T, p, true);
   w.total = p.at;
   return w;
 }
 struct BwdWsPlan {
-  size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, partials, cta_maps, total;
+  size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, dy_s, dl_g, partials, cta_maps, total;
   int64_t partial_len;
   bool partials_in_dy_rows;  // (then partials is unused: they go where dy_rows are)
   GateUpPlan gate_up;
@@ -342,6 +347,9 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   w.d_a_s = p.take(own_da * T * 2 * c.Fs * 2);
   w.dx_router = p.take(!bwd_dx_router_in_h(c) * fused * T * c.H * 4);
   w.dx_shared = p.take(shared * T * c.H * 4);
+  const int64_t gated = c.use_shared_gate != 0;
+  w.dy_s = p.take(gated * T * c.H * 2);
+  w.dl_g = p.take(gated * T * 2);
   // The replicated gradients' chunk partials [chunks, partial_len] fp32 go where dy_rows
   // are (this rank's window at W > 1) when they fit: RW writes them after every reader
   // of dy_rows (dh, wgrad2) has finished. They fit when E <= 32 K without a shared
@@ -769,6 +777,8 @@ static SavedView saved_view(const mok_context_t* ctx, void* base) {
   v.o_rows = reinterpret_cast<bf16*>(b + sp.o_rows);
   v.sa = reinterpret_cast<bf16*>(b + sp.sa);
   v.sh = reinterpret_cast<bf16*>(b + sp.sh);
+  v.sg = reinterpret_cast<float*>(b + sp.sg);
+  v.shared_o = reinterpret_cast<bf16*>(b + sp.shared_o);
   if (c.W > 1) v.x_rows = gpu(ctx)->peer_x_rows.rows[c.rank], v.o_rows = gpu(ctx)->peer_o_rows.rows[c.rank];
   return v;
 }
@@ -848,6 +858,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.b_router = c.use_router_bias ? a->b_router : nullptr;
   p.b13 = c.use_expert_bias ? static_cast<const bf16*>(a->b13) : nullptr;
   p.b2 = c.use_expert_bias ? static_cast<const bf16*>(a->b2) : nullptr;
+  p.w_sg = c.use_shared_gate ? static_cast<const bf16*>(a->w_sg) : nullptr;
   p.in_idx = a->topk_idx;
   p.in_w = a->topk_weight;
   p.y = static_cast<bf16*>(a->y);
@@ -868,7 +879,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
   p.num_tiles = reinterpret_cast<int32_t*>(ws + wp.num_tiles);
   p.chunk_stats = reinterpret_cast<float*>(ws + wp.chunk_stats);
-  p.shared_o = reinterpret_cast<bf16*>(ws + wp.shared_o);
+  p.shared_o = c.use_shared_gate ? p.sv.shared_o : reinterpret_cast<bf16*>(ws + wp.shared_o);
   MAP_TRY(make_store_map(ctx, &p.st_shared_o, Fs ? p.shared_o : nullptr, T, H, "shared_o"));
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
   CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, stream));
@@ -902,6 +913,8 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.d_a_s = reinterpret_cast<bf16*>(ws + wp.d_a_s);
   p.dx_router = reinterpret_cast<float*>(ws + wp.dx_router);
   p.dx_shared = reinterpret_cast<float*>(ws + wp.dx_shared);
+  p.dy_s = reinterpret_cast<bf16*>(ws + wp.dy_s);
+  p.dl_g = reinterpret_cast<bf16*>(ws + wp.dl_g);
   if (p.recompute) p.sv.a_rows = p.d_a, p.sv.sa = p.d_a_s;  // (plan_gate_up: DH reads a where it writes d_a)
   p.reuse = c.saved_use == MOK_SAVED_REUSE;
   if (bwd_reuse_gate_up(c)) p.d_a = p.sv.a_rows, p.d_a_s = p.sv.sa;  // (bwd_reuse_*: in place over saved)
@@ -922,7 +935,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
     p.peer_dx_rows.rows[0] = p.dx_rows;
   }
   p.partials = reinterpret_cast<float*>(wp.partials_in_dy_rows ? (char*)p.dy_rows : ws + wp.partials);
-  MAP_TRY(make_map(ctx, &p.m_dy, a->dy, T, H, "dy"));
+  MAP_TRY(make_map(ctx, &p.m_dys, c.use_shared_gate ? p.dy_s : a->dy, T, H, c.use_shared_gate ? "dy_s" : "dy"));
   MAP_TRY(make_map(ctx, &p.m_x, a->x, T, H, "x"));
   MAP_TRY(make_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router"));
   MAP_TRY(make_map(ctx, &p.m_w13, a->w13, El * 2 * F, H, "w13"));
@@ -962,6 +975,9 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.d_b2 = c.use_expert_bias ? a->d_b2 : nullptr;
   p.d_ws13 = a->d_ws13;
   p.d_ws2 = a->d_ws2;
+  p.x = c.use_shared_gate ? static_cast<const bf16*>(a->x) : nullptr;
+  p.w_sg = c.use_shared_gate ? static_cast<const bf16*>(a->w_sg) : nullptr;
+  p.d_w_sg = c.use_shared_gate ? a->d_w_sg : nullptr;
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
   CUDA_TRY(ctx, launch(ctx, backward_kernel(c), p, stream));
   gpu(ctx)->last_stream = stream;

@@ -132,6 +132,10 @@ struct SavedView {
   bf16* o_rows;       // [R, H] expert outputs
   bf16* sa;           // [T, 2Fs] shared gate | up
   bf16* sh;           // [T, Fs]
+  // cfg.use_shared_gate: the gate s_g (COMBINE's) and the shared expert's output o_s,
+  // which the backward's d s_g = dy . o_s reads
+  float* sg;          // [T]
+  bf16* shared_o;     // [T, H]
 };
 
 // Row buffers of every rank, indexed by the rank that owns an expert (e / e_loc):
@@ -204,6 +208,7 @@ struct Shape {
                 // the fp32 stores and the bf16 TMA maps; the columns past E are zero)
   int fused, score, normalize, use_bias;
   int use_router_bias;      // the logits' bias b_router (mok.h cfg.use_router_bias)
+  int shared_gate;          // the shared expert's per-token sigmoid gate (cfg.use_shared_gate)
   float swiglu_alpha, swiglu_limit;  // the clamped SwiGLU's (cfg.activation: the *_clamped_kernel launches)
   float route_scale, aux_coef, z_coef;
   int n_group, topk_group;  // group-limited routing (mok.h cfg.n_group) when n_group > 1
@@ -287,6 +292,7 @@ struct FwdParams {
   const float* b_router;      // [E] fp32, added to the logits (use_router_bias), or null
   const bf16* b13;            // [E/W, 2F] this rank's experts' gate|up biases (use_expert_bias), or null
   const bf16* b2;             // [E/W, H] their output biases (use_expert_bias), or null
+  const bf16* w_sg;           // [H] the shared expert's gate (use_shared_gate), or null
   const int32_t* in_idx;      // replay [T, K]
   const float* in_w;          // replay [T, K]
   bf16* y;
@@ -308,12 +314,12 @@ struct FwdParams {
   int32_t* tile_row_end;// [max_mt]
   int32_t* num_tiles;   // [1]
   float* chunk_stats;   // [chunks, E + 1]
-  bf16* shared_o;       // [T, H]
+  bf16* shared_o;       // [T, H] (with use_shared_gate saved's, sv.shared_o)
   CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's cut map of an expert's last m-tile (expert_rows)
 };
 
 struct BwdParams {
-  CUtensorMap m_dy;     // dy [T, H]
+  CUtensorMap m_dys;    // the shared expert's dy [T, H]: dy, or dy_s with use_shared_gate
   CUtensorMap m_x;      // x [T, H]
   CUtensorMap m_wr;     // w_router [E, H]
   CUtensorMap m_w13;    // w13 [E*2F, H]
@@ -372,6 +378,9 @@ struct BwdParams {
   void* d_b2;           // [E/W, H] like d_w2 (use_expert_bias), or null
   void* d_ws13;         // [2Fs, H]
   void* d_ws2;          // [H, Fs]
+  const bf16* x;        // [T, H] (use_shared_gate: d_w_sg's partials), or null
+  const bf16* w_sg;     // [H] (use_shared_gate: DXSUM's dl_g w_sg), or null
+  void* d_w_sg;         // [H] like d_ws2 (use_shared_gate), or null
   // workspace
   float* dg;            // [T, K]
   bf16* dy_rows;        // [R, H]
@@ -381,8 +390,11 @@ struct BwdParams {
   bf16* d_a_s;          // [T, 2Fs]
   float* dx_router;     // [T, H]
   float* dx_shared;     // [T, H]
+  bf16* dy_s;           // [T, H] use_shared_gate: bf16(s_g dy), DG's, the shared expert's dy
+  bf16* dl_g;           // [T] use_shared_gate: the gate logit's gradient, DG's
   float* partials;      // [chunks, partial_len]; where dy_rows are when they fit (plan_bwd_ws)
-  int64_t partial_len;  // E*H + 3*Fs*H, then with use_router_bias d_b_router's E rounded up to 4
+  int64_t partial_len;  // E*H + 3*Fs*H, then with use_router_bias d_b_router's E rounded up to 4,
+                        // then with use_shared_gate d_w_sg's H
   CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's maps of its weight-gradient task's expert, or of an
                           // expert's last m-tile (expert_rows)
 };

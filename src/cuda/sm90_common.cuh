@@ -889,8 +889,34 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 __device__ __forceinline__ float router_prob(float l, float m, float sum) {
   return __fdiv_rn(__expf(__fsub_rn(l, m)), sum);
 }
+// sigmoid(l) = 1 / (1 + e^-l), rounded division: the router's sigmoid scores and the
+// shared-expert gate.
+__device__ __forceinline__ float sigmoid_rn(float l) { return __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-l))); }
 __device__ __forceinline__ float router_score(float l, float prob, int score) {
-  return score == MOK_SCORE_SOFTMAX ? prob : __fdiv_rn(1.f, __fadd_rn(1.f, __expf(-l)));
+  return score == MOK_SCORE_SOFTMAX ? prob : sigmoid_rn(l);
+}
+__device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = __fadd_rn(v, __shfl_xor_sync(~0u, v, o));
+  return v;
+}
+// The shared-expert gate of one token (cfg.use_shared_gate), in a warp: s_g =
+// sigmoid(x . w_sg) over the token's row x [H], the dot product a lane's 16-byte chunks
+// v = lane + 32 u in increasing u (8 products each in order, from +0), then warp_sum's
+// butterfly; every lane gets it. The token's row alone decides it: the same bits at
+// every W and in every batch (D3, D4). The forward's COMBINE computes it once and saves
+// it for the backward.
+__device__ __forceinline__ float shared_gate_warp(const bf16* x, const bf16* w_sg, int H) {
+  const int nv = H / 8;
+  float part = 0.f;
+#pragma unroll 4
+  for (int v = threadIdx.x % 32; v < nv; v += 32) {
+    const uint4 xr = *reinterpret_cast<const uint4*>(x + v * 8), wr = __ldg(reinterpret_cast<const uint4*>(w_sg) + v);
+    const bf16 *a = reinterpret_cast<const bf16*>(&xr), *b = reinterpret_cast<const bf16*>(&wr);
+#pragma unroll
+    for (int k = 0; k < 8; k++) part = __fadd_rn(part, __fmul_rn(bf(a[k]), bf(b[k])));
+  }
+  return sigmoid_rn(warp_sum(part));
 }
 // One token's router scores, in a warp: lane holds experts lane + 32 i (i < NR; E <= 32
 // NR: NR = 8 up to 256 experts, 16 up to 512, 32 up to 1024). prob = softmax of the
@@ -1370,6 +1396,15 @@ __device__ __forceinline__ void add_col_bias(float (&acc)[kAcc], int l, const bf
       acc[4 * i + 2 * h + 1] = __fadd_rn(acc[4 * i + 2 * h + 1], bf16_hi(b));
     }
   }
+}
+
+// Gate|up tile nt of expert e (gate columns f = nt BF + c, up columns F + f of its 2F)
+// plus the expert's biases b13 [E, 2F] (cfg.use_expert_bias; null: none): GEMM1's and the
+// backward's recompute (RG) epilogue, the same bits.
+__device__ __forceinline__ void add_gate_up_bias(float (&acc)[kAcc], int l, const bf16* b13, int e, int F, int nt) {
+  if (!b13) return;
+  const bf16* b = b13 + (int64_t)e * 2 * F + nt * BF;
+  add_col_bias(acc, l, b, F - nt * BF, b + F, F - nt * BF);
 }
 
 // SwiGLU forward epilogue of a gate|up tile (columns 0..127 gate f0.., 128..255 up f0..),

@@ -3,19 +3,22 @@
 //
 // Tasks, in ticket order (each waits only on earlier ones):
 //   DG[b]         32-token block b: d_g[t, j] = dy[t] . o_j; dy_j = bf16(g dy[t]) to the
-//                 expert rows; router backward (dlogits, bf16) or d_topk_weight
+//                 expert rows; router backward (dlogits, bf16) or d_topk_weight; with
+//                 the shared gate dy_s, dl_g (shared_gate_backward)
 //   RG[m,n]       cfg.gate_up = MOK_GATE_UP_RECOMPUTE only: the forward's GEMM1 again,
 //                 a_rows = bf16(x_rows w13[e]^T), h_rows = bf16(silu(gate) up)
 //   RGS[m,n]      likewise the forward's SHARED1: sa, sh
-//   DHS[m,n]      shared expert: dh_s = dy ws2, d_a_s = bf16(SwiGLU')
+//   DHS[m,n]      shared expert: dh_s = dy ws2 (dy_s with the gate), d_a_s = bf16(SwiGLU')
 //   DH[m,n]       experts: dh = dy_j w2[e], d_a = bf16(SwiGLU')
 //   DXR[b,n]      dx router path = dlogits w_router (fp32)
 //   DXS[m,n]      dx shared path = d_a_s ws13 (fp32)
 //   DX[m,n]       dx_j = bf16(d_a w13[e])
 //   WG2[e,m,n]    dw2[e] = dy_rows^T h_rows, over the expert's rows in order
-//   DXSUM[b]      (32 tokens) dx[t] = bf16(sum_j dx_j + router path + shared path)
+//   DXSUM[b]      (32 tokens) dx[t] = bf16(sum_j dx_j + router path + shared path
+//                 (+ dl_g w_sg with the shared gate))
 //   RW[c,tile]    replicated gradients of 64-token chunk c: dW_router, dws13, dws2 (the
-//                 partials where dy_rows were: after every dh and wgrad2)
+//                 partials where dy_rows were: after every dh and wgrad2), d_b_router,
+//                 d_w_sg
 //   WG13[e,m,n]   dw13[e] = d_a^T x_rows
 //   TREE[slice]   the fixed pairwise tree over the chunks, then written out
 #include "sm90_common.cuh"
@@ -110,12 +113,6 @@ static __device__ __noinline__ bool saved_tables_ok(const BwdParams& p) {
           (q > first ? prev == b : q == 0 || (int)(prev >> 8) + (int)(prev & 255u) == q);
   }
   return __syncthreads_and(ok);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {  // fixed butterfly order
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v = __fadd_rn(v, __shfl_xor_sync(~0u, v, o));
-  return v;
 }
 
 // A token's slots in the router backward, lane j holding slot j (K <= 32): its expert
@@ -265,6 +262,38 @@ __device__ __forceinline__ bool router_backward_wide(Smem& sm, const BwdParams& 
 // come first in ticket order, so before any GEMM task of this CTA: the stages are free.
 // A lane's chunks: [warp][ring unit][dy, o][kDgInFlight][32 lanes].
 constexpr int kDgInFlight = 8, kDgRing = 3;
+
+// The shared gate's backward of tokens [t0, t1) (cfg.use_shared_gate), a warp a token,
+// from the forward's s_g and o_s (saved): d s_g = dy[t] . o_s[t] (a lane's 16-byte
+// chunks v = lane + 32 u in increasing u, 8 products each in order from +0, then
+// warp_sum), dl_g = bf16(d s_g s_g (1 - s_g)) for DXSUM and RW, and dy_s = bf16(s_g dy),
+// the shared expert's dy for DHS and RW (which wait for DG). The token's rows alone
+// decide them (D3, D4).
+__device__ __noinline__ void shared_gate_backward(const BwdParams& p, int t0, int t1) {
+  const int H = p.s.H, nv = H / 8, lane = threadIdx.x % 32;
+  for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32) {
+    const float sg = p.sv.sg[t];
+    const uint4* dy = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
+    const uint4* os = reinterpret_cast<const uint4*>(p.sv.shared_o + (int64_t)t * H);
+    uint4* dys = reinterpret_cast<uint4*>(p.dy_s + (int64_t)t * H);
+    float part = 0.f;
+#pragma unroll 4
+    for (int v = lane; v < nv; v += 32) {
+      const uint4 dr = dy[v], orw = os[v];
+      const bf16 *d = reinterpret_cast<const bf16*>(&dr), *o = reinterpret_cast<const bf16*>(&orw);
+      uint4 out;
+      bf16* ds = reinterpret_cast<bf16*>(&out);
+#pragma unroll
+      for (int k = 0; k < 8; k++) {
+        part = __fadd_rn(part, __fmul_rn(bf(d[k]), bf(o[k])));
+        ds[k] = to_bf(__fmul_rn(sg, bf(d[k])));
+      }
+      dys[v] = out;
+    }
+    part = warp_sum(part);
+    if (lane == 0) p.dl_g[t] = to_bf(__fmul_rn(__fmul_rn(part, sg), __fsub_rn(1.f, sg)));
+  }
+}
 static_assert((kThreads / 32) * kDgRing * 2 * kDgInFlight * 32 * 16 <= kStages * kStageBytes,
               "DG's ring fits in the stages");
 __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
@@ -371,6 +400,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
       }
     }
   }
+  if (s.shared_gate) shared_gate_backward(p, t0, t1);
   MOK_STALL_ADD(kStallDgRows);
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   MOK_STALL_FROM(kStallDgRouter);
@@ -429,10 +459,7 @@ __device__ __forceinline__ void rg_task(Smem& sm, const BwdParams& p, int mt, in
           B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-          if (p.b13) {  // (the forward's gemm1_task)
-            const bf16* b = p.b13 + (int64_t)e * 2 * F + nt * BF;
-            add_col_bias(acc, l, b, F - nt * BF, b + F, F - nt * BF);
-          }
+          add_gate_up_bias(acc, l, p.b13, e, F, nt);  // (the forward's gemm1_task)
           swiglu_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows,
                                  &p.st_hrows, row0, spare, s.swiglu_alpha, s.swiglu_limit);
         });
@@ -463,11 +490,12 @@ __device__ __forceinline__ uint32_t rgs_groups(const Shape& s) { return groups(c
 __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   if (p.recompute && !wait_counter(sm, &p.st.sync->counter[c_rgs(s, mt)], rgs_groups(s), p.st, 20)) return;
+  if (s.shared_gate && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;  // (dy_s)
   const int t0 = mt * BM;
   gemm_group<0, 1>(
       sm, g, cdivb(s.Fs, BN), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_dy, t0, 0, s.T - t0);
+        A = rows128(&p.m_dys, t0, 0, s.T - t0);
         B = wide(&p.m_ws2, nt * BN, 0);
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -727,13 +755,34 @@ __device__ __noinline__ bool dy_rows_free(Smem& sm, const BwdParams& p, uint32_t
          wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20) &&
          (!p.dx_late || wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20));
 }
+// Where d_w_sg's H columns start in a chunk's partials (partial_len): after d_b_router's
+// padded E.
+__device__ __forceinline__ int64_t gate_grad_at(const Shape& s) {
+  return (int64_t)s.E * s.H + 3LL * s.Fs * s.H + (s.use_router_bias ? (s.E + 3) / 4 * 4 : 0);
+}
+// d_w_sg's partial of the chunk from token k0 (cfg.use_shared_gate): dw[h] = sum over the
+// chunk's tokens t in increasing order of dl_g[t] x[t, h], fp32 from +0; a thread two
+// adjacent columns at a time. (noinline: RW's GEMM keeps its registers)
+__device__ __noinline__ void gate_grad_partial(const BwdParams& p, float* dw, int k0) {
+  const int H = p.s.H, t1 = min(p.s.T, k0 + MOK_REDUCE_CHUNK_TOKENS);
+  for (int h = 2 * threadIdx.x; h < H; h += 2 * kThreads) {
+    float a = 0.f, b = 0.f;
+    for (int t = k0; t < t1; t++) {
+      const float d = bf(__ldcg(p.dl_g + t));  // (DG's, another CTA's: from L2)
+      const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(p.x + (int64_t)t * H + h);
+      a = __fadd_rn(a, __fmul_rn(d, __low2float(x)));
+      b = __fadd_rn(b, __fmul_rn(d, __high2float(x)));
+    }
+    dw[h] = a, dw[h + 1] = b;  // (signal_counter's __syncthreads and fence publish them with the tiles)
+  }
+}
 __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uint32_t wg2_total) {
   const Shape& s = p.s;
   if (!dy_rows_free(sm, p, wg2_total)) return;
   const int nH = cdivb(s.H, BN), nFs = cdivb(s.Fs, BN);
   const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
   const int t2 = s.Fs ? cdivb(s.H, BM) * nFs : 0;  // dws2 [H, Fs]: H / 128 row tiles
-  if (s.fused && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
+  if ((s.fused || s.shared_gate) && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
   if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(nFs, s.H / BK)), p.st, 20)) return;
   if (s.Fs && p.recompute && !wait_counter(sm, &p.st.sync->counter[B_RGS_ALL], s.smt * rgs_groups(s), p.st, 20))
     return;  // (sh)
@@ -749,6 +798,7 @@ __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uin
       db[e] = sum;  // (signal_counter's __syncthreads and fence publish it with the tiles)
     }
   }
+  if (s.shared_gate) gate_grad_partial(p, part + gate_grad_at(s), k0);
   gemm_tiles<1, 1>(
       sm, tr + t13 + t2,
       [&](int tile, Operand& A, Operand& B, int& num_kb, int& kv) {
@@ -763,7 +813,7 @@ __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uin
           B = wide(&p.m_x, nt * BN, k0);
         } else {
           const int mt = (tile - tr - t13) / nFs, nt = (tile - tr - t13) % nFs;
-          A = rows128(&p.m_dy, mt * BM, k0);
+          A = rows128(&p.m_dys, mt * BM, k0);
           B = wide(&p.m_sh, nt * BN, k0);
         }
       },
@@ -833,7 +883,11 @@ __device__ __forceinline__ int tree_slices(int64_t len) { return (int)((len + tr
 __device__ __forceinline__ void* tree_out(const BwdParams& p, int64_t x, int64_t* k) {
   const Shape& s = p.s;
   const int64_t er = s.fused ? (int64_t)s.E * s.H : 0, e1 = (int64_t)s.E * s.H, e2 = e1 + 2LL * s.Fs * s.H;
-  const int64_t e3 = e2 + (int64_t)s.H * s.Fs;
+  const int64_t e3 = e2 + (int64_t)s.H * s.Fs, e4 = gate_grad_at(s);
+  if (x >= e4) {  // d_w_sg's (use_shared_gate)
+    *k = x - e4;
+    return p.d_w_sg;
+  }
   if (x >= e3) {  // d_b_router's (use_router_bias)
     *k = x - e3;
     return p.d_b_router;
@@ -929,8 +983,9 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
     for (int i = t0 * s.K + threadIdx.x; i < t1 * s.K; i += kThreads) p.d_topk_weight[i] = p.dg[i];
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (sum_slot_rows' chunks go there)
   __syncthreads();
-  for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32)
-    sum_slot_rows<false>(  // dx = sum_j dx_j, slots in order, then + router path, + shared path
+  for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32) {
+    const float dl = s.shared_gate ? bf(__ldcg(p.dl_g + t)) : 0.f;  // (DG's, another CTA's: from L2)
+    sum_slot_rows<false>(  // dx = sum_j dx_j, slots in order, then + router path, + shared path, + gate path
         sm, p.peer_dx_rows, p.sv, s, t, nullptr,
         [&](int v, uint32_t x) {  // (fp32: two chunks each)
           const int64_t at = (int64_t)t * H + v * 8;
@@ -941,13 +996,18 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
           float r[8], sh[8];
           if (s.fused) ld_shared_f32x4(x, r), ld_shared_f32x4(x + 512, r + 4);
           if (s.Fs) ld_shared_f32x4(x + 1024, sh), ld_shared_f32x4(x + 1536, sh + 4);
+          uint4 wr = {0u, 0u, 0u, 0u};
+          if (s.shared_gate) wr = __ldg(reinterpret_cast<const uint4*>(p.w_sg) + v);
+          const bf16* wsg = reinterpret_cast<const bf16*>(&wr);
 #pragma unroll
-          for (int k = 0; k < 8; k++) {  // then router, then shared
+          for (int k = 0; k < 8; k++) {  // then router, then shared, then the gate's dl_g w_sg
             if (s.fused) acc[k] = __fadd_rn(acc[k], r[k]);
             if (s.Fs) acc[k] = __fadd_rn(acc[k], sh[k]);
+            if (s.shared_gate) acc[k] = __fadd_rn(acc[k], __fmul_rn(dl, bf(wsg[k])));
           }
           store_bf16x8(p.dx + (int64_t)t * H + v * 8, acc);
         });
+  }
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[B_DXSUM]);  // (its reads of dx_rows are done: dx_late's RW)
 }

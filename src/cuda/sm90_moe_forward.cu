@@ -19,7 +19,8 @@
 //                 (mt = d, d + nr, ...), the tile's rows of other ranks' slots to those
 //                 ranks' o_kept at the slot (return_task); tickets before GEMM2's
 //   GEMM2[m,n]    o = h w2[e]^T
-//   COMBINE[b]    (32 tokens) y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order
+//   COMBINE[b]    (32 tokens) y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order;
+//                 with the shared gate shared = s_g o_s, s_g = sigmoid(x[t] . w_sg) here
 //                 (W > 1: other ranks' o rows from o_kept, local)
 #include "sm90_common.cuh"
 
@@ -608,10 +609,7 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int tas
           B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-          if (p.b13) {  // gate columns f = nt BF + c of b13[e] [2F], up columns F + f
-            const bf16* b = p.b13 + (int64_t)e * 2 * F + nt * BF;
-            add_col_bias(acc, l, b, F - nt * BF, b + F, F - nt * BF);
-          }
+          add_gate_up_bias(acc, l, p.b13, e, F, nt);
           swiglu_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BF, F, p.sv.a_rows, p.sv.h_rows, &p.st_arows,
                                  &p.st_hrows, row0, spare, s.swiglu_alpha, s.swiglu_limit);
         });
@@ -737,8 +735,11 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), H = s.H;
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (sum_slot_rows' chunks go there)
   __syncthreads();
-  for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32)
-    sum_slot_rows<true>(  // y = sum_j g_j o_j, slots in order, then + the shared expert's o
+  for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32) {
+    // the shared gate (use_shared_gate; kept in saved for the backward), else 1: not applied
+    const float sg = s.shared_gate ? shared_gate_warp(p.x + (int64_t)t * H, p.w_sg, H) : 1.f;
+    if (s.shared_gate && threadIdx.x % 32 == 0) p.sv.sg[t] = sg;
+    sum_slot_rows<true>(  // y = sum_j g_j o_j, slots in order, then + (s_g) the shared expert's o
         sm, p.peer_o_rows, p.sv, s, t, ret ? p.ret.o_kept[s.rank] : nullptr,
         [&](int v, uint32_t x) {
           if (s.Fs > 0) cp_async_16(x, p.shared_o + (int64_t)t * H + v * 8);
@@ -748,10 +749,11 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
             float o[8];
             ld_shared_bf16x8(x, o);
 #pragma unroll
-            for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], o[k]);
+            for (int k = 0; k < 8; k++) acc[k] = __fadd_rn(acc[k], s.shared_gate ? __fmul_rn(sg, o[k]) : o[k]);
           }
           store_bf16x8(p.y + (int64_t)t * H + v * 8, acc);
         });
+  }
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   __syncthreads();
 }

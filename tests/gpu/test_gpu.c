@@ -31,6 +31,7 @@ typedef struct {
   float swiglu_limit;                    /* > 0: gpt-oss's clamped SwiGLU at this limit (alpha
                                             1.702), or 0 */
   int expert_bias;                       /* cfg.use_expert_bias (b13, b2 ~ U(-0.5, 0.5)) */
+  int shared_gate;                       /* cfg.use_shared_gate (Fs > 0; w_sg ~ U(-1, 1) 2 / sqrt(H)) */
 } gpu_shape_t;
 
 #define FUSED MOK_ROUTING_FUSED
@@ -44,35 +45,35 @@ typedef struct {
  * sigmoid, accumulation, NaN input, skewed routing with empty experts (edge cases of
  * DESIGN.md section 6). */
 static const gpu_shape_t shapes[] = {
-    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0, 0, 0.f, 0},
-    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0, 0, 0.f, 0},
-    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"tiny", 512, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"one_token", 1, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"t37", 37, 128, 64, 16, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"t129", 129, 192, 192, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"k1", 300, 128, 128, 8, 1, 0, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"k_all", 200, 128, 64, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"sigmoid_bias", 700, 256, 128, 32, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"sigmoid_plain", 333, 128, 192, 16, 3, 0, FUSED, SIGMOID, 0, 0, BF16, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"scale_no_norm", 256, 256, 64, 16, 2, 0, FUSED, SOFTMAX, 0, 0, BF16, 2.5f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"shared", 400, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"shared_tail", 77, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"e256", 1024, 256, 64, 256, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"e128_k8", 2048, 512, 256, 128, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"h_not_128", 300, 320, 320, 16, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"f64", 500, 128, 64, 8, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"accum", 256, 256, 128, 16, 2, 128, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"replay", 300, 256, 128, 16, 4, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"replay_shared", 150, 128, 128, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"replay_k1", 257, 128, 64, 8, 1, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"nan_x", 200, 128, 64, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"nan_x_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, 5, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"wide", 4096, 1024, 512, 32, 4, 256, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"tall", 8192, 256, 128, 64, 6, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
     // 4096 rows an expert: weight-gradient tasks of 2 of the 3 column tiles (two groups)
-    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
+    {"wgrad_groups", 4096, 576, 576, 8, 8, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"accum_replay", 128, 128, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, ACCUM, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
     // skewed routing: 4 experts of 8192 rows, 4 empty ones whose zero gradients span
     // two column groups (2 tiles, then 1 of 64 columns) and a last row tile of 64 rows
-    {"skewed_groups", 8192, 576, 576, 8, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0, 0, 0.f, 0},
+    {"skewed_groups", 8192, 576, 576, 8, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0, 0, 0.f, 0, 0},
 };
 
 #define TOP2 MOK_GROUP_SCORE_TOP2
@@ -85,42 +86,52 @@ static const gpu_shape_t shapes[] = {
  * of one expert, groups beyond 256 experts; gpt-oss's router logit bias and clamped
  * SwiGLU. */
 static const gpu_shape_t router_shapes[] = {
-    {"e1", 200, 128, 64, 1, 1, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"e3", 300, 128, 64, 3, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"e4_sigmoid", 257, 128, 128, 4, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"e6", 500, 192, 64, 6, 3, 0, FUSED, SOFTMAX, 0, 0, ACCUM, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"e60", 1000, 256, 64, 60, 4, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"e384_k8", 1024, 256, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"e512_k10", 1024, 128, 64, 512, 10, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"e1024_k32", 512, 128, 64, 1024, 32, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"e1000_replay", 300, 128, 64, 1000, 6, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0},
-    {"groups_v3", 1024, 256, 64, 256, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 8, 4, TOP2, 0, 0.f, 0},
-    {"groups_v2", 700, 128, 128, 64, 6, 64, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 8, 3, MAX1, 0, 0.f, 0},
-    {"groups_of_one", 300, 128, 64, 16, 2, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 0.f, -1, 0, 16, 5, TOP2, 0, 0.f, 0},
-    {"groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 0, 0.f, 0},
-    {"groups_e60", 400, 128, 64, 60, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 0, 6, 2, TOP2, 0, 0.f, 0},
+    {"e1", 200, 128, 64, 1, 1, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"e3", 300, 128, 64, 3, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"e4_sigmoid", 257, 128, 128, 4, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"e6", 500, 192, 64, 6, 3, 0, FUSED, SOFTMAX, 0, 0, ACCUM, 1.f, 0.f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"e60", 1000, 256, 64, 60, 4, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"e384_k8", 1024, 256, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"e512_k10", 1024, 128, 64, 512, 10, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"e1024_k32", 512, 128, 64, 1024, 32, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"e1000_replay", 300, 128, 64, 1000, 6, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
+    {"groups_v3", 1024, 256, 64, 256, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 1e-3f, -1, 0, 8, 4, TOP2, 0, 0.f, 0, 0},
+    {"groups_v2", 700, 128, 128, 64, 6, 64, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 8, 3, MAX1, 0, 0.f, 0, 0},
+    {"groups_of_one", 300, 128, 64, 16, 2, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 0.f, -1, 0, 16, 5, TOP2, 0, 0.f, 0, 0},
+    {"groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 0, 0.f, 0, 0},
+    {"groups_e60", 400, 128, 64, 60, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 0, 6, 2, TOP2, 0, 0.f, 0, 0},
     // gpt-oss's router logit bias: softmax over the biased logits, d_b_router through the
     // tree (written fp32, or added into; chunks of T = 300 with a tail), and with groups
-    {"bias_gptoss", 512, 256, 128, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 0.f, 0},
-    {"bias_accum_e60", 300, 128, 64, 60, 4, 64, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 0.f, 0},
-    {"bias_groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 1, 0.f, 0},
+    {"bias_gptoss", 512, 256, 128, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 0.f, 0, 0},
+    {"bias_accum_e60", 300, 128, 64, 60, 4, 64, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 0.f, 0, 0},
+    {"bias_groups_e384", 512, 128, 64, 384, 8, 0, FUSED, SIGMOID, 1, 1, BF16, 2.5f, 1e-2f, 0.f, -1, 0, 12, 4, TOP2, 1, 0.f, 0, 0},
     // gpt-oss's clamped SwiGLU (the *_clamped_kernel launches): at its limit 7 (rarely
     // active here) beside the logit bias, and at 0.5 (gate and up clamped often) with the
     // shared expert's plain SwiGLU, and in replay routing
-    {"clamped_gptoss", 512, 256, 128, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 7.f, 0},
-    {"clamped_tight", 300, 128, 192, 16, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f, 0},
-    {"clamped_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f, 0},
+    {"clamped_gptoss", 512, 256, 128, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 7.f, 0, 0},
+    {"clamped_tight", 300, 128, 192, 16, 2, 64, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f, 0, 0},
+    {"clamped_replay", 200, 128, 64, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f, 0, 0},
     // gpt-oss's expert biases (b13 in GEMM1's and RG's epilogues, b2 in GEMM2's; d_b13,
     // d_b2 in the weight-gradient tasks): with its router bias and clamped SwiGLU, an F
     // tail of half a tile (F % 128 = 64) and an H tail of a quarter (H % 256 = 64); added
     // into fp32 beside a shared expert and E not a multiple of 8; replay; skewed routing
     // (empty experts: zero gradients, + 0 added); experts of several row blocks each
-    {"ebias_gptoss", 512, 320, 192, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 7.f, 1},
-    {"ebias_accum_e60", 300, 128, 64, 60, 4, 64, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 1},
-    {"ebias_replay", 200, 256, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f, 1},
-    {"ebias_skewed", 1024, 192, 128, 16, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0, 0, 0.f, 1},
-    {"ebias_skewed_accum", 1024, 192, 128, 16, 4, 0, FUSED, SIGMOID, 1, 1, ACCUM, 1.f, 0.f, 0.f, -1, 4, 0, 0, 0, 0, 0.f, 1},
-    {"ebias_tall", 8192, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 1},
+    {"ebias_gptoss", 512, 320, 192, 32, 4, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 1, 7.f, 1, 0},
+    {"ebias_accum_e60", 300, 128, 64, 60, 4, 64, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 1, 0},
+    {"ebias_replay", 200, 256, 128, 8, 2, 0, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.5f, 1, 0},
+    {"ebias_skewed", 1024, 192, 128, 16, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0, 0, 0.f, 1, 0},
+    {"ebias_skewed_accum", 1024, 192, 128, 16, 4, 0, FUSED, SIGMOID, 1, 1, ACCUM, 1.f, 0.f, 0.f, -1, 4, 0, 0, 0, 0, 0.f, 1, 0},
+    {"ebias_tall", 8192, 256, 128, 8, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 1, 0},
+    // Qwen2-MoE's gated shared expert (s_g in COMBINE, kept in saved; dy_s and dl_g in DG,
+    // d_w_sg through the tree): Qwen2-MoE's router (60 experts, top-4, no normalisation)
+    // with H of 4 chunks a lane; an H tail (24 chunks: lanes past them idle) with a chunk
+    // tail added into fp32; replay; every variant at once (gpt-oss's router and experts
+    // beside the gate); many chunks (8192 tokens)
+    {"gate_qwen2", 1024, 1024, 128, 60, 4, 512, FUSED, SOFTMAX, 0, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 1},
+    {"gate_accum_tail", 300, 192, 64, 8, 2, 192, FUSED, SOFTMAX, 1, 0, ACCUM, 1.f, 1e-2f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 1},
+    {"gate_replay", 200, 128, 64, 8, 2, 64, REPLAY, SOFTMAX, 1, 0, BF16, 1.f, 0.f, 0.f, -1, 0, 0, 0, 0, 0, 0.f, 0, 1},
+    {"gate_all", 512, 320, 192, 32, 4, 128, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 8, 3, MAX1, 1, 7.f, 1, 1},
+    {"gate_tall", 8192, 256, 128, 16, 2, 128, FUSED, SIGMOID, 1, 1, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 1},
 };
 
 static mok_config_t shape_config(const gpu_shape_t* s) {
@@ -130,7 +141,7 @@ static mok_config_t shape_config(const gpu_shape_t* s) {
   c.use_bias_select = s->bias, c.wgrad = s->wgrad, c.route_scale = s->route_scale;
   c.aux_loss_coef = s->aux, c.z_loss_coef = s->z;
   c.n_group = s->n_group, c.topk_group = s->topk_group, c.group_score = (mok_group_score_t)s->group_score;
-  c.use_router_bias = s->router_bias, c.use_expert_bias = s->expert_bias;
+  c.use_router_bias = s->router_bias, c.use_expert_bias = s->expert_bias, c.use_shared_gate = s->shared_gate;
   if (s->swiglu_limit > 0)
     c.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c.swiglu_alpha = 1.702f, c.swiglu_limit = s->swiglu_limit;
   return c;
@@ -323,7 +334,8 @@ static const gpu_shape_t* router_shape(const char* name) {
 }
 static int router_determinism(void) {
   static const char* const names[] = {"e3",          "e384_k8",          "e1024_k32",     "groups_v3",   "groups_e384",
-                                      "bias_gptoss", "bias_groups_e384", "clamped_tight", "ebias_gptoss", "ebias_skewed"};
+                                      "bias_gptoss", "bias_groups_e384", "clamped_tight", "ebias_gptoss", "ebias_skewed",
+                                      "gate_qwen2",  "gate_all"};
   int bad = 0;
   for (size_t k = 0; k < COUNT(names); k++) {
     const gpu_shape_t* s = router_shape(names[k]);
@@ -345,7 +357,7 @@ static int router_determinism(void) {
 /* The clamped SwiGLU and the expert biases with gate|up recomputed in the backward (the
  * RG tasks' epilogue) and with saved reused give the bits of keeping gate|up. */
 static int variants_gate_up(void) {
-  static const char* const names[] = {"clamped_tight", "ebias_gptoss"};
+  static const char* const names[] = {"clamped_tight", "ebias_gptoss", "gate_all"};
   const mok_gate_up_t gate_up[] = {MOK_GATE_UP_RECOMPUTE, MOK_GATE_UP_SAVE};
   const mok_saved_use_t saved_use[] = {MOK_SAVED_KEEP, MOK_SAVED_REUSE};
   int bad = 0;

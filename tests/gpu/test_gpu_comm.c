@@ -71,6 +71,7 @@ typedef struct {
   int router_bias;         /* cfg.use_router_bias */
   int expert_bias;         /* cfg.use_expert_bias */
   float swiglu_limit;      /* > 0: gpt-oss's clamped SwiGLU at this limit (alpha 1.702), or 0 */
+  int shared_gate;         /* cfg.use_shared_gate (needs Fs > 0) */
 } ep_shape_t;
 
 /* A capacity that no routing overflows and both backends take at any split: the rows
@@ -91,7 +92,7 @@ static mok_config_t ep_config(const ep_shape_t* sh) {
     c.n_group = sh->n_group, c.topk_group = sh->topk_group;
     c.score = MOK_SCORE_SIGMOID, c.use_bias_select = 1, c.route_scale = 2.5f;
   }
-  c.use_router_bias = sh->router_bias, c.use_expert_bias = sh->expert_bias;
+  c.use_router_bias = sh->router_bias, c.use_expert_bias = sh->expert_bias, c.use_shared_gate = sh->shared_gate;
   if (sh->swiglu_limit > 0)
     c.activation = MOK_ACTIVATION_SWIGLU_CLAMPED, c.swiglu_alpha = 1.702f, c.swiglu_limit = sh->swiglu_limit;
   return c;
@@ -178,8 +179,8 @@ static int ep_shapes(const ep_shape_t* shapes, size_t n, int backward, int W) {
 static int ep_gate_up_w2(void) {
   loopback(2);
   static const ep_shape_t shapes[] = {
-      {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
+      {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
   };
   int bad = 0;
   for (size_t i = 0; i < 2; i++) {
@@ -291,25 +292,25 @@ static int ep_timeout_w2(void) { return ep_timeout(2); }
 static int ep_forward_w(int W) {
   loopback(W);
   static const ep_shape_t shapes[] = {
-      {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"replay", 513, 128, 64, 8, 2, 0, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"losses", 1024, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
+      {"e16_k4", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"shared_tail", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"replay", 513, 128, 64, 8, 2, 0, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"losses", 1024, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
   };
   return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 0, W);
 }
 static int ep_step_w(int W) {
   loopback(W);
   static const ep_shape_t shapes[] = {
-      {"e16_k4", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"shared", 1024, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"replay", 512, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"accum", 1024, 256, 128, 16, 2, 128, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
+      {"e16_k4", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"shared", 1024, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"replay", 512, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"accum", 1024, 256, 128, 16, 2, 128, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"e64_k6", 2048, 512, 256, 64, 6, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
       // every token's two experts among 0 .. 3: at W = 2 rank 1's experts get no rows
       // (W = 4: ranks 2, 3; W = 8: ranks 4 .. 7), rank 0's all it can receive
-      {"skewed", 1024, 256, 128, 8, 2, 64, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 1e-3f, {0}, 4, 0, 0, 0, 0, 0.f},
+      {"skewed", 1024, 256, 128, 8, 2, 64, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 1e-3f, {0}, 4, 0, 0, 0, 0, 0.f, 0},
   };
   return ep_shapes(shapes, sizeof shapes / sizeof shapes[0], 1, W);
 }
@@ -328,24 +329,29 @@ static int ep_step_w8(void) { return ep_step_w(8); }
  * a multiple of 8, more than 256 experts, K up to 32, group-limited routing with a group
  * on one rank, on several, and spanning ranks (W = 8, groups of 4: two groups a rank; 12
  * groups of 32 on 8 ranks of 48 experts), the router logit bias (d_b_router through the
- * ranks' subtrees; added into fp32), gpt-oss's expert biases and clamped SwiGLU. A step:
+ * ranks' subtrees; added into fp32), gpt-oss's expert biases and clamped SwiGLU, Qwen2-MoE's
+ * gated shared expert. A step:
  * forward and backward, D3 and the CPU. */
 static int ep_router_w(int W) {
   loopback(W);
   static const ep_shape_t shapes[] = {
-      {"e60", 512, 128, 64, 60, 4, 64, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"e24_k3", 512, 128, 64, 24, 3, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"e384_k8", 1024, 128, 64, 384, 8, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"e1024_k32", 512, 128, 64, 1024, 32, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f},
-      {"groups_v3", 1024, 128, 64, 256, 8, 64, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 8, 4, 0, 0, 0.f},
-      {"groups_of_4", 512, 128, 64, 32, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 1e-3f, {0}, 0, 8, 3, 0, 0, 0.f},
-      {"groups_e384", 512, 128, 64, 384, 8, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 0.f, {0}, 0, 12, 4, 0, 0, 0.f},
-      {"bias_e64", 1024, 128, 64, 64, 4, 64, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f, {0}, 0, 0, 0, 1, 0, 0.f},
-      {"bias_groups", 512, 128, 64, 256, 8, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 8, 4, 1, 0, 0.f},
+      {"e60", 512, 128, 64, 60, 4, 64, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"e24_k3", 512, 128, 64, 24, 3, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"e384_k8", 1024, 128, 64, 384, 8, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"e1024_k32", 512, 128, 64, 1024, 32, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"groups_v3", 1024, 128, 64, 256, 8, 64, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 8, 4, 0, 0, 0.f, 0},
+      {"groups_of_4", 512, 128, 64, 32, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 1e-3f, {0}, 0, 8, 3, 0, 0, 0.f, 0},
+      {"groups_e384", 512, 128, 64, 384, 8, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 0.f, {0}, 0, 12, 4, 0, 0, 0.f, 0},
+      {"bias_e64", 1024, 128, 64, 64, 4, 64, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f, {0}, 0, 0, 0, 1, 0, 0.f, 0},
+      {"bias_groups", 512, 128, 64, 256, 8, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 8, 4, 1, 0, 0.f, 0},
       // gpt-oss's experts: biases (d_b13, d_b2 summed on each owner over every rank's
       // rows) with its router bias and clamped SwiGLU, F and H tails; written and added into
-      {"gptoss_e32", 512, 320, 192, 32, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 1, 1, 0.5f},
-      {"ebias_accum", 1024, 128, 64, 16, 2, 64, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 1, 0.f},
+      {"gptoss_e32", 512, 320, 192, 32, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 1, 1, 0.5f, 0},
+      {"ebias_accum", 1024, 128, 64, 16, 2, 64, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 1, 0.f, 0},
+      // Qwen2-MoE's gated shared expert: s_g and dl_g per token on its own rank, d_w_sg
+      // through the ranks' subtrees (written, and added into beside the router bias)
+      {"gate_e60", 512, 256, 64, 60, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 1},
+      {"gate_accum", 1024, 128, 64, 16, 2, 64, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f, {0}, 0, 0, 0, 1, 1, 0.f, 1},
   };
   int bad = 0;
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
@@ -363,31 +369,31 @@ static int ep_router_w8(void) { return ep_router_w(8); }
 static int ep_uneven(int W) {
   loopback(W);
   static const ep_shape_t fwd2[] = {
-      {"first_empty", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0, 300}, 0, 0, 0, 0, 0, 0.f},
-      {"last_empty", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {77, 0}, 0, 0, 0, 0, 0, 0.f},
+      {"first_empty", 300, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0, 300}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"last_empty", 77, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {77, 0}, 0, 0, 0, 0, 0, 0.f, 0},
   };
   static const ep_shape_t fwd4[] = {
-      {"0_77_300_135", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0, 77, 300, 135}, 0, 0, 0, 0, 0, 0.f},
-      {"replay_1_0_2_510", 513, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {1, 0, 2, 510}, 0, 0, 0, 0, 0, 0.f},
+      {"0_77_300_135", 512, 256, 128, 16, 4, 0, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f, {0, 77, 300, 135}, 0, 0, 0, 0, 0, 0.f, 0},
+      {"replay_1_0_2_510", 513, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f, {1, 0, 2, 510}, 0, 0, 0, 0, 0, 0.f, 0},
   };
   static const ep_shape_t fwd8[] = {
       {"8_ranks_3_empty", 1000, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 0.f, 0.f,
-       {0, 400, 1, 0, 333, 200, 0, 66}, 0, 0, 0, 0, 0, 0.f},
+       {0, 400, 1, 0, 333, 200, 0, 66}, 0, 0, 0, 0, 0, 0.f, 0},
   };
   static const ep_shape_t step2[] = {
-      {"step_0_512", 512, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0, 512}, 0, 0, 0, 0, 0, 0.f},
+      {"step_0_512", 512, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0, 512}, 0, 0, 0, 0, 0, 0.f, 0},
   };
   static const ep_shape_t step4[] = {
       {"step_0_192_64_256", 512, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f,
-       {0, 192, 64, 256}, 0, 0, 0, 0, 0, 0.f},
+       {0, 192, 64, 256}, 0, 0, 0, 0, 0, 0.f, 0},
       {"accum_128_0_384_0", 512, 256, 128, 16, 2, 0, MOK_ROUTING_FUSED, MOK_WGRAD_FP32_ACCUM, 1e-2f, 1e-3f,
-       {128, 0, 384, 0}, 0, 0, 0, 0, 0, 0.f},
+       {128, 0, 384, 0}, 0, 0, 0, 0, 0, 0.f, 0},
       {"replay_64_320_0_128", 512, 128, 64, 8, 2, 64, MOK_ROUTING_REPLAY, MOK_WGRAD_BF16, 0.f, 0.f,
-       {64, 320, 0, 128}, 0, 0, 0, 0, 0, 0.f},
+       {64, 320, 0, 128}, 0, 0, 0, 0, 0, 0.f, 0},
   };
   static const ep_shape_t step8[] = {
       {"step_8_ranks", 1024, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f,
-       {0, 256, 64, 0, 448, 64, 192, 0}, 0, 0, 0, 0, 0, 0.f},
+       {0, 256, 64, 0, 448, 64, 192, 0}, 0, 0, 0, 0, 0, 0.f, 0},
   };
 #define N(a) (sizeof a / sizeof a[0])
   if (W == 2) return ep_shapes(fwd2, N(fwd2), 0, 2) + ep_shapes(step2, N(step2), 1, 2);
@@ -418,7 +424,7 @@ static int ep_same_runs(const ep_shape_t* sh, const mok_run_opts_t* a, const mok
 }
 
 static const ep_shape_t d_shape = {"shared", 1024, 256, 128, 16, 4, 128, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f,
-                                   1e-3f, {0}, 0, 0, 0, 0, 0, 0.f};
+                                   1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0};
 
 /* D1 at W = 4: a run of 3 steps twice, and 1 step against 3 (every step's outputs are
  * the same bits: nothing of a step leaks into the next). */
