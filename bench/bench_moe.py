@@ -220,8 +220,9 @@ class Problem:
         torch.manual_seed(0)
         self.K = K
         self.router = ROUTERS.get(name, {}).get(routing, {})
+        variant = {k: Fd if v == "F" else v for k, v in (variant or {}).items()}  # "F": the shape's ffn
         self.layer = mok.MoE(H, Fd, E, K, bias_select=True, max_tokens=T, device="cuda",
-                             **self.router, **(variant or {}), **LAYER_OPTIONS)
+                             **self.router, **variant, **LAYER_OPTIONS)
         with torch.no_grad():
             self.layer.bias_select.zero_()
             if routing == "skewed":
@@ -229,7 +230,8 @@ class Problem:
         self.x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
         self.dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         self.params = [p for p in (self.layer.w_router, self.layer.w13, self.layer.w2, self.layer.b_router,
-                                   self.layer.b13, self.layer.b2) if p is not None]
+                                   self.layer.b13, self.layer.b2, self.layer.ws13, self.layer.ws2,
+                                   self.layer.w_sg) if p is not None]
         self.peer = self.bias = None  # at the first peer_step
 
     def zero(self):

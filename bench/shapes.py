@@ -19,13 +19,18 @@ ROUTERS = {
 
 # The router and expert variants whose cost bench_moe.py --variants measures (mok.MoE's
 # options; docs/PERF.md's cost table): each alone, gpt-oss's three together, and
-# DeepSeek-V3's group-limited router (8 groups, every named shape's E a multiple of 8).
+# DeepSeek-V3's group-limited router (8 groups, every named shape's E a multiple of 8);
+# "shared" adds a shared expert of the shape's ffn size (none of the named shapes has
+# one) and "shared_gate" the same with Qwen2-MoE's sigmoid gate, so the gate's own cost
+# is shared_gate's time over shared's.
 VARIANTS = {
     "router_bias": dict(router_bias=True),
     "expert_bias": dict(expert_bias=True),
     "clamped_swiglu": dict(swiglu_limit=7.0),
     "gpt-oss": dict(router_bias=True, expert_bias=True, swiglu_limit=7.0),
     "groups": dict(score="sigmoid", route_scale=2.5, n_group=8, topk_group=4),
+    "shared": dict(shared_ffn="F"),
+    "shared_gate": dict(shared_ffn="F", shared_gate=True),
 }
 
 
