@@ -883,8 +883,8 @@ static mok_status_t run_cuda_rank(mok_problem_t* p, const mok_run_opts_t* o, con
       CU_FAIL("cudaMemcpyAsync to the device");
     if (b[i].output && cudaMemsetAsync(b[i].dev, 0xFF, b[i].bytes, stream) != cudaSuccess) CU_FAIL("cudaMemsetAsync");
   }
-  if (accum)
-    for (int i = DWR; i <= DWS2; i++)
+  if (accum) /* the gradients added into, d_w_router through d_w_sg: from zeros, as the CPU's */
+    for (int i = DWR; i <= DWSG; i++)
       if (cudaMemsetAsync(b[i].dev, 0, b[i].bytes, stream) != cudaSuccess) CU_FAIL("cudaMemsetAsync");
   if (cudaStreamSynchronize(stream) != cudaSuccess) CU_FAIL("cudaStreamSynchronize");
   met = meet(m);

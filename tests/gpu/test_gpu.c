@@ -230,7 +230,7 @@ static int vs_cpu_on(const gpu_shape_t* list, size_t n, mok_cta_pairs_t pairs) {
       }
       break;
     }
-    b += test_close(&gpu, &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_b_router d_w13 d_w2 d_ws13 d_ws2",
+    b += test_close(&gpu, &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_b_router d_w13 d_w2 d_b13 d_b2 d_ws13 d_ws2 d_w_sg",
                     1e-2,
                     s->name);
     if (b == 0) {

@@ -160,7 +160,7 @@ static int ep_compare(const ep_shape_t* sh, uint64_t seed0, int backward, int W)
       }
       b++;
     }
-    b += test_close(&gpu[1], &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_b_router d_w13 d_w2 d_ws13 d_ws2",
+    b += test_close(&gpu[1], &cpu, "y dx topk_weight d_topk_weight aux_loss z_loss d_w_router d_b_router d_w13 d_w2 d_b13 d_b2 d_ws13 d_ws2 d_w_sg",
                     1e-2, what);
     if (!b) printf("    %-12s W = %d: the bits of W = 1, close to the CPU\n", sh->name, W);
     return b;
