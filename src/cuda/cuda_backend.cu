@@ -149,9 +149,10 @@ static void (*forward_kernel(const mok_config_t& c))(FwdParams) {
 static void (*backward_kernel(const mok_config_t& c))(BwdParams) {
   return c.activation == MOK_ACTIVATION_SWIGLU_CLAMPED ? sm90_moe_backward_clamped_kernel : sm90_moe_backward_kernel;
 }
-// A chunk's replicated-gradient partials, the vector the tree sums: [d_w_router E H |
-// d_ws13 2 Fs H | d_ws2 H Fs | d_b_router E, rounded up to 4 (the tree's float4 columns;
-// use_router_bias) | d_w_sg H (use_shared_gate)].
+// The replicated gradients, the vector the tree sums: [d_w_router E H | d_ws13 2 Fs H |
+// d_ws2 H Fs | d_b_router E, rounded up to 4 (the tree's float4 columns; use_router_bias)
+// | d_w_sg H (use_shared_gate)]. A chunk's partials hold all but the shared expert's 3 Fs
+// H, which come a segment of chunks at a time (seg_partials).
 static int64_t partial_len(const mok_config_t& c) {
   return c.E * c.H + 3 * c.Fs * c.H + (c.use_router_bias ? (c.E + 3) / 4 * 4 : 0) + (c.use_shared_gate ? c.H : 0);
 }
@@ -308,7 +309,8 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   return w;
 }
 struct BwdWsPlan {
-  size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, dy_s, dl_g, partials, cta_maps, total;
+  size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, dy_s, dl_g, partials, seg_partials, cta_maps,
+      total;
   int64_t partial_len;
   bool partials_in_dy_rows;  // (then partials is unused: they go where dy_rows are)
   GateUpPlan gate_up;
@@ -350,13 +352,15 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t gated = c.use_shared_gate != 0;
   w.dy_s = p.take(gated * T * c.H * 2);
   w.dl_g = p.take(gated * T * 2);
-  // The replicated gradients' chunk partials [chunks, partial_len] fp32 go where dy_rows
-  // are (this rank's window at W > 1) when they fit: RW writes them after every reader
-  // of dy_rows (dh, wgrad2) has finished. They fit when E <= 32 K without a shared
-  // expert (chunks E H 4 bytes against T K H 2): every benchmark shape.
-  const int64_t partial_bytes = chunks * w.partial_len * 4;
+  // The replicated gradients' chunk partials [chunks, partial_len - 3 Fs H] fp32 go where
+  // dy_rows are (this rank's window at W > 1) when they fit: RW writes them after every
+  // reader of dy_rows (dh, wgrad2) has finished. They fit when E <= 32 K (chunks E H 4
+  // bytes against T K H 2): every benchmark shape. The shared expert's segment nodes
+  // [seg_cap, 3 Fs H] fp32 have their own place (RWS runs beside dh and wgrad2).
+  const int64_t partial_bytes = chunks * (w.partial_len - 3 * c.Fs * c.H) * 4;
   w.partials_in_dy_rows = partial_bytes <= R * c.H * 2;
   w.partials = w.partials_in_dy_rows ? 0 : p.take(partial_bytes);
+  w.seg_partials = p.take(shared * seg_cap(chunks) * 3 * c.Fs * c.H * 4);
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
   w.gate_up = plan_gate_up(c, T, p, false);  // (a_rows, sa: in d_a, d_a_s)
   w.total = p.at;
@@ -921,6 +925,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   if (bwd_reuse_o(c)) p.dy_rows = p.dx_rows = p.sv.o_rows, p.dx_late = 1;
   if (bwd_dx_router_in_h(c)) p.dx_router = reinterpret_cast<float*>(p.sv.h_rows);
   p.partial_len = wp.partial_len;
+  p.seg_partials = reinterpret_cast<float*>(ws + wp.seg_partials);
   p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
   if (c.W > 1) {  // expert rows in the windows: peers write dy_rows and read o_rows, dx_rows
     GpuContext* g = gpu(ctx);

@@ -14,6 +14,13 @@ namespace mok {
 typedef __nv_bfloat16 bf16;
 
 constexpr int kSubTokens = 32;  // tokens per DISPATCH, COMBINE, DG and DXSUM task
+// The shared expert's weight gradients (backward's RWS tasks): the chunk tree's lowest
+// kSegLevels levels summed in registers, a segment of up to 2^kSegLevels chunks (1024
+// tokens) and kSegTileGroup 128 x 64 tiles a task (8 x 16 K blocks); a rank's chunks
+// [a, a + n) split into at most n / 16 + 2 kSegLevels segments (kSegLevels pieces on
+// either side of the whole ones), the nodes' rows in the workspace (seg_cap).
+constexpr int kSegLevels = 4, kSegTileGroup = 8;
+inline int64_t seg_cap(int64_t chunks) { return (chunks >> kSegLevels) + 2 * kSegLevels; }
 // Those tasks walk rows of H bf16 a warp at a time, lane chunks v = lane + 32 u of 16
 // bytes. With one CTA of 8 warps an SM, a lane must have several chunks in flight to
 // cover the memory latency (~128 B a lane): every load of a step is issued before any
@@ -392,9 +399,11 @@ struct BwdParams {
   float* dx_shared;     // [T, H]
   bf16* dy_s;           // [T, H] use_shared_gate: bf16(s_g dy), DG's, the shared expert's dy
   bf16* dl_g;           // [T] use_shared_gate: the gate logit's gradient, DG's
-  float* partials;      // [chunks, partial_len]; where dy_rows are when they fit (plan_bwd_ws)
-  int64_t partial_len;  // E*H + 3*Fs*H, then with use_router_bias d_b_router's E rounded up to 4,
-                        // then with use_shared_gate d_w_sg's H
+  float* partials;      // [chunks, partial_len - 3 Fs H]: a chunk's, all but the shared expert's;
+                        // where dy_rows are when they fit (plan_bwd_ws)
+  float* seg_partials;  // [seg_cap(chunks), 3 Fs H]: the shared expert's, a node a segment (RWS)
+  int64_t partial_len;  // the tree's columns: E*H + 3*Fs*H, then with use_router_bias d_b_router's E
+                        // rounded up to 4, then with use_shared_gate d_w_sg's H
   CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's maps of its weight-gradient task's expert, or of an
                           // expert's last m-tile (expert_rows)
 };

@@ -535,14 +535,21 @@ __device__ __forceinline__ void stage_descs(const uint8_t* stage, int wg, uint64
 
 // A K block's first kSteps k16 steps for warpgroup wg, as one wgmma group (fence ..
 // commit): acc (its 64 x 256 tile) += A box wg x B boxes 2..5 of the stage, da and db
-// from stage_descs. A k16 step is 2048 bytes further in an MN-major box (16 rows of
-// 128 bytes), 32 in a K-major one.
-template <int TA, int TB, int kSteps>
-__device__ __forceinline__ void mma_block(float (&acc)[kAcc], uint64_t da, uint64_t db) {
+// from stage_descs; with 32 accumulators (a 64 x 64 tile) B box 2 alone. A k16 step is
+// 2048 bytes further in an MN-major box (16 rows of 128 bytes), 32 in a K-major one.
+// keep (64 x 64 only): 0 for a tile's first block, whose first step then writes acc
+// rather than adding to it (a zeroing of acc there made ptxas serialise the kernel's
+// wgmmas, C7515).
+template <int TA, int TB, int kSteps, int N>
+__device__ __forceinline__ void mma_block(float (&acc)[N], uint64_t da, uint64_t db, int keep = 1) {
+  static_assert(N == kAcc || N == 32, "m64n256 or m64n64");
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < kSteps; ks++)
-    wgmma_m64n256k16<TA, TB>(acc, da + ks * (TA ? 2048 / 16 : 32 / 16), db + ks * (TB ? 2048 / 16 : 32 / 16), 1);
+  for (int ks = 0; ks < kSteps; ks++) {
+    const uint64_t a = da + ks * (TA ? 2048 / 16 : 32 / 16), b = db + ks * (TB ? 2048 / 16 : 32 / 16);
+    if constexpr (N == kAcc) wgmma_m64n256k16<TA, TB>(acc, a, b, 1);
+    else wgmma_m64n64k16<TA, TB>(acc, a, b, ks > 0 || keep);
+  }
   wgmma_commit();
 }
 template <int TA, int TB, int kSteps>
@@ -571,12 +578,16 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // through kStages slots of 32 KB after it. 32 KB a K block into shared memory instead
 // of 48 (the bytes each SM takes in bound the mainloop: docs/PERF.md, ninth session);
 // the epilogue's spare is a 32 KB slot.
+// NB (unpaired, not AR): B boxes a tile, 4 (64 x 256 a warpgroup, kAcc accumulators) or 1
+// (64 x 64, 32 accumulators; the stage's other B boxes unused): epi's acc is NB * 32 floats.
 constexpr int kArBlocks = 4;
 constexpr int kBSlotBytes = 4 * kBoxBytes;
 static_assert(kArBlocks * 2 * kBoxBytes + kStages * kBSlotBytes <= kStages * kStageBytes, "A-resident layout");
-template <int TA, int TB, bool PAIRED = false, bool AR = false, class Setup, class Epi>
+template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   static_assert(!(PAIRED && AR), "A-resident runs are unpaired");
+  static_assert(NB == 4 || (NB == 1 && !PAIRED && !AR), "narrow tiles are unpaired, not A-resident");
+  constexpr int kTileAcc = NB * 32;
   const int tid = threadIdx.x, wg = tid / 128;
   uint8_t* const ring = sm.stage[0];
   // a stage's (AR: a B slot's) shared memory
@@ -626,7 +637,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     const bool skip_b = !PAIRED && !AR && (knobs & 16);  // MOK_KNOBS 16: B stays what the stage held
     const Operand A = c.A;
     const int a_boxes = A.rows > 64 ? 2 : 1;  // (Operand::rows)
-    mbar_arrive_expect_tx(&full[s], AR ? kBSlotBytes : (skip_b ? 0 : 4 * kBoxBytes) + a_boxes * kBoxBytes);
+    mbar_arrive_expect_tx(&full[s], AR ? kBSlotBytes : (skip_b ? 0 : NB * kBoxBytes) + a_boxes * kBoxBytes);
     uint8_t* dst = sm.stage[s];
     uint8_t* const b_dst = AR ? stage_at(s) : dst + 2 * kBoxBytes;  // B's first box (AR: A is resident)
     const int k = kb * BK;
@@ -650,7 +661,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     } else {
       const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
 #pragma unroll
-      for (int b = 0; b < 4 && !skip_b; b++) {
+      for (int b = 0; b < NB && !skip_b; b++) {
         if (TB) tma_load_2d(b_dst + b * kBoxBytes, B.map, &full[s], B.pos[b], B.k0 + kb_b);
         else tma_load_2d(b_dst + b * kBoxBytes, B.map, &full[s], B.k0 + kb_b, B.pos[b]);
       }
@@ -686,15 +697,18 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     Operand A, B;
     int num_kb, k_valid_last;
     setup(tile, A, B, num_kb, k_valid_last);
-    float acc[kAcc];
+    float acc[kTileAcc];
+    if constexpr (NB == 4) {  // (NB = 1: the first block's first wgmma writes them, mma_block's keep)
 #pragma unroll
-    for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
+      for (int i = 0; i < kTileAcc; i++) acc[i] = 0.f;
+    }
     // The second warpgroup, when its 64 rows are all past the tile's stored ones
     // (Operand::rows: an expert's last m-tile), multiplies nothing: its accumulators stay
     // zero and no epilogue stores them. It only passes the ring's stages on, each once it
     // has landed (the last one as below). (A loop of its own: a condition in the K loop
     // would be one more register beside the accumulators, and the backward spilled.)
-    if (wg == 1 && A.rows <= 64) {
+    // (NB = 1: both warpgroups always multiply, so that nothing but a wgmma writes acc)
+    if (NB == 4 && wg == 1 && A.rows <= 64) {
       for (int kb = 0; kb < num_kb; kb++, it++) {
         while (!mbar_try_wait(&full[it % kStages], (it / kStages) & 1)) {
         }
@@ -719,10 +733,11 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
         // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
         const int k_steps = kb == num_kb - 1 ? (k_valid_last + 15) / 16 : BK / 16;
-        if (k_steps == 4) mma_block<TA, TB, 4>(acc, da, db);
-        else if (k_steps == 3) mma_block<TA, TB, 3>(acc, da, db);
-        else if (k_steps == 2) mma_block<TA, TB, 2>(acc, da, db);
-        else mma_block<TA, TB, 1>(acc, da, db);
+        const int keep = NB == 4 || kb > 0;
+        if (k_steps == 4) mma_block<TA, TB, 4>(acc, da, db, keep);
+        else if (k_steps == 3) mma_block<TA, TB, 3>(acc, da, db, keep);
+        else if (k_steps == 2) mma_block<TA, TB, 2>(acc, da, db, keep);
+        else mma_block<TA, TB, 1>(acc, da, db, keep);
         // keep this block's wgmmas in flight; the previous block's are done: free its
         // stage, then (thread 0) refill the ring kStages - 1 blocks ahead
         MOK_STALL_FROM(kStallMma);

@@ -16,9 +16,10 @@
 //   WG2[e,m,n]    dw2[e] = dy_rows^T h_rows, over the expert's rows in order
 //   DXSUM[b]      (32 tokens) dx[t] = bf16(sum_j dx_j + router path + shared path
 //                 (+ dl_g w_sg with the shared gate))
-//   RW[c,tile]    replicated gradients of 64-token chunk c: dW_router, dws13, dws2 (the
-//                 partials where dy_rows were: after every dh and wgrad2), d_b_router,
-//                 d_w_sg
+//   RW[c]         replicated gradients of 64-token chunk c: dW_router, d_b_router,
+//                 d_w_sg (the partials where dy_rows were: after every dh and wgrad2);
+//     [seg,g]     then the shared expert's dws13, dws2: a segment of up to 16 chunks'
+//                 partials summed in registers along the tree (rws_task), per 128 x 64 tile
 //   WG13[e,m,n]   dw13[e] = d_a^T x_rows
 //   TREE[slice]   the fixed pairwise tree over the chunks, then written out
 #include "sm90_common.cuh"
@@ -48,6 +49,31 @@ __device__ __forceinline__ int subtree_level(int a, int b) {
   while (L + 1 < 26 && (a & ((2 << L) - 1)) == 0 && a + (2 << L) <= b) L++;
   return L;
 }
+// The shared expert's segments: the split of a rank's chunks [a, b) into aligned whole
+// subtrees of at most 2^kSegLevels chunks (gpu_params.h), in order.
+__device__ __forceinline__ int seg_level(int a, int b) { return min(kSegLevels, subtree_level(a, b)); }
+// This rank's first chunk in the global chunk order.
+__device__ __forceinline__ int first_chunk(const BwdParams& p) {
+  int chunk0 = 0;
+  for (int r = 0; r < p.s.rank; r++) chunk0 += rank_chunks(p, r);
+  return chunk0;
+}
+// The replicated gradients' columns (partial_len: the tree's, the W > 1 windows'):
+// [d_w_router E H | d_ws13 2 Fs H | d_ws2 H Fs | d_b_router | d_w_sg H]. A chunk's
+// partials (RW) hold all but the shared expert's, whose nodes come a segment at a time
+// (RWS): chunk_len columns a chunk, column x at chunk_col(x).
+__device__ __forceinline__ int64_t shared_cols(const Shape& s) { return 3LL * s.Fs * s.H; }
+__device__ __forceinline__ int64_t chunk_len(const BwdParams& p) { return p.partial_len - shared_cols(p.s); }
+__device__ __forceinline__ int64_t chunk_col(const Shape& s, int64_t x) {
+  return x < (int64_t)s.E * s.H ? x : x - shared_cols(s);
+}
+// RWS's tiles: 128 x 64 of d_ws13 [2Fs, H], then of d_ws2 [H, Fs]; kSegTileGroup a task.
+__device__ __forceinline__ int rws_tiles13(const Shape& s) { return cdivb(2 * s.Fs, BM) * cdivb(s.H, 64); }
+__device__ __forceinline__ int rws_groups(const Shape& s) {
+  return s.Fs ? cdivb(rws_tiles13(s) + cdivb(s.H, BM) * cdivb(s.Fs, 64), kSegTileGroup) : 0;
+}
+// RW's per-chunk tasks: with the router's gradients (fused) or the shared gate's.
+__device__ __forceinline__ int rw_chunk_tasks(const Shape& s) { return s.fused || s.shared_gate ? s.chunks : 0; }
 
 // ---- the saved buffer's checks ----
 // The forward writes saved into a caller's buffer, and the backward takes it back from
@@ -755,7 +781,7 @@ __device__ __noinline__ bool dy_rows_free(Smem& sm, const BwdParams& p, uint32_t
          wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20) &&
          (!p.dx_late || wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20));
 }
-// Where d_w_sg's H columns start in a chunk's partials (partial_len): after d_b_router's
+// Where d_w_sg's H columns start among the tree's columns (partial_len): after d_b_router's
 // padded E.
 __device__ __forceinline__ int64_t gate_grad_at(const Shape& s) {
   return (int64_t)s.E * s.H + 3LL * s.Fs * s.H + (s.use_router_bias ? (s.E + 3) / 4 * 4 : 0);
@@ -779,17 +805,12 @@ __device__ __noinline__ void gate_grad_partial(const BwdParams& p, float* dw, in
 __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uint32_t wg2_total) {
   const Shape& s = p.s;
   if (!dy_rows_free(sm, p, wg2_total)) return;
-  const int nH = cdivb(s.H, BN), nFs = cdivb(s.Fs, BN);
-  const int tr = s.fused ? cdivb(s.E, BM) * nH : 0, t13 = s.Fs ? cdivb(2 * s.Fs, BM) * nH : 0;
-  const int t2 = s.Fs ? cdivb(s.H, BM) * nFs : 0;  // dws2 [H, Fs]: H / 128 row tiles
-  if ((s.fused || s.shared_gate) && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
-  if (s.Fs && !wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(nFs, s.H / BK)), p.st, 20)) return;
-  if (s.Fs && p.recompute && !wait_counter(sm, &p.st.sync->counter[B_RGS_ALL], s.smt * rgs_groups(s), p.st, 20))
-    return;  // (sh)
+  const int nH = cdivb(s.H, BN), tr = s.fused ? cdivb(s.E, BM) * nH : 0;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;  // (dlogits, dl_g)
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
-  float* part = p.partials + (int64_t)c * p.partial_len;
+  float* part = p.partials + (int64_t)c * chunk_len(p);
   if (s.use_router_bias) {  // d_b_router's: sum over the chunk's tokens of dlogits[t, e], t increasing
-    float* const db = part + (int64_t)s.E * s.H + 3LL * s.Fs * s.H;
+    float* const db = part + chunk_col(s, (int64_t)s.E * s.H + shared_cols(s));
     const int t1 = min(s.T, k0 + MOK_REDUCE_CHUNK_TOKENS);
     for (int e = threadIdx.x; e < (s.E + 3) / 4 * 4; e += kThreads) {  // (the padding: 0)
       float sum = 0.f;
@@ -798,44 +819,98 @@ __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uin
       db[e] = sum;  // (signal_counter's __syncthreads and fence publish it with the tiles)
     }
   }
-  if (s.shared_gate) gate_grad_partial(p, part + gate_grad_at(s), k0);
+  if (s.shared_gate) gate_grad_partial(p, part + chunk_col(s, gate_grad_at(s)), k0);
   gemm_tiles<1, 1>(
-      sm, tr + t13 + t2,
+      sm, tr,
       [&](int tile, Operand& A, Operand& B, int& num_kb, int& kv) {
         num_kb = 1, kv = BK;  // tokens past T are out of bounds: zeros
-        if (tile < tr) {
-          const int mt = tile / nH, nt = tile % nH;
-          A = rows128(&p.m_dlog, mt * BM, k0);
-          B = wide(&p.m_x, nt * BN, k0);
-        } else if (tile < tr + t13) {
-          const int mt = (tile - tr) / nH, nt = (tile - tr) % nH;
-          A = rows128(&p.m_das, mt * BM, k0);
-          B = wide(&p.m_x, nt * BN, k0);
-        } else {
-          const int mt = (tile - tr - t13) / nFs, nt = (tile - tr - t13) % nFs;
-          A = rows128(&p.m_dys, mt * BM, k0);
-          B = wide(&p.m_sh, nt * BN, k0);
-        }
+        A = rows128(&p.m_dlog, tile / nH * BM, k0);
+        B = wide(&p.m_x, tile % nH * BN, k0);
       },
       [&](int tile, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-        if (tile < tr) {
-          const int mt = tile / nH, nt = tile % nH;
-          store_tile<kStoreF32>(sm, acc, wg, w, l, mt * BM, s.E, nt * BN, s.H, part, s.H);
-        } else if (tile < tr + t13) {
-          const int mt = (tile - tr) / nH, nt = (tile - tr) % nH;
-          store_tile<kStoreF32>(sm, acc, wg, w, l, mt * BM, 2 * s.Fs, nt * BN, s.H, part + (int64_t)s.E * s.H, s.H);
-        } else {
-          const int mt = (tile - tr - t13) / nFs, nt = (tile - tr - t13) % nFs;
-          store_tile<kStoreF32>(sm, acc, wg, w, l, mt * BM, s.H, nt * BN, s.Fs, part + (int64_t)s.E * s.H + 2LL * s.Fs * s.H,
-                         s.Fs);
-        }
+        store_tile<kStoreF32>(sm, acc, wg, w, l, tile / nH * BM, s.E, tile % nH * BN, s.H, part, s.H);
       });
   signal_counter(sm, &p.st.sync->counter[B_RW]);
 }
 
-__device__ int rw_tiles(const Shape& s) {
-  const int nH = cdivb(s.H, BN);
-  return (s.fused ? cdivb(s.E, BM) * nH : 0) + (s.Fs ? cdivb(2 * s.Fs, BM) * nH + cdivb(s.H, BM) * cdivb(s.Fs, BN) : 0);
+// RWS[seg, g]: the shared expert's weight gradients over segment seg of this rank's
+// chunks (2^L <= 16 of them, seg_level), tiles [8g, 8g + 8) of 128 x 64 (rws_tiles13 of
+// d_ws13 = d_a_s^T x, then d_ws2 = dy_s^T sh). Writing every chunk's fp32 partial of
+// all 3 Fs H columns and reading it back in TREE cost 12 Fs H bytes a chunk each way
+// (45 GB a step on deepseek-v3 with Fs = 2048: docs/PERF.md, 2026-12-04), so the tree's
+// lowest levels are summed here: for each tile the segment's chunks in order, each
+// chunk's partial one K block of 64 tokens from zero (m64n64k16, as RW's were), pushed
+// into a binary counter of kSegLevels pending nodes (left node + right, __fadd_rn:
+// tree_add's additions). The last chunk's carry is the segment's node, the tree's node
+// over those leaves, stored to seg_partials[seg]; TREE pushes the nodes at their levels.
+// The pending nodes are in shared memory, each thread its own elements (seg_node): in
+// registers beside the accumulators the backward spilled 1.4 KB a thread.
+static_assert(kSegLevels == 4 && kStages == 4 && kEpiBytes >= 32 * kThreads * 4, "seg_node's layout");
+// Element q (< 32) of this thread's pending node of level lv: rows of kThreads floats,
+// levels 0-2 in the stages' B boxes 1-3 (24 rows a stage; the narrow tiles load box 0
+// alone), level 3 in sm.epi.
+__device__ __forceinline__ float* seg_node(Smem& sm, int lv, int q) {
+  const int row = lv * 32 + q;
+  float* const base = lv < 3 ? reinterpret_cast<float*>(sm.stage[row / 24] + 3 * kBoxBytes) + row % 24 * kThreads
+                             : reinterpret_cast<float*>(sm.epi) + q * kThreads;
+  return base + tid_here();
+}
+__device__ __forceinline__ void rws_task(Smem& sm, const BwdParams& p, int seg, int g) {
+  const Shape& s = p.s;
+  if (!wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(cdivb(s.Fs, BN), s.H / BK)), p.st, 20))
+    return;  // (d_a_s)
+  if (s.shared_gate && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;  // (dy_s)
+  if (p.recompute && !wait_counter(sm, &p.st.sync->counter[B_RGS_ALL], s.smt * rgs_groups(s), p.st, 20)) return;  // (sh)
+  const int chunk0 = first_chunk(p), end = chunk0 + s.chunks;
+  int a = chunk0;
+  for (int i = 0; i < seg; i++) a += 1 << seg_level(a, end);
+  const int L = seg_level(a, end), n = 1 << L, k0 = (a - chunk0) * MOK_REDUCE_CHUNK_TOKENS;
+  const int nH = cdivb(s.H, 64), nFs = cdivb(s.Fs, 64), n13 = rws_tiles13(s);
+  const int t0 = g * kSegTileGroup, nt = min(kSegTileGroup, n13 + cdivb(s.H, BM) * nFs - t0);
+  float* const out = p.seg_partials + (int64_t)seg * shared_cols(s);
+  if (threadIdx.x == 0) release_stages_from_stores(sm);  // (earlier epilogues' stores read the nodes' places)
+  __syncthreads();
+  gemm_tiles<1, 1, false, false, 1>(
+      sm, nt * n,
+      [&](int i, Operand& A, Operand& B, int& num_kb, int& kv) {  // (tile, chunk), the chunk fastest
+        const int t = t0 + i / n, k = k0 + i % n * BK;
+        num_kb = 1, kv = BK;  // tokens past T are out of bounds: zeros
+        if (t < n13) {
+          const int m0 = t / nH * BM;
+          A = rows128(&p.m_das, m0, k);  // (both boxes: rows past 2 Fs, H are TMA's zeros)
+          B = Operand{&p.m_x, {t % nH * 64, 0, 0, 0}, k};
+        } else {
+          const int m0 = (t - n13) / nFs * BM;
+          A = rows128(&p.m_dys, m0, k);
+          B = Operand{&p.m_sh, {(t - n13) % nFs * 64, 0, 0, 0}, k};
+        }
+      },
+      [&](int i, float(&acc)[32], int wg, int w, int l, uint8_t*) {
+        const int c = i % n;
+        int z = 0;  // chunk c's partial climbs the levels where c's bits are 1, to level z
+        while (z < L && ((c >> z) & 1)) z++;
+        const int t = t0 + i / n;  // z = L (c = n - 1): the segment's node goes out
+        const bool w13 = t < n13;
+        const int m0 = w13 ? t / nH * BM : (t - n13) / nFs * BM, n0 = w13 ? t % nH * 64 : (t - n13) % nFs * 64;
+        const int rows = w13 ? 2 * s.Fs : s.H, cols = w13 ? s.H : s.Fs;  // (cols even: H, Fs multiples of 64)
+        float* const o = w13 ? out : out + 2LL * s.Fs * s.H;
+#pragma unroll
+        for (int q = 0; q < 32; q += 2) {  // acc[4i + 2h + x]: row 8h + lane/4, column 8i + 2(lane%4) + x
+          float v[2] = {acc[q], acc[q + 1]};
+          for (int lv = 0; lv < z; lv++)
+#pragma unroll
+            for (int x = 0; x < 2; x++) v[x] = __fadd_rn(*seg_node(sm, lv, q + x), v[x]);
+          if (z < L) {
+#pragma unroll
+            for (int x = 0; x < 2; x++) *seg_node(sm, z, q + x) = v[x];
+            continue;
+          }
+          const int r = m0 + wg * 64 + w * 16 + l / 4 + 8 * (q / 2 % 2), col = n0 + 8 * (q / 4) + 2 * (l % 4);
+          if (r < rows && col < cols) *reinterpret_cast<float2*>(o + (int64_t)r * cols + col) = make_float2(v[0], v[1]);
+        }
+      });
+  fence_proxy_async_smem();  // (the nodes' generic writes before a next task's TMA loads there)
+  signal_counter(sm, &p.st.sync->counter[B_RW]);  // (its __syncthreads and fence publish the stores)
 }
 
 // The fixed tree over four adjacent columns' n chunk partials (col[c * stride], c < n,
@@ -865,6 +940,18 @@ __device__ __forceinline__ float4 tree_column4(const float* col, int64_t stride,
     tc.push(v[0], 3);
   }
   for (; c < n; c++) tc.push(leaf(c), 0);
+  return tc.fold();
+}
+
+// The same over the segments' nodes of chunks [a, b) (col[j * stride]: segment j's, j from
+// the first in [a, b)), each pushed at its level: the tree over the chunks' leaves.
+__device__ __forceinline__ float4 tree_segments4(const float* col, int64_t stride, int a, int b, SmemNodes4 nodes) {
+  TreeCounter<SmemNodes4, float4> tc{nodes};
+  for (int j = 0; a < b; j++) {
+    const int L = seg_level(a, b);
+    tc.push(*reinterpret_cast<const float4*>(col + (int64_t)j * stride), L);
+    a += 1 << L;
+  }
   return tc.fold();
 }
 
@@ -925,9 +1012,9 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   if (!(combine ? wait_counter(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.st, 20, kFlagTree)
                 : wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20, kFlagBackward)))
     return;
-  const int64_t len = p.partial_len, width = tree_slice(len);
-  int chunk0 = 0;  // this rank's first chunk
-  for (int r = 0; r < s.rank; r++) chunk0 += rank_chunks(p, r);
+  const int64_t len = p.partial_len, width = tree_slice(len), clen = chunk_len(p), sc = shared_cols(s);
+  const int64_t e1 = (int64_t)s.E * s.H;  // (the shared expert's columns: [e1, e1 + sc))
+  const int chunk0 = first_chunk(p);
   // a thread's kTreeLevels pending float4 nodes strided by kThreads, in the pipeline
   // stages (106 KB; no GEMM here; the last epilogue's stores have read them)
   if (threadIdx.x == 0) release_stages_from_stores(sm);
@@ -938,9 +1025,13 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
     void* out = tree_out(p, x, &k);  // (the pieces' bounds are multiples of 4: H % 64 == 0, d_b_router's padded)
     if (!out) continue;
     if (!combine) {  // W = 1: the whole tree; W > 1: subtree j of this rank's chunks, into its window
-      for (int a = chunk0, j = 0, end = chunk0 + s.chunks; a < end; j++) {
+      const bool shared = x >= e1 && x < e1 + sc;
+      for (int a = chunk0, j = 0, sj = 0, end = chunk0 + s.chunks; a < end; j++) {
         const int n = s.W == 1 ? s.chunks : 1 << subtree_level(a, end);
-        const float4 v = tree_column4(p.partials + (a - chunk0) * len + x, len, n, nodes4);
+        // (shared: segment sj starts at a; a subtree of more than 16 chunks is 16-chunk segments)
+        const float4 v = shared ? tree_segments4(p.seg_partials + sj * sc + (x - e1), sc, a, a + n, nodes4)
+                                : tree_column4(p.partials + (a - chunk0) * clen + chunk_col(s, x), clen, n, nodes4);
+        sj += n >> kSegLevels ? n >> kSegLevels : 1;
         if (s.W == 1) tree_store4(p, out, k, v);
         else if (j < p.px.tree_nodes) *reinterpret_cast<float4*>(p.px.tree[s.rank] + j * len + x) = v;
         else raise_error(p.st, MOK_STATUS_INTERNAL_ERROR);  // (the window holds every split of <= T tokens)
@@ -1069,11 +1160,14 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
   if (threadIdx.x == 0) {
     wgrad_mt[0] = cdivb(s.H, BM);  // dw2's row tiles
     wgrad_mt[1] = cdivb(2 * s.F, BM);
-    const int nH = cdivb(s.H, BN), rwt = rw_tiles(s), wg_size = wgrad_group(s);
+    const int nH = cdivb(s.H, BN), wg_size = wgrad_group(s);
+    int segs = 0;  // the shared expert's segments of this rank's chunks (seg_level)
+    for (int a = first_chunk(p), end = a + s.chunks; s.Fs && a < end; segs++) a += 1 << seg_level(a, end);
+    const int rw = rw_chunk_tasks(s) + segs * rws_groups(s);
     // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
-    const int slices = rwt ? tree_slices(p.partial_len) : 0;
+    const int slices = rw ? tree_slices(p.partial_len) : 0;
     const int rows[kBwdPhases] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt,
-                                  s.e_loc, s.e_loc, rwt ? s.chunks : 0, s.W > 1 ? 2 * slices : slices, s.ns,
+                                  s.e_loc, s.e_loc, rw, s.W > 1 ? 2 * slices : slices, s.ns,
                                   p.recompute ? s.max_mt : 0, p.recompute && s.Fs ? s.smt : 0};
     const int cols[kBwdPhases] = {1, groups(cdivb(s.Fs, BN), s.H / BK), groups(cdivb(s.F, BN), s.H / BK),
                                   groups(nH, cdivb(s.E, BK)), groups(nH, 2 * s.Fs / BK), groups(nH, 2 * s.F / BK),
@@ -1130,7 +1224,10 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
         if (k == 6) wgrad2_done(sm, p);
         break;
       }
-      case 8: rw_task(sm, p, local, wg2_total()); break;
+      case 8:
+        if (local < rw_chunk_tasks(s)) rw_task(sm, p, local, wg2_total());
+        else rws_task(sm, p, (local - rw_chunk_tasks(s)) / rws_groups(s), (local - rw_chunk_tasks(s)) % rws_groups(s));
+        break;
       case 9: {
         const uint32_t rw_total = phase_size(bwd_place(8, p.dx_late));
         const int slices = (phase_end[i] - phase_start[i]) / (s.W > 1 ? 2 : 1);  // (W > 1: two rounds)
