@@ -276,11 +276,11 @@ def warm_up(step, seconds):
         torch.cuda.synchronize()
 
 
-def profile_shape(name, routing, warm=0.0):
+def profile_shape(name, routing, warm=0.0, variant=None):
     """MOK_PROFILE=1: the library prints CTA time per task kind at each mok.synchronize().
     warm > 0: the peer's steps run that many seconds first (mok's own would all be
     traced), so the traced step runs at a sustained run's clock."""
-    pb = Problem(name, routing)
+    pb = Problem(name, routing, variant=VARIANTS[variant] if variant else None)
     for _ in range(2):
         pb.mok_step()
     mok.synchronize()
@@ -478,6 +478,8 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--uniform-only", action="store_true")
     ap.add_argument("--profile", action="store_true", help="mok only: CTA time per task kind (MOK_PROFILE=1)")
+    ap.add_argument("--variant", default="", choices=["", *VARIANTS],
+                    help="--profile: the layer with this one of shapes.VARIANTS")
     ap.add_argument("--mok-only", action="store_true",
                     help="no peer: A/B runs of two builds (bench/gpu_session.sh ab), alternating in one call; "
                     "prints a digest of mok's outputs and gradients, equal when two builds give the same bits")
@@ -515,7 +517,7 @@ def main():
     if args.profile:
         for name in args.shapes.split(","):
             for routing in routings(name, args.uniform_only, args.routings):
-                profile_shape(name, routing, args.warm)
+                profile_shape(name, routing, args.warm, args.variant)
         return
     global SAMPLER
     SAMPLER = GpuSampler()

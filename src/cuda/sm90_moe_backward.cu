@@ -1165,7 +1165,9 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
     for (int a = first_chunk(p), end = a + s.chunks; s.Fs && a < end; segs++) a += 1 << seg_level(a, end);
     const int rw = rw_chunk_tasks(s) + segs * rws_groups(s);
     // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
-    const int slices = rw ? tree_slices(p.partial_len) : 0;
+    // (TREE whenever there are replicated gradients, even on a rank without tokens: at
+    // W > 1 every rank's round-one signal is waited for)
+    const int slices = s.fused || s.Fs ? tree_slices(p.partial_len) : 0;
     const int rows[kBwdPhases] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt,
                                   s.e_loc, s.e_loc, rw, s.W > 1 ? 2 * slices : slices, s.ns,
                                   p.recompute ? s.max_mt : 0, p.recompute && s.Fs ? s.smt : 0};
