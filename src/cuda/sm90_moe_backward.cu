@@ -918,6 +918,14 @@ __device__ __forceinline__ void rws_task(Smem& sm, const BwdParams& p, int seg, 
 // Whole aligned runs of 8 leaves go in as their complete level-3 subtree (the next run's
 // 8 float4 loads in flight meanwhile), the rest one by one; the pending nodes in the
 // caller's shared memory (nodes). Each partial read once.
+// Eight adjacent whole subtrees of one level, pairwise: their parent three levels up.
+__device__ __forceinline__ float4 tree_of_8(float4 (&v)[8]) {
+#pragma unroll
+  for (int lv = 0; lv < 3; lv++)  // levels 1..3: 4, 2, 1 nodes
+#pragma unroll
+    for (int k = 0; k < (4 >> lv); k++) v[k] = tree_add(v[2 * k], v[2 * k + 1]);
+  return v[0];
+}
 __device__ __forceinline__ float4 tree_column4(const float* col, int64_t stride, int n, SmemNodes4 nodes) {
   TreeCounter<SmemNodes4, float4> tc{nodes};
   const auto leaf = [&](int c) { return *reinterpret_cast<const float4*>(col + (int64_t)c * stride); };
@@ -933,11 +941,7 @@ __device__ __forceinline__ float4 tree_column4(const float* col, int64_t stride,
     if (c + 16 <= n)
 #pragma unroll
       for (int k = 0; k < 8; k++) next[k] = leaf(c + 8 + k);
-#pragma unroll
-    for (int lv = 0; lv < 3; lv++)  // levels 1..3: 4, 2, 1 nodes
-#pragma unroll
-      for (int k = 0; k < (4 >> lv); k++) v[k] = tree_add(v[2 * k], v[2 * k + 1]);
-    tc.push(v[0], 3);
+    tc.push(tree_of_8(v), 3);
   }
   for (; c < n; c++) tc.push(leaf(c), 0);
   return tc.fold();
@@ -957,11 +961,7 @@ __device__ __forceinline__ float4 tree_segments4(const float* col, int64_t strid
       float4 v[8];
 #pragma unroll
       for (int k = 0; k < 8; k++) v[k] = leaf(j + k);
-#pragma unroll
-      for (int lv = 0; lv < 3; lv++)
-#pragma unroll
-        for (int k = 0; k < (4 >> lv); k++) v[k] = tree_add(v[2 * k], v[2 * k + 1]);
-      tc.push(v[0], kSegLevels + 3);
+      tc.push(tree_of_8(v), kSegLevels + 3);
       j += 8, a += kRun;
     } else {
       const int L = seg_level(a, b);
