@@ -16,6 +16,11 @@
 //     32 KB stages, 5 of them; or one m64n256k16, 40 KB, 4): the two take turns at the
 //     mainloop (an mbarrier hand-over after the last K block's wgmmas are issued), so one
 //     warpgroup's epilogue runs beside the other's mainloop.
+//   gemm_tiles (the control): the megakernel's own GEMM, unchanged (256 threads, both
+//     warpgroups computing, thread 0 issuing the loads between its wgmmas, each tile's
+//     epilogue in series: store_tile's TMA path with the spare stage), on 2-D maps over
+//     the experts' rows as the megakernel's, a CTA's tiles in runs of group_size(K / 64)
+//     as its GEMM tasks; N a multiple of 64 (the CUDA backend's rule for H and F).
 // Tiles: a static order, CTA c taking tiles c, c + grid, ...; tile t -> (g, m, n) with
 // the m-tiles of each expert in bands of kGroupM, a band walked column by column (A's
 // rows and B's columns reused from L2); ping-pong's warpgroups take a CTA's tiles in turn.
@@ -333,6 +338,41 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
   }
 }
 
+// The control: the CTA's tiles (the engines' order, 128 x 256) through gemm_tiles, in
+// runs of group_size(num_kb) tiles (one pipeline each, as one GEMM task of the
+// megakernel), each tile's epilogue store_tile's bf16 TMA path.
+struct TilesParams {
+  CUtensorMap a, b;  // [G M, K], [G N, K] bf16, boxes of 64 x 64
+  StoreMap c;        // [G M, N] (make_store_map's three maps)
+  bf16* c_base;
+  Problem p;
+};
+__global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_constant__ TilesParams prm) {
+  Smem& sm = kernel_smem(0);
+  const Problem& p = prm.p;
+  const int mine = ((int)(p.num_tiles - blockIdx.x) + (int)gridDim.x - 1) / (int)gridDim.x;
+  const int size = group_size(p.num_kb);
+  for (int r0 = 0; r0 < mine; r0 += size) {
+    auto tile = [&](int i) { return (int)blockIdx.x + (r0 + i) * (int)gridDim.x; };
+    gemm_tiles<0, 0>(
+        sm, min(size, mine - r0),
+        [&](int i, Operand& A, Operand& B, int& nk, int& kv) {
+          int g, m0, n0;
+          tile_origin<BM, BN>(p, tile(i), g, m0, n0);
+          A = rows128(&prm.a, g * p.M + m0, 0, p.M - m0);
+          B = wide(&prm.b, g * p.N + n0, 0);
+          nk = p.num_kb, kv = p.K - (p.num_kb - 1) * BK;
+        },
+        [&](int i, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          int g, m0, n0;
+          tile_origin<BM, BN>(p, tile(i), g, m0, n0);
+          store_tile<kStoreBf16>(sm, acc, wg, w, l, m0, p.M, n0, p.N, prm.c_base + (size_t)g * p.M * p.N, p.N, &prm.c,
+                                 g * p.M + m0, spare);
+        });
+  }
+  if (threadIdx.x == 0) bulk_wait_all();
+}
+
 // ---- reference, checks, inputs ----
 
 // ref[g][m][n] = sum over k in increasing order of A[g][m][k] B[g][n][k] (fp32 fma), one
@@ -416,6 +456,24 @@ static void bf16_map_3d(CUtensorMap* map, const void* base, int G, int rows, int
              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     fprintf(stderr, "engine_gemm: cuTensorMapEncodeTiled failed (%d x %d x %d)\n", G, rows, cols), exit(1);
+}
+
+// make_store_map's maps (cuda_backend.cu) of the [rows, cols] bf16 matrix at base: 128-
+// and 16-row boxes, and the pair map (two 64-column boxes in one store) where the
+// driver takes it.
+static void store_maps(StoreMap* m, void* base, int rows, int cols) {
+  if (!bf16_map("engine_gemm", &m->full, base, rows, cols, BM) ||
+      !bf16_map("engine_gemm", &m->part, base, rows, cols, kStoreRows))
+    exit(1);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+  const cuuint64_t dims[3] = {64, (cuuint64_t)rows, (cuuint64_t)cols / 64}, strides[2] = {(cuuint64_t)cols * 2, 128};
+  const cuuint32_t box[3] = {64, BM, 2}, elem[3] = {1, 1, 1};
+  m->has_pair = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)(
+                    &m->pair, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, dims, strides, box, elem,
+                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 struct Case {
@@ -538,6 +596,54 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
   return true;
 }
 
+// The control (tiles_gemm_kernel) on case c, checked and timed as run_engine's engines.
+static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
+  if (c.N % 64) {
+    printf("  %-24s not run: N %% 64 != 0 (the CUDA backend's rule for H and F)\n", "gemm_tiles 128x256");
+    return true;
+  }
+  TilesParams prm;
+  Problem& p = prm.p;
+  p.G = c.G, p.M = c.M, p.N = c.N, p.K = c.K;
+  p.tiles_m = (c.M + BM - 1) / BM, p.tiles_n = (c.N + BN - 1) / BN;
+  p.num_tiles = c.G * p.tiles_m * p.tiles_n, p.num_kb = (c.K + BK - 1) / BK;
+  if (!bf16_map("engine_gemm", &prm.a, b.A, c.G * c.M, c.K, 64) || !bf16_map("engine_gemm", &prm.b, b.B, c.G * c.N, c.K, 64))
+    exit(1);
+  const int grid = p.num_tiles < g_sms ? p.num_tiles : g_sms;
+  const int smem = (int)sizeof(Smem) + 1024;
+  CK(cudaFuncSetAttribute(tiles_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  auto launch = [&](bf16* C) {
+    store_maps(&prm.c, C, c.G * c.M, c.N);
+    prm.c_base = C;
+    tiles_gemm_kernel<<<grid, kThreads, smem>>>(prm);
+  };
+  const char* who = "gemm_tiles 128x256";
+  bool ok = true;
+  for (int run = 0; run < 2 && ok; run++) {
+    bf16* const C = run ? b.C2 : b.C;
+    CK(cudaMemset(C, 0xff, b.nc * 2));
+    launch(C);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    ok = check_ref(c, b, C, who);
+  }
+  const long long d = ok ? first_diff(b, b.C, b.C2) : -1;
+  if (d >= 0) printf("  %s: NOT DETERMINISTIC: two runs differ first at index %lld\n", who, d), ok = false;
+  if (!ok) return false;
+  const char* vs_first = "";
+  if (!have_first) {
+    CK(cudaMemcpy(b.C0, b.C, b.nc * 2, cudaMemcpyDeviceToDevice));
+    have_first = true;
+  } else {
+    vs_first = first_diff(b, b.C, b.C0) < 0 ? ", same bits as the first" : ", other bits than the first";
+  }
+  const double ms = launch_ms([&] { tiles_gemm_kernel<<<grid, kThreads, smem>>>(prm); });
+  CK(cudaGetLastError());
+  printf("  %-24s %2d stages %8.3f ms %7.1f TFLOP/s %6.3fx cuBLAS  (checked, deterministic%s)\n", who, kStages, ms,
+         c.flops() / ms * 1e-9, cublas_ms / ms, vs_first);
+  return true;
+}
+
 // C = A B^T for every expert: cuBLAS is column-major, so it computes C^T (N x M, ld N) =
 // B (N x K: op T of the K x N column-major view, ld K) x A^T (K x M column-major, ld K).
 static void cublas_gemm(cublasHandle_t h, const Case& c, const Buffers& b, bf16* C) {
@@ -645,6 +751,7 @@ int main(int argc, char** argv) {
     failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
     failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
     failed += !run_engine<PingPong64>(c, b, peer_ms, have_first);
+    failed += !run_tiles(c, b, peer_ms, have_first);
     fflush(stdout);
     CK(cudaFree(b.A));
     CK(cudaFree(b.B));
