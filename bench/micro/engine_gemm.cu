@@ -20,7 +20,8 @@
 //     warpgroups computing, thread 0 issuing the loads between its wgmmas, each tile's
 //     epilogue in series: store_tile's TMA path with the spare stage), on 2-D maps over
 //     the experts' rows as the megakernel's, a CTA's tiles in runs of group_size(K / 64)
-//     as its GEMM tasks; N a multiple of 64 (the CUDA backend's rule for H and F).
+//     as its GEMM tasks; N a multiple of 64 (the CUDA backend's rule for H and F). Its
+//     maps' boxes 64 rows (6 loads a K block), then 128 (3: kBoxRows, the forward's).
 // Tiles: a static order, CTA c taking tiles c, c + grid, ...; tile t -> (g, m, n) with
 // the m-tiles of each expert in bands of kGroupM, a band walked column by column (A's
 // rows and B's columns reused from L2); ping-pong's warpgroups take a CTA's tiles in turn.
@@ -347,6 +348,7 @@ struct TilesParams {
   bf16* c_base;
   Problem p;
 };
+template <int kBoxRows>
 __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_constant__ TilesParams prm) {
   Smem& sm = kernel_smem(0);
   const Problem& p = prm.p;
@@ -354,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_co
   const int size = group_size(p.num_kb);
   for (int r0 = 0; r0 < mine; r0 += size) {
     auto tile = [&](int i) { return (int)blockIdx.x + (r0 + i) * (int)gridDim.x; };
-    gemm_tiles<0, 0>(
+    gemm_tiles<0, 0, false, false, 4, kBoxRows>(
         sm, min(size, mine - r0),
         [&](int i, Operand& A, Operand& B, int& nk, int& kv) {
           int g, m0, n0;
@@ -596,10 +598,14 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
   return true;
 }
 
-// The control (tiles_gemm_kernel) on case c, checked and timed as run_engine's engines.
+// The control (tiles_gemm_kernel, maps of kBoxRows-row boxes) on case c, checked and
+// timed as run_engine's engines.
+template <int kBoxRows>
 static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
+  char who[64];
+  snprintf(who, sizeof who, "gemm_tiles %d-row boxes", kBoxRows);
   if (c.N % 64) {
-    printf("  %-24s not run: N %% 64 != 0 (the CUDA backend's rule for H and F)\n", "gemm_tiles 128x256");
+    printf("  %-24s not run: N %% 64 != 0 (the CUDA backend's rule for H and F)\n", who);
     return true;
   }
   TilesParams prm;
@@ -607,17 +613,17 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
   p.G = c.G, p.M = c.M, p.N = c.N, p.K = c.K;
   p.tiles_m = (c.M + BM - 1) / BM, p.tiles_n = (c.N + BN - 1) / BN;
   p.num_tiles = c.G * p.tiles_m * p.tiles_n, p.num_kb = (c.K + BK - 1) / BK;
-  if (!bf16_map("engine_gemm", &prm.a, b.A, c.G * c.M, c.K, 64) || !bf16_map("engine_gemm", &prm.b, b.B, c.G * c.N, c.K, 64))
+  if (!bf16_map("engine_gemm", &prm.a, b.A, c.G * c.M, c.K, kBoxRows) ||
+      !bf16_map("engine_gemm", &prm.b, b.B, c.G * c.N, c.K, kBoxRows))
     exit(1);
   const int grid = p.num_tiles < g_sms ? p.num_tiles : g_sms;
   const int smem = (int)sizeof(Smem) + 1024;
-  CK(cudaFuncSetAttribute(tiles_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CK(cudaFuncSetAttribute(tiles_gemm_kernel<kBoxRows>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   auto launch = [&](bf16* C) {
     store_maps(&prm.c, C, c.G * c.M, c.N);
     prm.c_base = C;
-    tiles_gemm_kernel<<<grid, kThreads, smem>>>(prm);
+    tiles_gemm_kernel<kBoxRows><<<grid, kThreads, smem>>>(prm);
   };
-  const char* who = "gemm_tiles 128x256";
   bool ok = true;
   for (int run = 0; run < 2 && ok; run++) {
     bf16* const C = run ? b.C2 : b.C;
@@ -637,7 +643,7 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
   } else {
     vs_first = first_diff(b, b.C, b.C0) < 0 ? ", same bits as the first" : ", other bits than the first";
   }
-  const double ms = launch_ms([&] { tiles_gemm_kernel<<<grid, kThreads, smem>>>(prm); });
+  const double ms = launch_ms([&] { tiles_gemm_kernel<kBoxRows><<<grid, kThreads, smem>>>(prm); });
   CK(cudaGetLastError());
   printf("  %-24s %2d stages %8.3f ms %7.1f TFLOP/s %6.3fx cuBLAS  (checked, deterministic%s)\n", who, kStages, ms,
          c.flops() / ms * 1e-9, cublas_ms / ms, vs_first);
@@ -751,7 +757,8 @@ int main(int argc, char** argv) {
     failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
     failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
     failed += !run_engine<PingPong64>(c, b, peer_ms, have_first);
-    failed += !run_tiles(c, b, peer_ms, have_first);
+    failed += !run_tiles<64>(c, b, peer_ms, have_first);
+    failed += !run_tiles<128>(c, b, peer_ms, have_first);
     fflush(stdout);
     CK(cudaFree(b.A));
     CK(cudaFree(b.B));

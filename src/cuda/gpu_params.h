@@ -270,6 +270,10 @@ struct StoreMap {
 // The most CTAs a launch has (cfg.num_ctas or the SM count): sizes per-CTA scratch.
 constexpr int kMaxCtas = 256;
 
+// The rows of a box in the forward's operand maps (m_x .. m_sh): every forward GEMM
+// operand is K-major, so each box is 64 k x 128 rows (gemm_tiles' kBoxRows).
+constexpr int kFwdBoxRows = 128;
+
 struct FwdParams {
   CUtensorMap m_x;      // x [T, H]
   CUtensorMap m_wr;     // w_router [E, H]

@@ -580,13 +580,23 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // the epilogue's spare is a 32 KB slot.
 // NB (unpaired, not AR): B boxes a tile, 4 (64 x 256 a warpgroup, kAcc accumulators) or 1
 // (64 x 64, 32 accumulators; the stage's other B boxes unused): epi's acc is NB * 32 floats.
+// kBoxRows: the rows of a box in the maps of the run's K-major operands (A when TA = 0,
+// B when TB = 0), 64 or 128 (MN-major maps have 64 x 64 boxes). With 128 one TMA load
+// brings what two 64-row boxes did, into the same shared memory (the 128-byte swizzle
+// repeats every 8 rows), so a K block takes 3 loads instead of 6: thread 0 issues them
+// between its wgmmas, and each load costs it about 150 cycles (engine_gemm, 2026-12-04:
+// the GEMM alone 3-17% faster). B's boxes are then pos[0] and pos[2] (pos[1], pos[3]
+// their second halves, as wide() and the gate|up operands make them); A loads all 128
+// rows even when it stores at most 64 (the bytes its idle warpgroup leaves unread).
 constexpr int kArBlocks = 4;
 constexpr int kBSlotBytes = 4 * kBoxBytes;
 static_assert(kArBlocks * 2 * kBoxBytes + kStages * kBSlotBytes <= kStages * kStageBytes, "A-resident layout");
-template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, class Setup, class Epi>
+template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   static_assert(!(PAIRED && AR), "A-resident runs are unpaired");
   static_assert(NB == 4 || (NB == 1 && !PAIRED && !AR), "narrow tiles are unpaired, not A-resident");
+  static_assert(kBoxRows == 64 || (kBoxRows == 128 && NB == 4), "boxes of 64 rows, or 128 for whole tiles");
+  constexpr bool kTallA = kBoxRows == 128 && !TA, kTallB = kBoxRows == 128 && !TB;  // (one load a 128-row half)
   constexpr int kTileAcc = NB * 32;
   const int tid = threadIdx.x, wg = tid / 128;
   uint8_t* const ring = sm.stage[0];
@@ -636,12 +646,14 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     const uint32_t knobs = sm.knobs;              // (once: the TMA asm's memory clobber would re-read it)
     const bool skip_b = !PAIRED && !AR && (knobs & 16);  // MOK_KNOBS 16: B stays what the stage held
     const Operand A = c.A;
-    const int a_boxes = A.rows > 64 ? 2 : 1;  // (Operand::rows)
+    const int a_boxes = kTallA || A.rows > 64 ? 2 : 1;  // (Operand::rows; a tall box brings both)
     mbar_arrive_expect_tx(&full[s], AR ? kBSlotBytes : (skip_b ? 0 : NB * kBoxBytes) + a_boxes * kBoxBytes);
     uint8_t* dst = sm.stage[s];
     uint8_t* const b_dst = AR ? stage_at(s) : dst + 2 * kBoxBytes;  // B's first box (AR: A is resident)
     const int k = kb * BK;
-    if (!AR) {
+    if (!AR && kTallA) {
+      tma_load_2d(dst, A.map, &full[s], A.k0 + k, A.pos[0]);
+    } else if (!AR) {
 #pragma unroll
       for (int b = 0; b < 2; b++) {
         if (b >= a_boxes) break;
@@ -650,13 +662,22 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       }
     }
     const Operand B = c.B;
-    if (PAIRED) {  // B boxes 2 rank, 2 rank + 1 into both CTAs; the partner loads the others
+    if (PAIRED && kTallB) {  // B boxes 2 rank, 2 rank + 1 (one tall box) into both CTAs
+      const bool hi = sm.rank != 0;
+      tma_load_2d_multicast(b_dst + (hi ? 2 : 0) * kBoxBytes, B.map, &full[s], B.k0 + k, hi ? B.pos[2] : B.pos[0], 0x3);
+    } else if (PAIRED) {  // B boxes 2 rank, 2 rank + 1 into both CTAs; the partner loads the others
       const bool hi = sm.rank != 0;
 #pragma unroll
       for (int i = 0; i < 2; i++) {
         const int b = hi ? 2 + i : i, pos = hi ? B.pos[2 + i] : B.pos[i];  // (no run-time index: local memory)
         if (TB) tma_load_2d_multicast(b_dst + b * kBoxBytes, B.map, &full[s], pos, B.k0 + k, 0x3);
         else tma_load_2d_multicast(b_dst + b * kBoxBytes, B.map, &full[s], B.k0 + k, pos, 0x3);
+      }
+    } else if (kTallB) {
+      const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
+      if (!skip_b) {
+        tma_load_2d(b_dst, B.map, &full[s], B.k0 + kb_b, B.pos[0]);
+        tma_load_2d(b_dst + 2 * kBoxBytes, B.map, &full[s], B.k0 + kb_b, B.pos[2]);
       }
     } else {
       const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
@@ -679,7 +700,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       mbar_arrive_expect_tx(&sm.a_full, c.num_kb * 2 * kBoxBytes);
       for (int kb = 0; kb < c.num_kb; kb++)
 #pragma unroll
-        for (int b = 0; b < 2; b++) {
+        for (int b = 0; b < (kTallA ? 1 : 2); b++) {
           uint8_t* dst = ring + (kb * 2 + b) * kBoxBytes;
           if (TA) tma_load_2d(dst, A.map, &sm.a_full, A.pos[b], A.k0 + kb * BK);
           else tma_load_2d(dst, A.map, &sm.a_full, A.k0 + kb * BK, A.pos[b]);
@@ -849,10 +870,10 @@ __host__ __device__ constexpr int groups(int n, int num_kb) { return (n + group_
 
 // Group g of the n column tiles: setup(nt, A, B) and epi(nt, acc, wg, warp, lane, spare)
 // per column tile nt; every tile runs num_kb K blocks.
-template <int TA, int TB, bool PAIRED = false, class Setup, class Epi>
+template <int TA, int TB, bool PAIRED = false, int kBoxRows = 64, class Setup, class Epi>
 __device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, Setup setup, Epi epi) {
   const int size = group_size(num_kb);
-  gemm_tiles<TA, TB, PAIRED>(
+  gemm_tiles<TA, TB, PAIRED, false, 4, kBoxRows>(
       sm, min(size, n - g * size),
       [&](int t, Operand& A, Operand& B, int& nk, int& kv) {
         setup(g * size + t, A, B);
@@ -881,10 +902,10 @@ __device__ __forceinline__ void paired_task(Smem& sm, bool pairable, bool ok, bo
 }
 
 // One tile: gemm_tiles with a single tile; epi(acc, wg, warp, lane, spare).
-template <int TA, int TB, class Epi>
+template <int TA, int TB, int kBoxRows = 64, class Epi>
 __device__ __forceinline__ void gemm_tile(Smem& sm, const Operand& A, const Operand& B, int num_kb,
                                           int k_valid_last, Epi epi) {
-  gemm_tiles<TA, TB>(
+  gemm_tiles<TA, TB, false, false, 4, kBoxRows>(
       sm, 1,
       [&](int, Operand& a, Operand& b, int& nk, int& kv) { a = A, b = B, nk = num_kb, kv = k_valid_last; },
       [&](int, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) { epi(acc, wg, w, l, spare); });

@@ -166,7 +166,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
   if (s.fused) {
     for (int nt = 0; nt < cdiv(E, BN); nt++) {  // (logits' columns E .. Ep - 1: 0, B's rows past E)
       const Operand A = rows128(&p.m_x, t0, 0), B = wide(&p.m_wr, nt * BN, 0);
-      gemm_tile<0, 0>(sm, A, B, s.H / BK, BK, [&](float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+      gemm_tile<0, 0, kFwdBoxRows>(sm, A, B, s.H / BK, BK, [&](float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, t1, nt * BN, s.Ep, p.logits, s.Ep);
       });
     }
@@ -601,7 +601,7 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int tas
   paired_task(sm, pairable, ok, valid, valid ? p.tile_expert[mt] : 0, g, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt], F = s.F;
     const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.m_xrows, p.sv.x_rows, s.H, row0, row_end);
-    gemm_group<0, 0, decltype(P)::value>(
+    gemm_group<0, 0, decltype(P)::value, kFwdBoxRows>(
         sm, g, cdiv(F, BF), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
           const int gate = e * 2 * F + nt * BF, up = gate + F;
@@ -621,7 +621,7 @@ __device__ __forceinline__ void gemm1_task(Smem& sm, const FwdParams& p, int tas
 __device__ __forceinline__ void shared1_task(Smem& sm, const FwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   const int t0 = mt * BM, Fs = s.Fs;
-  gemm_group<0, 0>(
+  gemm_group<0, 0, false, kFwdBoxRows>(
       sm, g, cdiv(Fs, BF), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
         A = rows128(&p.m_x, t0, 0, s.T - t0);
@@ -643,7 +643,7 @@ __device__ __forceinline__ void gemm2_task(Smem& sm, const FwdParams& p, int tas
   paired_task(sm, pairable, ok, valid, valid ? p.tile_expert[mt] : 0, g, [&](auto P) {
     const int e = p.tile_expert[mt], row0 = p.tile_row0[mt], row_end = p.tile_row_end[mt];
     const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.m_hrows, p.sv.h_rows, s.F, row0, row_end);
-    gemm_group<0, 0, decltype(P)::value>(
+    gemm_group<0, 0, decltype(P)::value, kFwdBoxRows>(
         sm, g, cdiv(s.H, BN), s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
           A = rows;
@@ -711,7 +711,7 @@ __device__ __forceinline__ void shared2_task(Smem& sm, const FwdParams& p, int m
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + s.max_mt + mt], groups(cdiv(s.Fs, BF), s.H / BK), p.st, 19)) return;
   const int t0 = mt * BM;
-  gemm_group<0, 0>(
+  gemm_group<0, 0, false, kFwdBoxRows>(
       sm, g, cdiv(s.H, BN), s.Fs / BK,
       [&](int nt, Operand& A, Operand& B) {
         A = rows128(&p.m_sh, t0, 0, s.T - t0);
