@@ -717,6 +717,19 @@ static mok_status_t make_map(mok_context_t* ctx, CUtensorMap* map, const void* b
   return encode_map(ctx, map, base, 2, dims, strides, box, name);
 }
 
+// A tall MN-major operand map (gemm_tiles' kBoxRows 128) of [rows, cols] (cols
+// contiguous, a multiple of 64), seen as [cols / 64][rows][64] with 64 x 64 x 2 boxes:
+// one load brings two adjacent 64 x 64 boxes (k rows x mn columns), the second chunk
+// after the first, as two 2-D loads would. (Its strides do not increase, as the store
+// pair map's: the driver takes them.)
+static mok_status_t make_chunk_map(mok_context_t* ctx, CUtensorMap* map, const void* base, int64_t rows, int64_t cols,
+                                   const char* name) {
+  const cuuint64_t dims[3] = {64, (cuuint64_t)std::max<int64_t>(rows, 1), (cuuint64_t)cols / 64};
+  const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, 128};
+  const cuuint32_t box[3] = {64, 64, 2};
+  return encode_map(ctx, map, base, 3, dims, strides, box, name);
+}
+
 // A map of a gate|up buffer [rows, 2F] seen as [rows][2][F] (64 x 1 x box_rows boxes),
 // so that a box of gate columns never spills into the up half: the SwiGLU epilogues'
 // TMA stores and (128-row boxes) the backward's loads of gate and up.
@@ -940,20 +953,32 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
     p.peer_dx_rows.rows[0] = p.dx_rows;
   }
   p.partials = reinterpret_cast<float*>(wp.partials_in_dy_rows ? (char*)p.dy_rows : ws + wp.partials);
-  MAP_TRY(make_map(ctx, &p.m_dys, c.use_shared_gate ? p.dy_s : a->dy, T, H, c.use_shared_gate ? "dy_s" : "dy"));
+  const void* dys = c.use_shared_gate ? p.dy_s : a->dy;
+  const char* dys_name = c.use_shared_gate ? "dy_s" : "dy";
+  const void* dlog = p.s.fused ? p.dlogits : nullptr;
+  MAP_TRY(make_map(ctx, &p.m_dys, dys, T, H, dys_name));
   MAP_TRY(make_map(ctx, &p.m_x, a->x, T, H, "x"));
-  MAP_TRY(make_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router"));
-  MAP_TRY(make_map(ctx, &p.m_w13, a->w13, El * 2 * F, H, "w13"));
-  MAP_TRY(make_map(ctx, &p.m_w2, a->w2, El * H, F, "w2"));
-  MAP_TRY(make_map(ctx, &p.m_dyrows, p.dy_rows, R, H, "dy_rows"));
-  MAP_TRY(make_map(ctx, &p.m_xrows, p.sv.x_rows, R, H, "x_rows"));
-  MAP_TRY(make_map(ctx, &p.m_hrows, p.sv.h_rows, R, F, "h_rows"));
-  MAP_TRY(make_map(ctx, &p.m_da, p.d_a, R, 2 * F, "d_a"));
-  MAP_TRY(make_map(ctx, &p.m_dlog, p.s.fused ? p.dlogits : nullptr, T, E, "dlogits", 64, p.s.Ep));
-  MAP_TRY(make_map(ctx, &p.m_ws13, Fs ? a->ws13 : nullptr, 2 * Fs, H, "ws13"));
-  MAP_TRY(make_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
+  MAP_TRY(make_chunk_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router"));
+  MAP_TRY(make_chunk_map(ctx, &p.m_w13, a->w13, El * 2 * F, H, "w13"));
+  MAP_TRY(make_chunk_map(ctx, &p.m_w2, a->w2, El * H, F, "w2"));
+  MAP_TRY(make_chunk_map(ctx, &p.m_dyrows, p.dy_rows, R, H, "dy_rows"));
+  MAP_TRY(make_chunk_map(ctx, &p.m_xrows, p.sv.x_rows, R, H, "x_rows"));
+  MAP_TRY(make_chunk_map(ctx, &p.m_hrows, p.sv.h_rows, R, F, "h_rows"));
+  MAP_TRY(make_chunk_map(ctx, &p.m_da, p.d_a, R, 2 * F, "d_a"));
+  MAP_TRY(make_map(ctx, &p.m_dlog, dlog, T, E, "dlogits", 64, p.s.Ep));
+  MAP_TRY(make_chunk_map(ctx, &p.m_ws13, Fs ? a->ws13 : nullptr, 2 * Fs, H, "ws13"));
+  MAP_TRY(make_chunk_map(ctx, &p.m_ws2, Fs ? a->ws2 : nullptr, H, Fs, "ws2"));
   MAP_TRY(make_map(ctx, &p.m_sh, Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
   MAP_TRY(make_map(ctx, &p.m_das, Fs ? p.d_a_s : nullptr, T, 2 * Fs, "d_a_s"));
+  MAP_TRY(make_map(ctx, &p.k_dys, Fs ? dys : nullptr, T, H, dys_name, kBwdBoxRows));
+  MAP_TRY(make_map(ctx, &p.k_dyrows, p.dy_rows, R, H, "dy_rows", kBwdBoxRows));
+  MAP_TRY(make_map(ctx, &p.k_dlog, dlog, T, E, "dlogits", kBwdBoxRows, p.s.Ep));
+  MAP_TRY(make_map(ctx, &p.k_das, Fs ? p.d_a_s : nullptr, T, 2 * Fs, "d_a_s", kBwdBoxRows));
+  MAP_TRY(make_map(ctx, &p.k_da, p.d_a, R, 2 * F, "d_a", kBwdBoxRows));
+  MAP_TRY(make_map(ctx, &p.k_xrows, p.sv.x_rows, R, H, "x_rows", kBwdBoxRows));
+  MAP_TRY(make_map(ctx, &p.k_w13, a->w13, El * 2 * F, H, "w13", kBwdBoxRows));
+  MAP_TRY(make_map(ctx, &p.k_x, a->x, T, H, "x", kBwdBoxRows));
+  MAP_TRY(make_map(ctx, &p.k_ws13, Fs ? a->ws13 : nullptr, 2 * Fs, H, "ws13", kBwdBoxRows));
   MAP_TRY(make_gate_up_map(ctx, &p.m_arows_gu, p.sv.a_rows, R, F, "a_rows", BM));
   MAP_TRY(make_gate_up_map(ctx, &p.m_sa_gu, Fs ? p.sv.sa : nullptr, T, Fs, "shared_a", BM));
   MAP_TRY(make_gate_up_store_map(ctx, &p.st_da, p.d_a, R, F, "d_a"));

@@ -273,6 +273,8 @@ constexpr int kMaxCtas = 256;
 // The rows of a box in the forward's operand maps (m_x .. m_sh): every forward GEMM
 // operand is K-major, so each box is 64 k x 128 rows (gemm_tiles' kBoxRows).
 constexpr int kFwdBoxRows = 128;
+// The same for the backward's tall maps (BwdParams' k_* and mn maps).
+constexpr int kBwdBoxRows = 128;
 
 struct FwdParams {
   CUtensorMap m_x;      // x [T, H]
@@ -330,20 +332,26 @@ struct FwdParams {
 };
 
 struct BwdParams {
-  CUtensorMap m_dys;    // the shared expert's dy [T, H]: dy, or dy_s with use_shared_gate
-  CUtensorMap m_x;      // x [T, H]
-  CUtensorMap m_wr;     // w_router [E, H]
-  CUtensorMap m_w13;    // w13 [E*2F, H]
-  CUtensorMap m_w2;     // w2 [E*H, F]
-  CUtensorMap m_dyrows; // dy_rows [R, H]
-  CUtensorMap m_xrows;  // x_rows [R, H]
-  CUtensorMap m_hrows;  // h_rows [R, F]
-  CUtensorMap m_da;     // d_a [R, 2F]
-  CUtensorMap m_dlog;   // dlogits [T, E], rows Ep apart
-  CUtensorMap m_ws13;   // ws13 [2Fs, H]
-  CUtensorMap m_ws2;    // ws2 [H, Fs]
-  CUtensorMap m_sh;     // sh [T, Fs]
-  CUtensorMap m_das;    // d_a_s [T, 2Fs]
+  // Operand maps. The GEMMs of 128 x 256 tiles read tall maps (kBwdBoxRows, gemm_tiles'
+  // kBoxRows): K-major ones (k_*) of 64 x 128 boxes; MN-major ones (marked mn) 3-D,
+  // [cols / 64][rows][64] with 64 x 64 x 2 boxes. The rest (RW's router gradient, RWS's
+  // 64-column tiles) 2-D maps of 64 x 64 boxes.
+  CUtensorMap m_dys;    // the shared expert's dy [T, H]: dy, or dy_s with use_shared_gate (RWS)
+  CUtensorMap m_x;      // x [T, H] (RW, RWS)
+  CUtensorMap m_wr;     // w_router [E, H], mn (DXR)
+  CUtensorMap m_w13;    // w13 [E*2F, H], mn (DX)
+  CUtensorMap m_w2;     // w2 [E*H, F], mn (DH)
+  CUtensorMap m_dyrows; // dy_rows [R, H], mn (WGRAD2's A, cut)
+  CUtensorMap m_xrows;  // x_rows [R, H], mn (WGRAD13's B, cut)
+  CUtensorMap m_hrows;  // h_rows [R, F], mn (WGRAD2's B, cut)
+  CUtensorMap m_da;     // d_a [R, 2F], mn (WGRAD13's A, cut)
+  CUtensorMap m_dlog;   // dlogits [T, E], rows Ep apart (RW)
+  CUtensorMap m_ws13;   // ws13 [2Fs, H], mn (DXS)
+  CUtensorMap m_ws2;    // ws2 [H, Fs], mn (DHS)
+  CUtensorMap m_sh;     // sh [T, Fs] (RWS)
+  CUtensorMap m_das;    // d_a_s [T, 2Fs] (RWS)
+  CUtensorMap k_dys, k_dyrows, k_dlog, k_das, k_da;  // the A of DHS, DH, DXR, DXS, DX
+  CUtensorMap k_xrows, k_w13, k_x, k_ws13;           // RG's A and B, RGS's A and B
   CUtensorMap m_arows_gu;  // a_rows as [R][2][F], 128-row boxes (swiglu_bwd_store's loads)
   CUtensorMap m_sa_gu;     // sa as [T][2][Fs], likewise
   StoreMap st_da;       // d_a as [R][2][F]

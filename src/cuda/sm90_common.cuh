@@ -11,8 +11,8 @@
 // weight tile share its loads (pair_agree; docs/KERNELS.md).
 //
 // GEMM tile: C[128 x 256] = A[128 x K] B[K x 256], fp32 accumulators. Each K block of 64
-// is six 64 x 64 bf16 TMA boxes (two of A, four of B; 128-byte swizzle) in a ring of
-// kStages stages with full/empty mbarriers. An operand is K-major (box = 64 rows x 64 k,
+// is six 64 x 64 bf16 TMA boxes (two of A, four of B; 128-byte swizzle; with tall maps
+// two a load: gemm_tiles' kBoxRows) in a ring of kStages stages with full/empty mbarriers. An operand is K-major (box = 64 rows x 64 k,
 // k contiguous) or MN-major (box = 64 k rows x 64 mn, mn contiguous); wgmma reads either
 // through its descriptor (the transpose bits). Within a tile each output element is one
 // accumulator summed over K blocks in increasing order; inside a block the order is the
@@ -580,14 +580,16 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // the epilogue's spare is a 32 KB slot.
 // NB (unpaired, not AR): B boxes a tile, 4 (64 x 256 a warpgroup, kAcc accumulators) or 1
 // (64 x 64, 32 accumulators; the stage's other B boxes unused): epi's acc is NB * 32 floats.
-// kBoxRows: the rows of a box in the maps of the run's K-major operands (A when TA = 0,
-// B when TB = 0), 64 or 128 (MN-major maps have 64 x 64 boxes). With 128 one TMA load
-// brings what two 64-row boxes did, into the same shared memory (the 128-byte swizzle
-// repeats every 8 rows), so a K block takes 3 loads instead of 6: thread 0 issues them
-// between its wgmmas, and each load costs it about 150 cycles (engine_gemm, 2026-12-04:
-// the GEMM alone 3-17% faster). B's boxes are then pos[0] and pos[2] (pos[1], pos[3]
-// their second halves, as wide() and the gate|up operands make them); A loads all 128
-// rows even when it stores at most 64 (the bytes its idle warpgroup leaves unread).
+// kBoxRows: what one load of an operand brings, 64 or 128 rows (K-major) or mn columns
+// (MN-major). With 128 the run's maps are tall: a K-major map has 64 x 128 boxes, an
+// MN-major one is 3-D, [cols / 64][rows][64] with 64 x 64 x 2 boxes (chunk_map in
+// cuda_backend.cu; the coordinate of a box is its chunk, mn / 64). Either way one load
+// brings what two 64 x 64 boxes did, into the same shared memory (the 128-byte swizzle
+// repeats every 8 rows; a chunk is a box), so a K block takes 3 loads instead of 6
+// (paired 2, not 4): thread 0 issues them between its wgmmas, about 150 cycles each
+// (engine_gemm, 2026-12-04). B's loads are then pos[0] and pos[2] (pos[1], pos[3] their
+// second halves, as wide() and the gate|up operands make them); A loads 128 rows even
+// when the tile stores at most 64 (bytes its idle warpgroup leaves unread).
 constexpr int kArBlocks = 4;
 constexpr int kBSlotBytes = 4 * kBoxBytes;
 static_assert(kArBlocks * 2 * kBoxBytes + kStages * kBSlotBytes <= kStages * kStageBytes, "A-resident layout");
@@ -596,7 +598,12 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
   static_assert(!(PAIRED && AR), "A-resident runs are unpaired");
   static_assert(NB == 4 || (NB == 1 && !PAIRED && !AR), "narrow tiles are unpaired, not A-resident");
   static_assert(kBoxRows == 64 || (kBoxRows == 128 && NB == 4), "boxes of 64 rows, or 128 for whole tiles");
-  constexpr bool kTallA = kBoxRows == 128 && !TA, kTallB = kBoxRows == 128 && !TB;  // (one load a 128-row half)
+  constexpr bool kTall = kBoxRows == 128;  // (one load a 128-row or 128-column half)
+  // one tall load of an operand's half at mn (or row) position pos, K row k
+  auto load_tall = [&](void* dst, const CUtensorMap* map, uint64_t* bar, bool mn_major, int pos, int k) {
+    if (mn_major) tma_load_3d(dst, map, bar, 0, k, pos / 64);
+    else tma_load_2d(dst, map, bar, k, pos);
+  };
   constexpr int kTileAcc = NB * 32;
   const int tid = threadIdx.x, wg = tid / 128;
   uint8_t* const ring = sm.stage[0];
@@ -646,13 +653,13 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     const uint32_t knobs = sm.knobs;              // (once: the TMA asm's memory clobber would re-read it)
     const bool skip_b = !PAIRED && !AR && (knobs & 16);  // MOK_KNOBS 16: B stays what the stage held
     const Operand A = c.A;
-    const int a_boxes = kTallA || A.rows > 64 ? 2 : 1;  // (Operand::rows; a tall box brings both)
+    const int a_boxes = kTall || A.rows > 64 ? 2 : 1;  // (Operand::rows; a tall load brings both)
     mbar_arrive_expect_tx(&full[s], AR ? kBSlotBytes : (skip_b ? 0 : NB * kBoxBytes) + a_boxes * kBoxBytes);
     uint8_t* dst = sm.stage[s];
     uint8_t* const b_dst = AR ? stage_at(s) : dst + 2 * kBoxBytes;  // B's first box (AR: A is resident)
     const int k = kb * BK;
-    if (!AR && kTallA) {
-      tma_load_2d(dst, A.map, &full[s], A.k0 + k, A.pos[0]);
+    if (!AR && kTall) {
+      load_tall(dst, A.map, &full[s], TA, A.pos[0], A.k0 + k);
     } else if (!AR) {
 #pragma unroll
       for (int b = 0; b < 2; b++) {
@@ -662,9 +669,11 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       }
     }
     const Operand B = c.B;
-    if (PAIRED && kTallB) {  // B boxes 2 rank, 2 rank + 1 (one tall box) into both CTAs
+    if (PAIRED && kTall) {  // B boxes 2 rank, 2 rank + 1 (one tall load) into both CTAs
       const bool hi = sm.rank != 0;
-      tma_load_2d_multicast(b_dst + (hi ? 2 : 0) * kBoxBytes, B.map, &full[s], B.k0 + k, hi ? B.pos[2] : B.pos[0], 0x3);
+      const int pos = hi ? B.pos[2] : B.pos[0];
+      if (TB) tma_load_3d_multicast(b_dst + (hi ? 2 : 0) * kBoxBytes, B.map, &full[s], 0, B.k0 + k, pos / 64, 0x3);
+      else tma_load_2d_multicast(b_dst + (hi ? 2 : 0) * kBoxBytes, B.map, &full[s], B.k0 + k, pos, 0x3);
     } else if (PAIRED) {  // B boxes 2 rank, 2 rank + 1 into both CTAs; the partner loads the others
       const bool hi = sm.rank != 0;
 #pragma unroll
@@ -673,11 +682,11 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         if (TB) tma_load_2d_multicast(b_dst + b * kBoxBytes, B.map, &full[s], pos, B.k0 + k, 0x3);
         else tma_load_2d_multicast(b_dst + b * kBoxBytes, B.map, &full[s], B.k0 + k, pos, 0x3);
       }
-    } else if (kTallB) {
+    } else if (kTall) {
       const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
       if (!skip_b) {
-        tma_load_2d(b_dst, B.map, &full[s], B.k0 + kb_b, B.pos[0]);
-        tma_load_2d(b_dst + 2 * kBoxBytes, B.map, &full[s], B.k0 + kb_b, B.pos[2]);
+        load_tall(b_dst, B.map, &full[s], TB, B.pos[0], B.k0 + kb_b);
+        load_tall(b_dst + 2 * kBoxBytes, B.map, &full[s], TB, B.pos[2], B.k0 + kb_b);
       }
     } else {
       const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
@@ -698,13 +707,18 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       release_stages_from_stores(sm);
       const Operand A = c.A;
       mbar_arrive_expect_tx(&sm.a_full, c.num_kb * 2 * kBoxBytes);
-      for (int kb = 0; kb < c.num_kb; kb++)
-#pragma unroll
-        for (int b = 0; b < (kTallA ? 1 : 2); b++) {
-          uint8_t* dst = ring + (kb * 2 + b) * kBoxBytes;
-          if (TA) tma_load_2d(dst, A.map, &sm.a_full, A.pos[b], A.k0 + kb * BK);
-          else tma_load_2d(dst, A.map, &sm.a_full, A.k0 + kb * BK, A.pos[b]);
+      for (int kb = 0; kb < c.num_kb; kb++) {
+        uint8_t* dst = ring + kb * 2 * kBoxBytes;
+        if (kTall) {
+          load_tall(dst, A.map, &sm.a_full, TA, A.pos[0], A.k0 + kb * BK);
+          continue;
         }
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+          if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.a_full, A.pos[b], A.k0 + kb * BK);
+          else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.a_full, A.k0 + kb * BK, A.pos[b]);
+        }
+      }
     }
     settle();
     for (int i = 0; i < kStages - 1; i++) load_next();

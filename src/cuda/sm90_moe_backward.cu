@@ -477,12 +477,12 @@ __device__ __forceinline__ void rg_task(Smem& sm, const BwdParams& p, int mt, in
   int e = -1, row0 = 0, row_end = 0;
   if (expert_tile(p, mt, &e, &row0, &row_end)) {
     const int F = s.F;
-    gemm_group<0, 0>(
+    gemm_group<0, 0, false, kBwdBoxRows>(
         sm, g, cdivb(F, BF), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
           const int gate = e * 2 * F + nt * BF, up = gate + F;
-          A = rows128(&p.m_xrows, row0, 0, row_end - row0);
-          B = Operand{&p.m_w13, {gate, gate + 64, up, up + 64}, 0};
+          A = rows128(&p.k_xrows, row0, 0, row_end - row0);
+          B = Operand{&p.k_w13, {gate, gate + 64, up, up + 64}, 0};
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           add_gate_up_bias(acc, l, p.b13, e, F, nt);  // (the forward's gemm1_task)
@@ -497,11 +497,11 @@ __device__ __forceinline__ void rg_task(Smem& sm, const BwdParams& p, int mt, in
 __device__ __forceinline__ void rgs_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
   const int t0 = mt * BM, Fs = s.Fs;
-  gemm_group<0, 0>(
+  gemm_group<0, 0, false, kBwdBoxRows>(
       sm, g, cdivb(Fs, BF), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_x, t0, 0, s.T - t0);
-        B = Operand{&p.m_ws13, {nt * BF, nt * BF + 64, Fs + nt * BF, Fs + nt * BF + 64}, 0};
+        A = rows128(&p.k_x, t0, 0, s.T - t0);
+        B = Operand{&p.k_ws13, {nt * BF, nt * BF + 64, Fs + nt * BF, Fs + nt * BF + 64}, 0};
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
         swiglu_store(sm, acc, wg, w, l, t0, s.T, nt * BF, Fs, p.sv.sa, p.sv.sh, &p.st_sa, &p.st_sh, t0, spare);
@@ -518,10 +518,10 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
   if (p.recompute && !wait_counter(sm, &p.st.sync->counter[c_rgs(s, mt)], rgs_groups(s), p.st, 20)) return;
   if (s.shared_gate && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;  // (dy_s)
   const int t0 = mt * BM;
-  gemm_group<0, 1>(
+  gemm_group<0, 1, false, kBwdBoxRows>(
       sm, g, cdivb(s.Fs, BN), s.H / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_dys, t0, 0, s.T - t0);
+        A = rows128(&p.k_dys, t0, 0, s.T - t0);
         B = wide(&p.m_ws2, nt * BN, 0);
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -542,8 +542,8 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
-    const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.m_dyrows, p.dy_rows, s.H, row0, row_end);
-    gemm_group<0, 1, decltype(P)::value>(
+    const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.k_dyrows, p.dy_rows, s.H, row0, row_end);
+    gemm_group<0, 1, decltype(P)::value, kBwdBoxRows>(
         sm, g, cdivb(s.F, BN), s.H / BK,
         [&](int nt, Operand& A, Operand& B) {
           A = rows;
@@ -570,10 +570,10 @@ __device__ __forceinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, in
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20) || !dx_late_ready(sm, p, wg2_total)) return;
   const int t0 = b * BM;
-  gemm_group<0, 1>(
+  gemm_group<0, 1, false, kBwdBoxRows>(
       sm, g, cdivb(s.H, BN), cdivb(s.E, BK),
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_dlog, t0, 0, s.T - t0);
+        A = rows128(&p.k_dlog, t0, 0, s.T - t0);
         B = wide(&p.m_wr, nt * BN, 0);
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -586,10 +586,10 @@ __device__ __forceinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, i
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], groups(cdivb(s.Fs, BN), s.H / BK), p.st, 20)) return;
   const int t0 = mt * BM;
-  gemm_group<0, 1>(
+  gemm_group<0, 1, false, kBwdBoxRows>(
       sm, g, cdivb(s.H, BN), 2 * s.Fs / BK,
       [&](int nt, Operand& A, Operand& B) {
-        A = rows128(&p.m_das, t0, 0, s.T - t0);
+        A = rows128(&p.k_das, t0, 0, s.T - t0);
         B = wide(&p.m_ws13, nt * BN, 0);
       },
       [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
@@ -607,8 +607,8 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
-    const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.m_da, p.d_a, 2 * s.F, row0, row_end);
-    gemm_group<0, 1, decltype(P)::value>(
+    const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.k_da, p.d_a, 2 * s.F, row0, row_end);
+    gemm_group<0, 1, decltype(P)::value, kBwdBoxRows>(
         sm, g, cdivb(s.H, BN), 2 * s.F / BK,
         [&](int nt, Operand& A, Operand& B) {
           A = rows;
@@ -743,7 +743,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   char* out = which == 2 ? (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize
                          : (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize;
   auto run = [&](auto P, auto R) {  // gemm_tiles' PAIRED and AR
-    gemm_tiles<1, 1, decltype(P)::value, decltype(R)::value>(
+    gemm_tiles<1, 1, decltype(P)::value, decltype(R)::value, 4, kBwdBoxRows>(
         sm, min(size, cdivb(cols, BN) - n0),
         [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
           A = rows128(maps, mt * BM, 0);
