@@ -11,10 +11,11 @@
 // weight tile share its loads (pair_agree; docs/KERNELS.md).
 //
 // GEMM tile: C[128 x 256] = A[128 x K] B[K x 256], fp32 accumulators. Each K block of 64
-// is six 64 x 64 bf16 TMA boxes (two of A, four of B; 128-byte swizzle; with tall maps
-// two a load: gemm_tiles' kBoxRows) in a ring of kStages stages with full/empty mbarriers. An operand is K-major (box = 64 rows x 64 k,
-// k contiguous) or MN-major (box = 64 k rows x 64 mn, mn contiguous); wgmma reads either
-// through its descriptor (the transpose bits). Within a tile each output element is one
+// is six 64 x 64 bf16 TMA boxes (two of A, four of B; 128-byte swizzle; through tall
+// maps two a load: gemm_tiles' kBoxRows) in a ring of kStages stages with full/empty
+// mbarriers. An operand is K-major (box = 64 rows x 64 k, k contiguous) or MN-major
+// (box = 64 k rows x 64 mn, mn contiguous); wgmma reads either through its descriptor
+// (the transpose bits). Within a tile each output element is one
 // accumulator summed over K blocks in increasing order; inside a block the order is the
 // tensor core's, the same on every SM and for every M (one tile shape for everything).
 // 128 x 256 rather than 128 x 128: 87 instead of 64 FLOPs per byte brought from L2.
@@ -41,8 +42,9 @@ constexpr int kMaxRouterExperts = 1024;
 // One operand of a tile: the tensor map and, per box, the row (K-major) or the mn start
 // (MN-major): two boxes for A, four for B; k0 is the first k (inner coordinate for
 // K-major, outer for MN-major). rows (A only): the tile's rows that are stored; at most
-// 64 (an expert's last m-tile), A's second box and the second warpgroup's wgmmas are
-// skipped (gemm_tiles): they would only compute rows no epilogue stores.
+// 64 (an expert's last m-tile), the second warpgroup's wgmmas are skipped, and through
+// 64 x 64 maps A's second box too (gemm_tiles): they would only compute rows no
+// epilogue stores.
 struct Operand {
   const CUtensorMap* map;
   int pos[4];
@@ -582,7 +584,7 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // (64 x 64, 32 accumulators; the stage's other B boxes unused): epi's acc is NB * 32 floats.
 // kBoxRows: what one load of an operand brings, 64 or 128 rows (K-major) or mn columns
 // (MN-major). With 128 the run's maps are tall: a K-major map has 64 x 128 boxes, an
-// MN-major one is 3-D, [cols / 64][rows][64] with 64 x 64 x 2 boxes (chunk_map in
+// MN-major one is 3-D, [cols / 64][rows][64] with 64 x 64 x 2 boxes (make_chunk_map in
 // cuda_backend.cu; the coordinate of a box is its chunk, mn / 64). Either way one load
 // brings what two 64 x 64 boxes did, into the same shared memory (the 128-byte swizzle
 // repeats every 8 rows; a chunk is a box), so a K block takes 3 loads instead of 6
