@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
 // runs of group_size(num_kb) tiles (one pipeline each, as one GEMM task of the
 // megakernel), each tile's epilogue store_tile's bf16 TMA path.
 struct TilesParams {
-  CUtensorMap a, b;  // [G M, K], [G N, K] bf16, boxes of 64 x 64
+  CUtensorMap a, b;  // [G M, K], [G N, K] bf16, boxes of 64 x kBoxRows
   StoreMap c;        // [G M, N] (make_store_map's three maps)
   bf16* c_base;
   Problem p;
