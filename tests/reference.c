@@ -41,6 +41,13 @@ static void swiglu(const mok_config_t* c, int clamp, const double* w13, const do
     for (int64_t i = 0; i < H; i++) o[i] += b2[i];
 }
 
+/* v into sorted[0 .. n) (descending; n + 1 values after): one insertion sort step. */
+static void insert_descending(double* sorted, int64_t n, double v) {
+  int64_t at = n;
+  while (at > 0 && sorted[at - 1] < v) sorted[at] = sorted[at - 1], at--;
+  sorted[at] = v;
+}
+
 /* Group-limited routing (mok.h, cfg.n_group), directly. A group's score: the sum of
  * its two largest keys (or the largest), found by sorting the group's keys, largest
  * first. */
@@ -48,11 +55,7 @@ static void group_scores(const mok_config_t* c, const double* key, double* score
   const int64_t G = c->n_group, size = c->E / G;
   double sorted[1024];
   for (int64_t g = 0; g < G; g++) {
-    for (int64_t i = 0; i < size; i++) { /* insertion sort, descending */
-      int64_t at = i;
-      while (at > 0 && sorted[at - 1] < key[g * size + i]) sorted[at] = sorted[at - 1], at--;
-      sorted[at] = key[g * size + i];
-    }
+    for (int64_t i = 0; i < size; i++) insert_descending(sorted, i, key[g * size + i]);
     const int two = c->group_score == MOK_GROUP_SCORE_TOP2 && size >= 2;
     score[g] = two ? sorted[0] + sorted[1] : sorted[0];
   }
@@ -74,15 +77,10 @@ static void group_filter(const mok_config_t* c, const double* key, int* allowed)
 /* Are the topk_group-th and the next group score within 1e-6 (n_group > 1)? */
 static int group_cut_near_tie(const mok_config_t* c, const double* key) {
   if (c->n_group <= 1 || c->topk_group >= c->n_group) return 0;
-  double score[1024];
+  double score[1024], sorted[1024];
   group_scores(c, key, score);
-  for (int64_t g = 0; g < c->n_group; g++) { /* insertion sort, descending */
-    const double v = score[g];
-    int64_t at = g;
-    while (at > 0 && score[at - 1] < v) score[at] = score[at - 1], at--;
-    score[at] = v;
-  }
-  return fabs(score[c->topk_group - 1] - score[c->topk_group]) <= 1e-6;
+  for (int64_t g = 0; g < c->n_group; g++) insert_descending(sorted, g, score[g]);
+  return fabs(sorted[c->topk_group - 1] - sorted[c->topk_group]) <= 1e-6;
 }
 
 void test_reference_forward(const mok_problem_t* p, double* y, int32_t* topk_idx,

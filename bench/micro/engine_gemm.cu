@@ -544,25 +544,22 @@ static long long first_diff(const Buffers& b, const bf16* x, const bf16* y) {
   return first_fault(b, same_bits_kernel, (const uint16_t*)x, (const uint16_t*)y, b.nc);
 }
 
-// Engine E on case c: checked (twice: the reference, then the same bits again), then
-// timed. The first schedule to pass keeps its output in C0 (have_first) for the
-// others' bits to be compared with. Returns false on a failed check.
-template <class E>
-static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
-  Params prm;
-  Problem& p = prm.p;
+// case c's problem in tiles of TM x TN.
+static Problem tiled(const Case& c, int TM, int TN) {
+  Problem p;
   p.G = c.G, p.M = c.M, p.N = c.N, p.K = c.K;
-  p.tiles_m = (c.M + E::TM - 1) / E::TM, p.tiles_n = (c.N + E::TN - 1) / E::TN;
+  p.tiles_m = (c.M + TM - 1) / TM, p.tiles_n = (c.N + TN - 1) / TN;
   p.num_tiles = c.G * p.tiles_m * p.tiles_n, p.num_kb = (c.K + BK - 1) / BK;
-  bf16_map_3d(&prm.a, b.A, c.G, c.M, c.K);
-  bf16_map_3d(&prm.b, b.B, c.G, c.N, c.K);
-  const int grid = p.num_tiles < g_sms ? p.num_tiles : g_sms;
-  auto launch = [&](bf16* C) {
-    bf16_map_3d(&prm.c, C, c.G, c.M, c.N);
-    engine_gemm_kernel<E><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
-  };
-  char who[64];
-  snprintf(who, sizeof who, "%s %dx%d", E::name(), E::TM, E::TN);
+  return p;
+}
+
+// One schedule `who` on case c: launch(C) checked twice (into C against the reference,
+// then into C2 for the same bits; failed(): the run itself failed, e.g. a wait timed
+// out), then timed(). The first schedule to pass keeps its output in C0 (have_first) for
+// the others' bits to be compared with. Returns false on a failed check.
+template <class Launch, class Failed, class Timed>
+static bool check_and_time(const Case& c, const Buffers& b, const char* who, int stages, double cublas_ms,
+                           bool& have_first, Launch launch, Failed failed, Timed timed) {
   bool ok = true;
   for (int run = 0; run < 2 && ok; run++) {
     bf16* const C = run ? b.C2 : b.C;
@@ -570,16 +567,7 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
     launch(C);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
-    unsigned long long to = 0;
-    CK(cudaMemcpyFromSymbol(&to, g_timeout, sizeof to));
-    if (to) {
-      printf("  %s: an mbarrier wait timed out (role %llu: 1 producer empty, 2 consumer full, 3 turn; block %llu)\n",
-             who, to >> 32, to & 0xffffffffull);
-      const unsigned long long zero = 0;
-      CK(cudaMemcpyToSymbol(g_timeout, &zero, sizeof zero));
-      ok = false;
-    }
-    if (ok) ok = check_ref(c, b, C, who);
+    ok = !failed() && check_ref(c, b, C, who);
   }
   const long long d = ok ? first_diff(b, b.C, b.C2) : -1;
   if (d >= 0) printf("  %s: NOT DETERMINISTIC: two runs differ first at index %lld\n", who, d), ok = false;
@@ -591,15 +579,42 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
   } else {
     vs_first = first_diff(b, b.C, b.C0) < 0 ? ", same bits as the first" : ", other bits than the first";
   }
-  const double ms = launch_ms([&] { engine_gemm_kernel<E><<<grid, kEngineThreads, E::kSmemBytes>>>(prm); });
+  const double ms = launch_ms(timed);
   CK(cudaGetLastError());
-  printf("  %-24s %2d stages %8.3f ms %7.1f TFLOP/s %6.3fx cuBLAS  (checked, deterministic%s)\n", who, E::kStages, ms,
+  printf("  %-24s %2d stages %8.3f ms %7.1f TFLOP/s %6.3fx cuBLAS  (checked, deterministic%s)\n", who, stages, ms,
          c.flops() / ms * 1e-9, cublas_ms / ms, vs_first);
   return true;
 }
 
-// The control (tiles_gemm_kernel, maps of kBoxRows-row boxes) on case c, checked and
-// timed as run_engine's engines.
+// Engine E on case c (check_and_time).
+template <class E>
+static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
+  Params prm;
+  prm.p = tiled(c, E::TM, E::TN);
+  bf16_map_3d(&prm.a, b.A, c.G, c.M, c.K);
+  bf16_map_3d(&prm.b, b.B, c.G, c.N, c.K);
+  const int grid = prm.p.num_tiles < g_sms ? prm.p.num_tiles : g_sms;
+  char who[64];
+  snprintf(who, sizeof who, "%s %dx%d", E::name(), E::TM, E::TN);
+  auto launch = [&](bf16* C) {
+    bf16_map_3d(&prm.c, C, c.G, c.M, c.N);
+    engine_gemm_kernel<E><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
+  };
+  auto timed_out = [&] {
+    unsigned long long to = 0;
+    CK(cudaMemcpyFromSymbol(&to, g_timeout, sizeof to));
+    if (!to) return false;
+    printf("  %s: an mbarrier wait timed out (role %llu: 1 producer empty, 2 consumer full, 3 turn; block %llu)\n",
+           who, to >> 32, to & 0xffffffffull);
+    const unsigned long long zero = 0;
+    CK(cudaMemcpyToSymbol(g_timeout, &zero, sizeof zero));
+    return true;
+  };
+  return check_and_time(c, b, who, E::kStages, cublas_ms, have_first, launch, timed_out,
+                        [&] { engine_gemm_kernel<E><<<grid, kEngineThreads, E::kSmemBytes>>>(prm); });
+}
+
+// The control (tiles_gemm_kernel, maps of kBoxRows-row boxes) on case c (check_and_time).
 template <int kBoxRows>
 static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
   char who[64];
@@ -609,14 +624,11 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
     return true;
   }
   TilesParams prm;
-  Problem& p = prm.p;
-  p.G = c.G, p.M = c.M, p.N = c.N, p.K = c.K;
-  p.tiles_m = (c.M + BM - 1) / BM, p.tiles_n = (c.N + BN - 1) / BN;
-  p.num_tiles = c.G * p.tiles_m * p.tiles_n, p.num_kb = (c.K + BK - 1) / BK;
+  prm.p = tiled(c, BM, BN);
   if (!bf16_map("engine_gemm", &prm.a, b.A, c.G * c.M, c.K, kBoxRows) ||
       !bf16_map("engine_gemm", &prm.b, b.B, c.G * c.N, c.K, kBoxRows))
     exit(1);
-  const int grid = p.num_tiles < g_sms ? p.num_tiles : g_sms;
+  const int grid = prm.p.num_tiles < g_sms ? prm.p.num_tiles : g_sms;
   const int smem = (int)sizeof(Smem) + 1024;
   CK(cudaFuncSetAttribute(tiles_gemm_kernel<kBoxRows>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   auto launch = [&](bf16* C) {
@@ -624,30 +636,8 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
     prm.c_base = C;
     tiles_gemm_kernel<kBoxRows><<<grid, kThreads, smem>>>(prm);
   };
-  bool ok = true;
-  for (int run = 0; run < 2 && ok; run++) {
-    bf16* const C = run ? b.C2 : b.C;
-    CK(cudaMemset(C, 0xff, b.nc * 2));
-    launch(C);
-    CK(cudaGetLastError());
-    CK(cudaDeviceSynchronize());
-    ok = check_ref(c, b, C, who);
-  }
-  const long long d = ok ? first_diff(b, b.C, b.C2) : -1;
-  if (d >= 0) printf("  %s: NOT DETERMINISTIC: two runs differ first at index %lld\n", who, d), ok = false;
-  if (!ok) return false;
-  const char* vs_first = "";
-  if (!have_first) {
-    CK(cudaMemcpy(b.C0, b.C, b.nc * 2, cudaMemcpyDeviceToDevice));
-    have_first = true;
-  } else {
-    vs_first = first_diff(b, b.C, b.C0) < 0 ? ", same bits as the first" : ", other bits than the first";
-  }
-  const double ms = launch_ms([&] { tiles_gemm_kernel<kBoxRows><<<grid, kThreads, smem>>>(prm); });
-  CK(cudaGetLastError());
-  printf("  %-24s %2d stages %8.3f ms %7.1f TFLOP/s %6.3fx cuBLAS  (checked, deterministic%s)\n", who, kStages, ms,
-         c.flops() / ms * 1e-9, cublas_ms / ms, vs_first);
-  return true;
+  return check_and_time(c, b, who, kStages, cublas_ms, have_first, launch, [] { return false; },
+                        [&] { tiles_gemm_kernel<kBoxRows><<<grid, kThreads, smem>>>(prm); });
 }
 
 // C = A B^T for every expert: cuBLAS is column-major, so it computes C^T (N x M, ld N) =
