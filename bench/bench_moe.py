@@ -22,8 +22,9 @@ Determinism: two steps on the same inputs give equal y, dx and weight grads (com
 by two integer sums over their bits, so that no gradient is held twice).
 --recompute-gate-up: mok's layer with recompute_gate_up=True (its backward computes
 gate|up again instead of the forward keeping it: less peak memory, one more GEMM).
---reuse-saved: mok's layer with reuse_saved=True (its backward writes its scratch over
-the saved tensor's parts it has read: less peak memory, the same work).
+--keep-saved: mok's layer with reuse_saved=False (its backward leaves the saved tensor as
+it is; the default, reuse_saved=True, writes the backward's scratch over the saved
+tensor's parts it has read: less peak memory, the same work).
 --variants: mok alone, uniform routing, each shape with every variant off and then with
 each of shapes.VARIANTS on, in turn, --rounds times; ms is the median of the rounds and
 the cost each variant's ms over the variants-off ms of the same rounds.
@@ -47,8 +48,8 @@ import mok  # noqa: E402
 from ep_peer import route  # noqa: E402  (bench/ is this script's directory)
 from shapes import ROUTERS, SHAPES, VARIANTS, hot_experts, step_flops  # noqa: E402
 
-# mok.MoE's memory options, set from --recompute-gate-up and --reuse-saved
-LAYER_OPTIONS = {"recompute_gate_up": False, "reuse_saved": False}
+# mok.MoE's memory options, set from --recompute-gate-up and --keep-saved
+LAYER_OPTIONS = {"recompute_gate_up": False, "reuse_saved": True}
 
 
 def time_ms(fn, steps, warmup=3, before_run=None):
@@ -491,8 +492,8 @@ def main():
                     help="mok and peer: per step, the GPU's kernel times against the step's wall time (torch.profiler)")
     ap.add_argument("--recompute-gate-up", action="store_true",
                     help="mok.MoE(recompute_gate_up=True): gate|up computed again in backward, not kept")
-    ap.add_argument("--reuse-saved", action="store_true",
-                    help="mok.MoE(reuse_saved=True): backward's scratch over the saved tensor (one backward a forward)")
+    ap.add_argument("--keep-saved", action="store_true",
+                    help="mok.MoE(reuse_saved=False): the backward leaves the saved tensor as it is (more memory)")
     ap.add_argument("--warm", type=float, default=0.0,
                     help="--profile, --kernel-times: seconds of back-to-back steps before the measured one(s), "
                     "so that they run at a sustained run's clock (default 0: from idle, near full clock)")
@@ -501,7 +502,7 @@ def main():
     ap.add_argument("--variants", action="store_true",
                     help="mok only: each shape with shapes.VARIANTS off and each on, in turn, --rounds times")
     args = ap.parse_args()
-    LAYER_OPTIONS.update(recompute_gate_up=args.recompute_gate_up, reuse_saved=args.reuse_saved)
+    LAYER_OPTIONS.update(recompute_gate_up=args.recompute_gate_up, reuse_saved=not args.keep_saved)
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     if args.variants:
         print(f"GPU {torch.cuda.get_device_name()}, commit {commit or '?'}: mok's step, variants off and on")

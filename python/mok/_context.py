@@ -46,7 +46,7 @@ class Config:
     num_threads: int = 0
     capacity: int = 0  # rows this rank can receive; 0 = the library's safe default
     recompute_gate_up: bool = False  # backward recomputes gate|up instead of forward saving it
-    reuse_saved: bool = False  # backward writes its scratch over saved (used up: one backward)
+    reuse_saved: bool = True  # backward writes its scratch over saved (a second backward: forward again)
     # router and expert variants (mok.h; each off by default)
     n_group: int = 0  # group-limited routing: n_group groups of E / n_group experts
     topk_group: int = 0  # ... of which the topk_group best are kept

@@ -64,7 +64,8 @@ class MoE(nn.Module):
             parts of the saved tensor it has finished reading, so a step needs up to
             4 H + 4 F bytes a routed row less memory; the same bits. The saved tensor is
             then used up: a second backward through the same forward (retain_graph)
-            raises mok's MOK_STATUS_INVALID_SAVED.
+            first runs the forward again into it (the same bits, so the same
+            gradients, at the cost of a forward). False keeps it as it is.
         process_group: expert parallelism over this torch.distributed group (NCCL, a
             GPU per rank, CUDA backend): each rank holds experts rank * E / W .. + E / W
             (w13, w2 hold those) and its own tokens; the ranks' NCCL unique id goes
@@ -105,7 +106,7 @@ class MoE(nn.Module):
         num_threads: int = 0,
         capacity: int = 0,
         recompute_gate_up: bool = False,
-        reuse_saved: bool = False,
+        reuse_saved: bool = True,
         n_group: int = 0,
         topk_group: int = 0,
         group_score: str = "top2",

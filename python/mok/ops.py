@@ -17,6 +17,7 @@ the weights' rule (b_router's is fp32 either way, mok.h).
 from __future__ import annotations
 
 import ctypes
+from collections import OrderedDict
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -103,6 +104,28 @@ def _saved_payload(ctx, saved: Tensor) -> Tuple[int, Tensor]:
     return fresh.data_ptr() + q, fresh
 
 
+# The saved tensors that a reuse_saved backward has used up (its scratch written over
+# them), by (device, address), the newest last: a forward takes its own off, and a
+# backward that finds its saved here runs the forward again into it first
+# (_restore_saved), so a second backward through one forward (retain_graph=True) runs
+# as with saved kept, at the cost of that forward. Host state alone (no device
+# synchronisation); at most _USED_UP_MAX entries, past which the oldest is forgotten
+# (a second backward on that one would be refused by libmok, "used up").
+_used_up: "OrderedDict[Tuple[str, int], None]" = OrderedDict()
+_USED_UP_MAX = 4096
+
+
+def _saved_key(saved: Tensor) -> Tuple[str, int]:
+    return str(saved.device), saved.data_ptr()
+
+
+def _mark_used_up(saved: Tensor) -> None:
+    _used_up[_saved_key(saved)] = None
+    _used_up.move_to_end(_saved_key(saved))
+    while len(_used_up) > _USED_UP_MAX:
+        _used_up.popitem(last=False)
+
+
 # ---- mok::moe_forward -------------------------------------------------------------
 
 
@@ -127,7 +150,14 @@ def _moe_forward_op(
     """Returns (y, aux_loss, z_loss, tokens_per_expert, topk_idx, topk_weight, saved).
     grad_acc (the fp32 main_grad buffers, or empty) is not used here: it is an input so
     that the autograd formula can hand it to the backward."""
-    cfg = Config.from_key(config)
+    return _forward(Config.from_key(config), x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight,
+                    b_router, b13, b2, w_sg)
+
+
+def _forward(cfg, x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, b_router, b13, b2, w_sg,
+             saved: Optional[Tensor] = None):
+    """mok_forward, writing a fresh saved tensor, or the given one again (a used-up
+    saved of this forward: _restore_saved)."""
     T, H, K, E = x.shape[0], cfg.hidden, cfg.top_k, cfg.num_experts
     dev = x.device
     ctx = get_context(cfg, T, dev)
@@ -145,7 +175,8 @@ def _moe_forward_op(
     else:
         idx_in, wt_in = _prep(topk_idx), _prep(topk_weight)
         idx, wt = idx_in.clone(), wt_in.clone()
-    saved = torch.empty(ctx.saved_numel, dtype=torch.uint8, device=dev)
+    if saved is None:
+        saved = torch.empty(ctx.saved_numel, dtype=torch.uint8, device=dev)
     sp = saved.data_ptr()
     off = (-sp) % _lib.ALIGN_WORKSPACE
     if dev.type == "cpu":
@@ -172,6 +203,7 @@ def _moe_forward_op(
     with ctx.lock, device_guard(dev):
         a.workspace, a.workspace_bytes = ctx.workspace()
         ctx.check(L.mok_forward(ctx.handle, ctypes.byref(a)), "mok_forward")
+    _used_up.pop(_saved_key(saved), None)
     return y, aux, z, tpe, idx, wt, saved
 
 
@@ -216,15 +248,22 @@ def _moe_backward_op(
     config: str,
     b13: Optional[Tensor] = None,
     w_sg: Optional[Tensor] = None,
+    bias_select: Optional[Tensor] = None,
+    topk_idx: Optional[Tensor] = None,
+    topk_weight: Optional[Tensor] = None,
+    b_router: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (dx, d_w_router, d_w13, d_w2, d_ws13, d_ws2, d_topk_weight, d_b_router,
     d_b13, d_b2, d_w_sg); a gradient this configuration does not have is an empty
     tensor. With wgrad_fp32_accum the weight gradients are added into grad_acc =
     [router, w13, w2, ws13, ws2, b_router, b13, b2, w_sg] (fp32) and the returned ones
     are empty. With reuse_saved libmok also writes into `saved`: an
-    opaque buffer that only this op reads, and that libmok refuses once a backward has
-    used it up, so it is not declared among the mutated arguments (functionalization
-    would copy it, the memory reuse_saved is for)."""
+    opaque buffer that only this op reads, so it is not declared among the mutated
+    arguments (functionalization would copy it, the memory reuse_saved is for). A
+    saved that an earlier reuse_saved backward used up is first written again by the
+    forward, which then needs the forward's other inputs (bias_select, topk_idx,
+    topk_weight, b_router, b2, where the config has them): _restore_saved."""
     cfg = Config.from_key(config)
     T, H, F, E, K, Fs = x.shape[0], cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.shared_ffn
     El = cfg.local_experts
@@ -280,19 +319,43 @@ def _moe_backward_op(
     b.d_b2 = p_b2 if cfg.expert_bias else None
     b.d_w_sg = p_wsg if cfg.shared_gate else None
     b.stream = _stream(dev)
+    if cfg.reuse_saved and _saved_key(saved) in _used_up:
+        _restore_saved(cfg, saved, x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight,
+                       b_router, b13, b2, w_sg)
     L = _lib.lib()
     with ctx.lock, device_guard(dev):
         b.saved, keep = _saved_payload(ctx, saved)
         b.saved_bytes = ctx.saved_bytes
         b.workspace, b.workspace_bytes = ctx.workspace()
         ctx.check(L.mok_backward(ctx.handle, ctypes.byref(b)), "mok_backward")
+    if cfg.reuse_saved and keep is saved:  # (not a copy of it: _saved_payload)
+        _mark_used_up(saved)
     del keep
     return dx, dwr, d13, d2, ds13, ds2, dtw, dbr, db13, db2, dwsg
 
 
+def _restore_saved(cfg, saved, x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight,
+                   b_router, b13, b2, w_sg):
+    """A second backward through one forward with reuse_saved (retain_graph=True): the
+    first wrote its scratch over `saved`; the forward again, on the same inputs, writes
+    it as it was, to the bit (D1), in place (no second saved tensor)."""
+    missing = [name for name, t, needed in (
+        ("bias_select", bias_select, cfg.fused and cfg.bias_select), ("topk_idx", topk_idx, not cfg.fused),
+        ("topk_weight", topk_weight, not cfg.fused), ("b_router", b_router, cfg.router_bias),
+        ("b2", b2, cfg.expert_bias)) if needed and t is None]
+    if missing:
+        raise ValueError(f"mok: saved was used up by a reuse_saved backward; writing it again runs the forward, "
+                         f"which needs {', '.join(missing)}")
+    with torch.no_grad():
+        _forward(cfg, x, w_router if cfg.fused else None, bias_select if cfg.fused else None, w13, w2, ws13, ws2,
+                 None if cfg.fused else topk_idx, None if cfg.fused else topk_weight, b_router, b13, b2, w_sg,
+                 saved=saved)
+
+
 @_moe_backward_op.register_fake
 def _moe_backward_fake(dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux_loss, d_z_loss, grad_acc, config,
-                       b13=None, w_sg=None):
+                       b13=None, w_sg=None, bias_select=None, topk_idx=None, topk_weight=None, b_router=None,
+                       b2=None):
     cfg = Config.from_key(config)
     T, H, F, E, K, Fs = x.shape[0], cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.shared_ffn
     El = cfg.local_experts
@@ -329,7 +392,10 @@ def _setup_context(ctx, inputs, output):
     # at their default)
     b_router, b13, b2, w_sg = (tuple(inputs[11:]) + (None,) * 4)[:4]
     y, aux, z, tpe, idx, wt, saved = output
-    ctx.save_for_backward(x, w_router, w13, w2, ws13, ws2, saved, b13, w_sg)
+    # the forward's inputs too (references, no copies): with reuse_saved a second
+    # backward runs the forward again on them (_restore_saved)
+    ctx.save_for_backward(x, w_router, w13, w2, ws13, ws2, saved, b13, w_sg, bias_select, topk_idx, topk_weight,
+                          b_router, b2)
     # not through save_for_backward: the buffers are added into in place by every
     # backward (several forwards may be pending), so no version check on them
     ctx.grad_acc = list(grad_acc)
@@ -341,7 +407,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, d_aux, d_z, d_tpe, d_idx, d_wt, d_saved):
-    x, w_router, w13, w2, ws13, ws2, saved, b13, w_sg = ctx.saved_tensors
+    x, w_router, w13, w2, ws13, ws2, saved, b13, w_sg, bias_select, topk_idx, topk_weight, b_router, b2 = (
+        ctx.saved_tensors)
     cfg = Config.from_key(ctx.config)
     real = cfg.real_dtype
     if dy is None:
@@ -351,7 +418,8 @@ def _backward(ctx, dy, d_aux, d_z, d_tpe, d_idx, d_wt, d_saved):
     if d_z is None:
         d_z = x.new_zeros((), dtype=real)
     dx, dwr, d13, d2, ds13, ds2, dtw, dbr, db13, db2, dwsg = torch.ops.mok.moe_backward(
-        dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux, d_z, ctx.grad_acc, ctx.config, b13, w_sg
+        dy, x, w_router, w13, w2, ws13, ws2, saved, d_aux, d_z, ctx.grad_acc, ctx.config, b13, w_sg,
+        bias_select, topk_idx, topk_weight, b_router, b2
     )
     if cfg.wgrad_fp32_accum:
         dwr = d13 = d2 = ds13 = ds2 = dbr = db13 = db2 = dwsg = None

@@ -84,8 +84,8 @@ def same_bits_as_kept(**variant):
     one step of each, every output and gradient the same bits. Returns (variant, x, dy,
     outputs)."""
     kw = dict(aux_loss_coef=1e-2, z_loss_coef=1e-3, shared_ffn=FS, max_tokens=T)
-    keep = mok.MoE(H, F, E, K, **kw).cuda()
-    other = mok.MoE(H, F, E, K, **variant, **kw).cuda()
+    keep = mok.MoE(H, F, E, K, reuse_saved=False, **kw).cuda()
+    other = mok.MoE(H, F, E, K, **{"reuse_saved": False, **variant}, **kw).cuda()
     other.load_state_dict(keep.state_dict())
     x, dy, _, _ = inputs("cuda")
     a, b = step(keep, x, dy), step(other, x, dy)
@@ -111,19 +111,23 @@ def test_cuda_recompute_gate_up_gives_the_same_bits():
         assert torch.equal(getattr(redo, name).grad, a["d_" + name]), name
 
 
-def test_cuda_reuse_saved_gives_the_same_bits_and_one_backward():
-    """reuse_saved on the GPU: every output and gradient equal to keeping saved; a
-    second backward through the same forward is refused on the device (the error comes
-    with mok.synchronize)."""
-    reuse, x, dy, _ = same_bits_as_kept(reuse_saved=True)
+def test_cuda_reuse_saved_gives_the_same_bits_and_backwards_again():
+    """reuse_saved (the default) on the GPU: every output and gradient equal to keeping
+    saved; a second backward through the same forward (retain_graph=True) runs the
+    forward again into the used-up saved tensor first, and adds the same gradients
+    again, with no device error."""
+    reuse, x, dy, a = same_bits_as_kept(reuse_saved=True)
     mok.synchronize()
+    reuse.zero_grad(set_to_none=True)
     xr = x.detach().clone().requires_grad_(True)
     y = reuse(xr)
-    y.backward(dy, retain_graph=True)
-    y.backward(dy)
-    with pytest.raises(mok.MokError, match="INVALID_SAVED"):
-        mok.synchronize()
-    mok.synchronize()  # (the error is reported once)
+    one = torch.ones((), device="cuda")
+    for _ in range(2):  # the losses' gradients as step() gives them
+        torch.autograd.backward([y, reuse.aux_loss, reuse.z_loss], [dy, 1.3 * one, 0.7 * one], retain_graph=True)
+    mok.synchronize()
+    assert torch.equal(xr.grad, 2 * a["dx"])  # (x + x is exact: twice the one backward's bits)
+    for name in ("w_router", "w13", "w2", "ws13", "ws2"):
+        assert torch.equal(getattr(reuse, name).grad, 2 * a["d_" + name]), name
 
 
 @pytest.mark.parametrize("kw", [dict(shared_ffn=FS), dict(shared_ffn=FS, shared_gate=True)],

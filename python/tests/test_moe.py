@@ -382,8 +382,8 @@ def same_bits_as_kept(**variant):
     """A layer with `variant` options and one without (the same weights): one step of
     each, every output and gradient the same bits. Returns (kept, variant, x, dy, outputs)."""
     kw = dict(shared_ffn=FS, aux_loss_coef=1e-2, z_loss_coef=1e-3, max_tokens=T)
-    m = mok.MoE(H, F, E, K, **kw)
-    r = mok.MoE(H, F, E, K, **variant, **kw)
+    m = mok.MoE(H, F, E, K, reuse_saved=False, **kw)
+    r = mok.MoE(H, F, E, K, **{"reuse_saved": False, **variant}, **kw)
     r.load_state_dict(m.state_dict())
     x, dy, _, _ = make_inputs(T, H, E, K)
     a, b = run(m, x, dy), run(r, x, dy)
@@ -420,18 +420,48 @@ def test_recompute_gate_up_gives_the_same_bits():
     assert kept - less == sum(-(-n // 256) * 256 for n in pieces), (kept, less)
 
 
-def test_reuse_saved_gives_the_same_bits_and_one_backward():
-    """reuse_saved: every output and gradient equal to keeping saved; a second backward
-    through the same forward (retain_graph) is refused: the saved tensor is used up."""
-    m, r, x, dy, _ = same_bits_as_kept(reuse_saved=True)
-    xr = x.detach().clone().requires_grad_(True)
-    y = r(xr)
-    y.backward(dy, retain_graph=True)
-    with pytest.raises(mok.MokError, match="used up"):
-        y.backward(dy)
-    y = m(xr)  # kept: a second backward runs
-    y.backward(dy, retain_graph=True)
-    y.backward(dy)
+def test_reuse_saved_gives_the_same_bits():
+    """reuse_saved (the default): every output and gradient equal to keeping saved."""
+    assert mok.MoE(H, F, E, K).config.reuse_saved
+    same_bits_as_kept(reuse_saved=True)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(score="sigmoid", bias_select=True, n_group=2, topk_group=1,
+                                             router_bias=True, expert_bias=True, shared_gate=True),
+                                dict(routing="replay")], ids=["fused", "variants", "replay"])
+def test_reuse_saved_second_backward(kw):
+    """A second backward through one forward (retain_graph=True): the first used the
+    saved tensor up (reuse_saved, the default), so the second runs the forward again
+    into it first; after each backward every gradient has the bits of a layer that
+    keeps saved, and a third runs too."""
+    replay = kw.get("routing") == "replay"
+    kw = dict(shared_ffn=FS, aux_loss_coef=0.0 if replay else 1e-2, **kw)
+    keep = mok.MoE(H, F, E, K, reuse_saved=False, **kw)
+    with torch.no_grad():
+        for p in (keep.b_router, keep.b13, keep.b2, keep.w_sg):
+            if p is not None:
+                p.copy_(0.5 * torch.randn(p.shape))
+        keep.bias_select.copy_(0.05 * torch.randn(E))
+    reuse = mok.MoE(H, F, E, K, **kw)
+    reuse.load_state_dict(keep.state_dict())
+    x, dy, idx, w = make_inputs(T, H, E, K)
+    grads = []
+    for m in (keep, reuse):
+        m.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_(True)
+        wr = w.clone().requires_grad_(True)
+        y = m(xr, idx, wr) if replay else m(xr)
+        seen = []
+        for _ in range(3):
+            losses, d_losses = ([], []) if replay else ([m.aux_loss], [torch.tensor(D_AUX)])
+            torch.autograd.backward([y] + losses, [dy] + d_losses, retain_graph=True)
+            seen.append([xr.grad.clone(), wr.grad.clone() if replay else None]
+                        + [p.grad.clone() for p in m.parameters()])
+        grads.append(seen)
+    for step, (a, b) in enumerate(zip(*grads)):
+        for i, (ga, gb) in enumerate(zip(a, b)):
+            assert (ga is None and gb is None) or torch.equal(ga, gb), (step, i)
+    assert not torch.equal(grads[1][0][0], grads[1][1][0])  # (the second backward added to .grad)
 
 
 def test_forward_is_batch_invariant():
@@ -544,13 +574,14 @@ def test_saved_buffer_survives_a_copy():
     key = m.config.key()
     outs = torch.ops.mok.moe_forward(x, m.w_router, None, m.w13, m.w2, m.ws13, m.ws2, None, None, [], key)
     saved = outs[-1]
+    pristine = saved.clone()  # (reuse_saved, the default: each backward uses its saved up)
     one = torch.ones((), dtype=torch.float32)
     args = (dy, x, m.w_router, m.w13, m.w2, m.ws13, m.ws2)
     ref = torch.ops.mok.moe_backward(*args, saved, one, one, [], key)
     for shift in (0, 64, 128, 192):
         big = torch.empty(saved.numel() + 256, dtype=torch.uint8)
         moved = big[shift : shift + saved.numel()]
-        moved.copy_(saved)
+        moved.copy_(pristine)
         got = torch.ops.mok.moe_backward(*args, moved, one, one, [], key)
         for a, b in zip(ref, got):
             assert torch.equal(a, b), shift

@@ -174,9 +174,10 @@ static int ep_shapes(const ep_shape_t* shapes, size_t n, int backward, int W) {
   return bad != 0;
 }
 
-/* cfg.gate_up = MOK_GATE_UP_RECOMPUTE at W = 2 (the expert rows' x in the window) has
- * the bits of keeping gate|up at W = 1 (D3 with the option on one side only). */
-static int ep_gate_up_w2(void) {
+/* A memory option at W = 2 has the bits of the defaults at W = 1 (D3 with the option on
+ * one side only): cfg.gate_up = MOK_GATE_UP_RECOMPUTE (the expert rows' x in the
+ * window), or cfg.saved_use = MOK_SAVED_REUSE (d_a over the received rows' gate|up). */
+static int ep_option_w2(mok_gate_up_t gate_up, mok_saved_use_t saved_use) {
   loopback(2);
   static const ep_shape_t shapes[] = {
       {"shared", 768, 192, 64, 8, 2, 192, MOK_ROUTING_FUSED, MOK_WGRAD_BF16, 1e-2f, 1e-3f, {0}, 0, 0, 0, 0, 0, 0.f, 0},
@@ -190,25 +191,27 @@ static int ep_gate_up_w2(void) {
     c.routing = sh->routing, c.wgrad = sh->wgrad;
     c.aux_loss_coef = sh->aux, c.z_loss_coef = sh->z;
     mok_config_t r = c;
-    r.gate_up = MOK_GATE_UP_RECOMPUTE;
+    r.gate_up = gate_up, r.saved_use = saved_use;
     mok_problem_t* keep = test_problem(&c, sh->T, test_case_seed() + i);
-    mok_problem_t* redo = test_problem(&r, sh->T, test_case_seed() + i);
-    TEST_ASSERT(keep && redo, "problems");
+    mok_problem_t* other = test_problem(&r, sh->T, test_case_seed() + i);
+    TEST_ASSERT(keep && other, "problems");
     mok_run_opts_t o = MOK_RUN_OPTS_INIT;
     o.capacity = full_capacity(sh, 2);
     test_outputs_t a, b;
     char err[1024] = "";
     mok_status_t st = mok_problem_run_cuda(keep, &o, err, sizeof err);
-    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: W = 1, keeping: %s: %s", sh->name, mok_status_string(st), err);
+    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: W = 1, defaults: %s: %s", sh->name, mok_status_string(st), err);
     o.W = 2;
-    st = mok_problem_run_cuda(redo, &o, err, sizeof err);
-    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: W = 2, recomputing: %s: %s", sh->name, mok_status_string(st), err);
+    st = mok_problem_run_cuda(other, &o, err, sizeof err);
+    TEST_ASSERT(st == MOK_STATUS_SUCCESS, "%s: W = 2, the option: %s: %s", sh->name, mok_status_string(st), err);
     test_snapshot(keep, 1, &a);
-    test_snapshot(redo, 1, &b);
+    test_snapshot(other, 1, &b);
     bad += test_same_bits(&b, &a, NULL, sh->name) != 0;
   }
   return bad;
 }
+static int ep_gate_up_w2(void) { return ep_option_w2(MOK_GATE_UP_RECOMPUTE, MOK_SAVED_KEEP); }
+static int ep_saved_reuse_w2(void) { return ep_option_w2(MOK_GATE_UP_SAVE, MOK_SAVED_REUSE); }
 
 /* Every output of the last run (forward's and backward's, every rank's slice, rank 0's
  * replicated ones) still the run's poison, 0xFF bytes: nothing was written. */
@@ -484,7 +487,7 @@ const test_case_t suite_gpu_comm[] = {
     {"peer_exchange_w2", peer_exchange_w2}, {"peer_exchange_w4", peer_exchange_w4},
     {"peer_exchange_w8", peer_exchange_w8}, {"ep_forward_w2", ep_forward_w2}, {"ep_step_w2", ep_step_w2},
     {"ep_capacity_w2", ep_capacity_w2},     {"ep_timeout_w2", ep_timeout_w2},   {"ep_gate_up_w2", ep_gate_up_w2},
-    {"ep_forward_w4", ep_forward_w4},       {"ep_step_w4", ep_step_w4},         {"ep_capacity_w4", ep_capacity_w4},
+    {"ep_saved_reuse_w2", ep_saved_reuse_w2}, {"ep_forward_w4", ep_forward_w4},       {"ep_step_w4", ep_step_w4},         {"ep_capacity_w4", ep_capacity_w4},
     {"ep_timeout_w4", ep_timeout_w4},       {"ep_forward_w8", ep_forward_w8},   {"ep_step_w8", ep_step_w8},
     {"ep_capacity_w8", ep_capacity_w8},     {"ep_timeout_w8", ep_timeout_w8},   {"ep_uneven_w2", ep_uneven_w2},
     {"ep_uneven_w4", ep_uneven_w4},         {"ep_uneven_w8", ep_uneven_w8},     {"ep_d1_w4", ep_d1_w4},
