@@ -22,7 +22,7 @@ BK = 64
 
 
 def group_size(num_kb):
-    """Column tiles a GEMM task takes (sm90_common.cuh's group_size, kGroupKb 128)."""
+    """Column tiles a GEMM task takes (sm90_tile_gemm.cuh's group_size, kGroupKb 128)."""
     return 1 if num_kb >= 128 else min(8, 128 // max(num_kb, 1))
 
 

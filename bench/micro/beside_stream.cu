@@ -23,7 +23,7 @@
 #include <cstdio>
 
 #include "micro_host.h"
-#include "cuda/sm90_common.cuh"
+#include "cuda/sm90_tile_gemm.cuh"
 
 using namespace mok;
 

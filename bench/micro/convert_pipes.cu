@@ -2,7 +2,7 @@
 // interleaved: thread instructions a cycle per SM (132 CTAs x 256 threads, 8
 // independent chains a thread). It showed that `cvt.rn.bf16.f32` (F2F) shares the
 // MUFU pipe at 16 a cycle per SM, while `cvt.rn.bf16x2.f32` (F2FP) has its own at 32
-// (docs/PERF.md, seventh session; the SwiGLU epilogue in sm90_common.cuh).
+// (docs/PERF.md, seventh session; the SwiGLU epilogue in sm90_epilogues.cuh).
 //   make micro && build/micro/convert_pipes
 #include <cstdint>
 #include <cstdio>

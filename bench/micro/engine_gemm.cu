@@ -1,6 +1,6 @@
 // engine_gemm.cu — issue 35's design step: what a GEMM engine on Hopper's own pattern
 // reaches on this project's GEMM shapes, measured alone, before it replaces gemm_tiles
-// (src/cuda/sm90_common.cuh: two warpgroups that both compute, thread 0 issuing the
+// (src/cuda/sm90_tile_gemm.cuh: two warpgroups that both compute, thread 0 issuing the
 // TMA loads, each tile's epilogue in series with its mainloop).
 //
 // C[g] (M x N, bf16) = A[g] (M x K, bf16, K-major) x B[g]^T (B[g]: N x K, bf16, K-major)
@@ -57,7 +57,7 @@
 #include <vector>
 
 #include "micro_host.h"
-#include "cuda/sm90_common.cuh"
+#include "cuda/sm90_epilogues.cuh"
 
 using namespace mok;
 

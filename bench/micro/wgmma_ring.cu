@@ -1,5 +1,5 @@
 // wgmma_ring.cu — the tensor core's rate in the megakernels' mainloop shape, with no
-// other work: two warpgroups, each K block one sm90_common.cuh mma_block (four k16
+// other work: two warpgroups, each K block one sm90_tile_gemm.cuh mma_block (four k16
 // steps of m64n256k16 over a 48 KB stage: A two 64 x 64 boxes, B four, 128-byte
 // swizzle), one group a block in flight (`wgmma.wait_group 1`), a ring of kStages
 // stages. Each operand K-major or MN-major (TA, TB); with `loads`, thread 0 refills each
@@ -36,7 +36,7 @@
 #include <cstdio>
 
 #include "micro_host.h"
-#include "cuda/sm90_common.cuh"
+#include "cuda/sm90_tile_gemm.cuh"
 
 using namespace mok;
 

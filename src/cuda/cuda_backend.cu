@@ -26,7 +26,7 @@ __global__ void sm90_moe_backward_kernel(const __grid_constant__ BwdParams p);
 __global__ void sm90_moe_forward_clamped_kernel(const __grid_constant__ FwdParams p);
 __global__ void sm90_moe_backward_clamped_kernel(const __grid_constant__ BwdParams p);
 }  // namespace mok
-#include "sm90_common.cuh"
+#include "sm90_smem.cuh"
 
 using namespace mok;
 
@@ -708,7 +708,7 @@ static mok_status_t encode_map(mok_context_t* ctx, CUtensorMap* map, const void*
 
 // A 2-D map [rows, cols] (cols contiguous), boxes of box_rows x 64. Loads use 64-row
 // boxes or, through tall maps, 128-row ones (gemm_tiles' kBoxRows), the epilogues' TMA
-// stores kStoreRows-row boxes (sm90_common.cuh).
+// stores kStoreRows-row boxes (sm90_epilogues.cuh).
 // ld: the row stride in elements (0: cols); a multiple of 8 (TMA's 16-byte strides).
 static mok_status_t make_map(mok_context_t* ctx, CUtensorMap* map, const void* base, int64_t rows, int64_t cols,
                              const char* name, uint32_t box_rows = 64, int64_t ld = 0) {

@@ -29,7 +29,7 @@ inline int64_t seg_cap(int64_t chunks) { return (chunks >> kSegLevels) + 2 * kSe
 constexpr uint64_t MOK_SAVED_MAGIC_GPU = 0x6d6f6b2d67707573ull;  // header[0] of a saved buffer
 constexpr uint64_t MOK_SAVED_USED_GPU = 0x6d6f6b2d67757364ull;   // and once a MOK_SAVED_REUSE backward ran
 
-// Sync words of a step, zeroed by the last CTA of every launch (sm90_common.cuh).
+// Sync words of a step, zeroed by the last CTA of every launch (finish_step, sm90_schedule.cuh).
 struct GpuSync {
   uint32_t ticket;      // next task
   uint32_t exit_count;  // CTAs done
@@ -259,7 +259,7 @@ __host__ __device__ inline uint32_t bwd_num_counters(const Shape& s) {
 }
 
 // The TMA store maps of an output: 128-row boxes for whole tiles, kStoreRows-row boxes
-// for tiles cut short by the end of an expert's rows (sm90_common.cuh), and `pair`, the
+// for tiles cut short by the end of an expert's rows (sm90_epilogues.cuh), and `pair`, the
 // output seen as [cols / 64][rows][64] with 2 x 128 x 64 boxes: two adjacent 64-column
 // boxes of a whole tile in one store (has_pair: cols % 64 == 0 and the map encoded).
 struct StoreMap {

@@ -22,7 +22,9 @@
 //                 partials summed in registers along the tree (rws_task), per 128 x 64 tile
 //   WG13[e,m,n]   dw13[e] = d_a^T x_rows
 //   TREE[slice]   the fixed pairwise tree over the chunks, then written out
-#include "sm90_common.cuh"
+#include "sm90_epilogues.cuh"
+#include "sm90_token_rows.cuh"
+#include "sm90_tree.cuh"
 
 namespace mok {
 
@@ -914,7 +916,7 @@ __device__ __forceinline__ void rws_task(Smem& sm, const BwdParams& p, int seg, 
 }
 
 // The fixed tree over four adjacent columns' n chunk partials (col[c * stride], c < n,
-// 16-byte aligned) through TreeCounter (sm90_common.cuh), each column's own additions.
+// 16-byte aligned) through TreeCounter (sm90_tree.cuh), each column's own additions.
 // Whole aligned runs of 8 leaves go in as their complete level-3 subtree (the next run's
 // 8 float4 loads in flight meanwhile), the rest one by one; the pending nodes in the
 // caller's shared memory (nodes). Each partial read once.

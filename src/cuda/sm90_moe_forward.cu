@@ -22,7 +22,9 @@
 //   COMBINE[b]    (32 tokens) y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order;
 //                 with the shared gate shared = s_g o_s, s_g = sigmoid(x[t] . w_sg) here
 //                 (W > 1: other ranks' o rows from o_kept, local)
-#include "sm90_common.cuh"
+#include "sm90_epilogues.cuh"
+#include "sm90_token_rows.cuh"
+#include "sm90_tree.cuh"
 
 namespace mok {
 

@@ -1,0 +1,146 @@
+// sm90_smem.cuh — the CTA of both megakernels and its shared memory: the tile constants,
+// one GEMM operand's boxes (Operand), the stage ring and its mbarriers, the epilogue
+// buffer, the task loop's state (Smem), and kernel_smem, which sets it up at launch.
+//
+// A CTA is 256 threads, two warpgroups: in GEMM tasks each computes 64 output rows and
+// thread 0 also issues the TMA loads; non-GEMM tasks use all 256 threads. Eight warps
+// (two per SM quadrant) leave 255 registers a thread: room for 128 accumulators (with a
+// third, producer warpgroup, a quadrant holds three warps and 168 registers each).
+#pragma once
+#include "comm/peer.cuh"
+#include "gpu_params.h"
+#include "ptx.cuh"
+
+namespace mok {
+
+constexpr int kThreads = 256;
+constexpr int BM = 128, BN = 256, BK = 64;
+constexpr int BF = BN / 2;       // f per SwiGLU tile: 128 gate columns, then 128 up columns
+constexpr int kAcc = BM * BN / kThreads;  // fp32 accumulators a thread
+constexpr int kStages = 4;
+constexpr int kBoxBytes = 64 * 64 * 2;
+constexpr int kStageBytes = 6 * kBoxBytes;  // A boxes 0-1, then B boxes 0-3
+constexpr int kEpiBytes = 32 * 1024;       // the epilogue buffer: two 128 x 64 bf16 boxes
+// The router's experts at most (MOK_MAX_EXPERTS): a warp per token, 32 a lane (token_scores)
+constexpr int kMaxRouterExperts = 1024;
+
+// One operand of a tile: the tensor map and, per box, the row (K-major) or the mn start
+// (MN-major): two boxes for A, four for B; k0 is the first k (inner coordinate for
+// K-major, outer for MN-major). rows (A only): the tile's rows that are stored; at most
+// 64 (an expert's last m-tile), the second warpgroup's wgmmas are skipped, and through
+// 64 x 64 maps A's second box too (gemm_tiles): they would only compute rows no
+// epilogue stores.
+struct Operand {
+  const CUtensorMap* map;
+  int pos[4];
+  int k0;
+  int rows;  // (A only, above; B's is not read)
+};
+
+// Thread 0's TMA load cursor in gemm_tiles: K block kb (of num_kb) of tile `tile`, ring
+// position it; it always rests on a block still to load, or on tile == num_tiles.
+// spare_slot: the stage the last epilogue may have used as its spare buffer (-1: none);
+// its TMA stores must have read it before a load refills it.
+struct LoadCursor {
+  Operand A, B;
+  uint32_t it;
+  int tile, kb, num_kb, k_valid_last;
+  int spare_slot;
+};
+
+struct alignas(1024) Smem {
+  uint8_t stage[kStages][kStageBytes];
+  union {  // never in use at once (dg_task takes the scratch after epi_acquire)
+    alignas(1024) uint8_t epi[kEpiBytes];    // an output tile on its way to global memory
+    float warp_scratch[kThreads / 32][kMaxRouterExperts];  // per warp: one token's expert scores
+  };
+  alignas(128) uint8_t maps[2][128];  // tensor maps in the making (cut_maps)
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+  uint64_t epi_full[2];  // swiglu_bwd_store's TMA loads: [0] into the spare stage, [1] into epi
+  // Paired GEMM tasks (clusters of 2 sharing B, pair_agree) run the same stages through
+  // their own barriers: full2 completes on 48 KB of which 16 come from the partner's
+  // multicast, empty2 takes both CTAs' warpgroups (the partner writes the stage too).
+  // Between tasks both rings are empty, so the two never hold a stage at once.
+  uint64_t full2[kStages];
+  uint64_t empty2[kStages];
+  // A-resident runs (gemm_tiles' AR): the task's A blocks loaded once, completing on
+  // a_full (phase a_phase), while B streams through the ring
+  uint64_t a_full;
+  uint32_t a_phase;
+  // DISPATCH's bulk row copies: a batch of rows into the stages completes on copy_full
+  uint64_t copy_full;
+  uint32_t copy_phase;
+  uint32_t ring_it;   // K blocks this CTA has put through the stage ring so far
+  uint32_t ring2_it;  // the same for paired tasks (equal in both CTAs of a cluster)
+  int cluster;        // CTAs in this CTA's cluster: 1, or 2 (pairs)
+  int rank;           // this CTA's rank in it
+  int pair_ok, pair_key;  // written by the partner in pair_agree
+  int pair_task[2];       // the pair's first ticket, by round parity (written by rank 0)
+  uint32_t round;         // next_task calls so far
+  LoadCursor load;
+  int task;
+  int abort;
+  // W > 1: this rank's flags, the step's serial and W (set_peers), for wait_counter's
+  // peer_kind
+  const uint64_t* peer_flags;
+  uint64_t peer_serial;
+  int peer_W;
+  int last_cta;
+  uint64_t task_start;  // MOK_PROFILE: this task's start (globaltimer, ns)
+  uint64_t task_clock;  // and in SM cycles (clock64): the two give the task's mean SM clock
+  uint32_t wait_ns;     // MOK_PROFILE: this task's time in wait_counter
+  uint32_t stall[kStallKinds];       // MOK_STALL_PROFILE builds: thread 0's waits (kStall*)
+  uint32_t stall_from[kStallKinds];  // and the start of the span in progress, per kind
+  uint32_t knobs;       // MOK_KNOBS (gpu_params.h)
+};
+// + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
+static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
+
+// B boxes of a 256-wide column tile starting at n0 (4 consecutive 64-wide boxes).
+__device__ __forceinline__ Operand wide(const CUtensorMap* map, int n0, int k0) {
+  return Operand{map, {n0, n0 + 64, n0 + 128, n0 + 192}, k0};
+}
+// A boxes of a 128-row tile starting at m0, whose first `rows` rows are stored (BM or
+// more: all; rows past them belong to another expert, or to no one).
+__device__ __forceinline__ Operand rows128(const CUtensorMap* map, int m0, int k0, int rows = BM) {
+  return Operand{map, {m0, m0 + 64, 0, 0}, k0, rows};
+}
+
+// The kernel's shared memory (dynamic, aligned here to 1024 B for the 128-byte swizzle),
+// its mbarriers initialised and the launch's MOK_KNOBS in place.
+__device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
+  extern __shared__ uint8_t smem_raw[];
+  // an offset from smem_raw, not integer arithmetic on its address: the compiler then
+  // still knows sm is shared memory and uses LDS/STS rather than generic loads
+  const uint32_t pad = (1024u - (smem_addr(smem_raw) & 1023u)) & 1023u;
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + pad);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; s++) {
+      mbar_init(&sm.full[s], 1);
+      mbar_init(&sm.empty[s], 2);  // one arrival per warpgroup
+      mbar_init(&sm.full2[s], 1);
+      mbar_init(&sm.empty2[s], 4);  // both CTAs' warpgroups
+    }
+    for (int b = 0; b < 2; b++) mbar_init(&sm.epi_full[b], 1);
+    mbar_init(&sm.a_full, 1);
+    sm.a_phase = 0;
+    mbar_init(&sm.copy_full, 1);
+    sm.copy_phase = 0;
+    sm.abort = 0;
+    sm.peer_W = 1;
+    sm.ring_it = 0;
+    sm.ring2_it = 0;
+    sm.round = 0;
+    sm.load.spare_slot = -1;
+    sm.knobs = knobs;
+    sm.cluster = (int)cluster_nctarank();
+    sm.rank = (int)cluster_ctarank();
+    fence_mbar_init();
+  }
+  __syncthreads();
+  if (sm.cluster > 1) cluster_sync();  // the partner's barriers exist before any remote use
+  return sm;
+}
+
+}  // namespace mok
