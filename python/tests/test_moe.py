@@ -566,6 +566,29 @@ def test_torch_compile_fullgraph_matches_eager(accum):
             assert torch.equal(ge[n], gc[n]), n
 
 
+def test_torch_compile_second_backward():
+    """torch.compile and reuse_saved (the default): a second backward through one
+    compiled forward (retain_graph=True) gives the gradients of the first again (the
+    backward op runs the forward again into the used-up saved tensor at run time, not
+    in the traced graph)."""
+    torch._dynamo.reset()
+    model = _Model(shared_ffn=FS, aux_loss_coef=1e-2)
+    assert model.moe.config.reuse_saved
+    x = (torch.rand(100, H) * 2 - 1).bfloat16()
+    compiled = torch.compile(model, fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    y, aux = compiled(x)
+    loss = y.float().square().mean() + aux
+    grads = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss.backward(retain_graph=True)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) >= 4
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
+
+
 def test_saved_buffer_survives_a_copy():
     """The saved tensor may be copied between forward and backward (a compiler may do
     that): the payload is found again, also when its 256-byte alignment is lost."""

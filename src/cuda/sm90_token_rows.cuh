@@ -2,7 +2,7 @@
 // through shared memory, a token's slot rows summed in slot order (COMBINE, DXSUM), and
 // rows copied by a warp (DISPATCH).
 #pragma once
-#include "sm90_schedule.cuh"
+#include "sm90_math.cuh"
 
 namespace mok {
 
