@@ -26,7 +26,7 @@ __global__ void sm90_moe_backward_kernel(const __grid_constant__ BwdParams p);
 __global__ void sm90_moe_forward_clamped_kernel(const __grid_constant__ FwdParams p);
 __global__ void sm90_moe_backward_clamped_kernel(const __grid_constant__ BwdParams p);
 }  // namespace mok
-#include "sm90_smem.cuh"
+#include "sm90_epilogues.cuh"  // (the kernels' constants: tiles, Smem, kStoreRows, pad_even)
 
 using namespace mok;
 
