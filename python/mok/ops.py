@@ -338,7 +338,8 @@ def _restore_saved(cfg, saved, x, w_router, bias_select, w13, w2, ws13, ws2, top
                    b_router, b13, b2, w_sg):
     """A second backward through one forward with reuse_saved (retain_graph=True): the
     first wrote its scratch over `saved`; the forward again, on the same inputs, writes
-    it as it was, to the bit (D1), in place (no second saved tensor)."""
+    its payload as it was, to the bit (D1; the header gets a new forward serial), in
+    place (no second saved tensor)."""
     missing = [name for name, t, needed in (
         ("bias_select", bias_select, cfg.fused and cfg.bias_select), ("topk_idx", topk_idx, not cfg.fused),
         ("topk_weight", topk_weight, not cfg.fused), ("b_router", b_router, cfg.router_bias),
