@@ -17,6 +17,7 @@ the weights' rule (b_router's is fp32 either way, mok.h).
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections import OrderedDict
 from typing import List, NamedTuple, Optional, Tuple, Union
 
@@ -112,6 +113,7 @@ def _saved_payload(ctx, saved: Tensor) -> Tuple[int, Tensor]:
 # synchronisation); at most _USED_UP_MAX entries, past which the oldest is forgotten
 # (a second backward on that one would be refused by libmok, "used up").
 _used_up: "OrderedDict[Tuple[str, int], None]" = OrderedDict()
+_used_up_lock = threading.Lock()
 _USED_UP_MAX = 4096
 
 
@@ -119,11 +121,19 @@ def _saved_key(saved: Tensor) -> Tuple[str, int]:
     return str(saved.device), saved.data_ptr()
 
 
-def _mark_used_up(saved: Tensor) -> None:
-    _used_up[_saved_key(saved)] = None
-    _used_up.move_to_end(_saved_key(saved))
-    while len(_used_up) > _USED_UP_MAX:
-        _used_up.popitem(last=False)
+def _is_used_up(saved: Tensor) -> bool:
+    with _used_up_lock:
+        return _saved_key(saved) in _used_up
+
+
+def _set_used_up(saved: Tensor, used: bool) -> None:
+    key = _saved_key(saved)
+    with _used_up_lock:
+        _used_up.pop(key, None)
+        if used:
+            _used_up[key] = None  # (the newest last)
+            while len(_used_up) > _USED_UP_MAX:
+                _used_up.popitem(last=False)
 
 
 # ---- mok::moe_forward -------------------------------------------------------------
@@ -203,7 +213,7 @@ def _forward(cfg, x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_w
     with ctx.lock, device_guard(dev):
         a.workspace, a.workspace_bytes = ctx.workspace()
         ctx.check(L.mok_forward(ctx.handle, ctypes.byref(a)), "mok_forward")
-    _used_up.pop(_saved_key(saved), None)
+    _set_used_up(saved, False)
     return y, aux, z, tpe, idx, wt, saved
 
 
@@ -319,7 +329,7 @@ def _moe_backward_op(
     b.d_b2 = p_b2 if cfg.expert_bias else None
     b.d_w_sg = p_wsg if cfg.shared_gate else None
     b.stream = _stream(dev)
-    if cfg.reuse_saved and _saved_key(saved) in _used_up:
+    if cfg.reuse_saved and _is_used_up(saved):
         _restore_saved(cfg, saved, x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight,
                        b_router, b13, b2, w_sg)
     L = _lib.lib()
@@ -329,7 +339,7 @@ def _moe_backward_op(
         b.workspace, b.workspace_bytes = ctx.workspace()
         ctx.check(L.mok_backward(ctx.handle, ctypes.byref(b)), "mok_backward")
     if cfg.reuse_saved and keep is saved:  # (not a copy of it: _saved_payload)
-        _mark_used_up(saved)
+        _set_used_up(saved, True)
     del keep
     return dx, dwr, d13, d2, ds13, ds2, dtw, dbr, db13, db2, dwsg
 
