@@ -464,6 +464,28 @@ def test_reuse_saved_second_backward(kw):
     assert not torch.equal(grads[1][0][0], grads[1][1][0])  # (the second backward added to .grad)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing(reentrant):
+    """torch.utils.checkpoint around the layer (Megatron's recompute, torchtitan's AC,
+    transformers' gradient checkpointing): the backward runs the forward again and uses
+    that saved tensor up (reuse_saved, the default); every gradient has the bits of the
+    step without checkpointing."""
+    m = mok.MoE(H, F, E, K, shared_ffn=FS, aux_loss_coef=1e-2)
+    x, dy, _, _ = make_inputs(T, H, E, K)
+    grads = []
+    for ckpt in (False, True):
+        m.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_(True)
+
+        def layer(t):
+            return m(t) * 1  # (a tensor of this function's, for the reentrant form's output)
+        y = torch.utils.checkpoint.checkpoint(layer, xr, use_reentrant=reentrant) if ckpt else layer(xr)
+        y.backward(dy)
+        grads.append([xr.grad] + [p.grad for p in m.parameters()])
+    for i, (a, b) in enumerate(zip(*grads)):
+        assert torch.equal(a, b), i
+
+
 def test_forward_is_batch_invariant():
     """D4: a token's output does not depend on the other tokens of its batch."""
     m = mok.MoE(H, F, E, K, shared_ffn=FS)
