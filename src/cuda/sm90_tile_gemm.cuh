@@ -211,14 +211,14 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       mbar_arrive_expect_tx(&sm.a_full, c.num_kb * 2 * kBoxBytes);
       for (int kb = 0; kb < c.num_kb; kb++) {
         uint8_t* dst = ring + kb * 2 * kBoxBytes;
-        if (kTall) {
+        if constexpr (kTall) {
           load_tall(dst, A.map, &sm.a_full, TA, A.pos[0], A.k0 + kb * BK);
-          continue;
-        }
+        } else {
 #pragma unroll
-        for (int b = 0; b < 2; b++) {
-          if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.a_full, A.pos[b], A.k0 + kb * BK);
-          else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.a_full, A.k0 + kb * BK, A.pos[b]);
+          for (int b = 0; b < 2; b++) {
+            if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.a_full, A.pos[b], A.k0 + kb * BK);
+            else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.a_full, A.k0 + kb * BK, A.pos[b]);
+          }
         }
       }
     }
