@@ -350,16 +350,16 @@ def _restore_saved(cfg, saved, x, w_router, bias_select, w13, w2, ws13, ws2, top
     first wrote its scratch over `saved`; the forward again, on the same inputs, writes
     its payload as it was, to the bit (D1; the header gets a new forward serial), in
     place (no second saved tensor)."""
+    # (_forward reads each input only where the config has it, and names a missing
+    # b_router or b2 itself)
     missing = [name for name, t, needed in (
         ("bias_select", bias_select, cfg.fused and cfg.bias_select), ("topk_idx", topk_idx, not cfg.fused),
-        ("topk_weight", topk_weight, not cfg.fused), ("b_router", b_router, cfg.router_bias),
-        ("b2", b2, cfg.expert_bias)) if needed and t is None]
+        ("topk_weight", topk_weight, not cfg.fused)) if needed and t is None]
     if missing:
         raise ValueError(f"mok: saved was used up by a reuse_saved backward; writing it again runs the forward, "
                          f"which needs {', '.join(missing)}")
     with torch.no_grad():
-        _forward(cfg, x, w_router if cfg.fused else None, bias_select if cfg.fused else None, w13, w2, ws13, ws2,
-                 None if cfg.fused else topk_idx, None if cfg.fused else topk_weight, b_router, b13, b2, w_sg,
+        _forward(cfg, x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_weight, b_router, b13, b2, w_sg,
                  saved=saved)
 
 
