@@ -360,7 +360,7 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t partial_bytes = chunks * (w.partial_len - 3 * c.Fs * c.H) * 4;
   w.partials_in_dy_rows = partial_bytes <= R * c.H * 2;
   w.partials = w.partials_in_dy_rows ? 0 : p.take(partial_bytes);
-  w.seg_partials = p.take(shared * seg_cap(chunks) * 3 * c.Fs * c.H * 4);
+  w.seg_partials = p.take(shared * seg_cap(chunks, c.W) * 3 * c.Fs * c.H * 4);
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
   w.gate_up = plan_gate_up(c, T, p, false);  // (a_rows, sa: in d_a, d_a_s)
   w.total = p.at;

@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "mok.h"
 
 namespace mok {
@@ -18,9 +20,18 @@ constexpr int kSubTokens = 32;  // tokens per DISPATCH, COMBINE, DG and DXSUM ta
 // kSegLevels levels summed in registers, a segment of up to 2^kSegLevels chunks (1024
 // tokens) and kSegTileGroup 128 x 64 tiles a task (8 x 16 K blocks); a rank's chunks
 // [a, a + n) split into at most n / 16 + 2 kSegLevels segments (kSegLevels pieces on
-// either side of the whole ones), the nodes' rows in the workspace (seg_cap).
+// either side of the whole ones), the nodes' rows in the workspace (seg_cap). At W = 1
+// the chunks start at 0 and n of them split into n / 16 whole segments and one for each
+// 1 bit of n % 16: seg_cap is the most over the n <= chunks a call may bring (deepseek-v3
+// at 8192 tokens: 11 nodes of 3 Fs H fp32, 176 MB each, where the bound gave 16).
 constexpr int kSegLevels = 4, kSegTileGroup = 8;
-inline int64_t seg_cap(int64_t chunks) { return (chunks >> kSegLevels) + 2 * kSegLevels; }
+inline int64_t seg_cap(int64_t chunks, int W) {
+  if (W > 1) return (chunks >> kSegLevels) + 2 * kSegLevels;
+  int64_t most = 0;
+  for (int64_t n = chunks; n >= 1 && n > chunks - (1 << kSegLevels); n--)  // (the most is among the last 16)
+    most = std::max(most, (n >> kSegLevels) + __builtin_popcountll(n & ((1 << kSegLevels) - 1)));
+  return most;
+}
 // Those tasks walk rows of H bf16 a warp at a time, lane chunks v = lane + 32 u of 16
 // bytes. With one CTA of 8 warps an SM, a lane must have several chunks in flight to
 // cover the memory latency (~128 B a lane): every load of a step is issued before any
