@@ -151,8 +151,9 @@ static void (*backward_kernel(const mok_config_t& c))(BwdParams) {
 }
 // The replicated gradients, the vector the tree sums: [d_w_router E H | d_ws13 2 Fs H |
 // d_ws2 H Fs | d_b_router E, rounded up to 4 (the tree's float4 columns; use_router_bias)
-// | d_w_sg H (use_shared_gate)]. A chunk's partials hold all but the shared expert's 3 Fs
-// H, which come a segment of chunks at a time (seg_partials).
+// | d_w_sg H (use_shared_gate)]. The weight gradients' columns (the router's when fused,
+// the shared expert's 3 Fs H) come a segment of chunks at a time (seg_partials), the
+// vectors' a chunk at a time (partials).
 static int64_t partial_len(const mok_config_t& c) {
   return c.E * c.H + 3 * c.Fs * c.H + (c.use_router_bias ? (c.E + 3) / 4 * 4 : 0) + (c.use_shared_gate ? c.H : 0);
 }
@@ -312,7 +313,6 @@ struct BwdWsPlan {
   size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, dy_s, dl_g, partials, seg_partials, cta_maps,
       total;
   int64_t partial_len;
-  bool partials_in_dy_rows;  // (then partials is unused: they go where dy_rows are)
   GateUpPlan gate_up;
 };
 // MOK_SAVED_REUSE: the backward writes its scratch over pieces of saved it has finished
@@ -352,15 +352,12 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t gated = c.use_shared_gate != 0;
   w.dy_s = p.take(gated * T * c.H * 2);
   w.dl_g = p.take(gated * T * 2);
-  // The replicated gradients' chunk partials [chunks, partial_len - 3 Fs H] fp32 go where
-  // dy_rows are (this rank's window at W > 1) when they fit: RW writes them after every
-  // reader of dy_rows (dh, wgrad2) has finished. They fit when E <= 32 K (chunks E H 4
-  // bytes against T K H 2): every benchmark shape. The shared expert's segment nodes
-  // [seg_cap, 3 Fs H] fp32 have their own place (RWS runs beside dh and wgrad2).
-  const int64_t partial_bytes = chunks * (w.partial_len - 3 * c.Fs * c.H) * 4;
-  w.partials_in_dy_rows = partial_bytes <= R * c.H * 2;
-  w.partials = w.partials_in_dy_rows ? 0 : p.take(partial_bytes);
-  w.seg_partials = p.take(shared * seg_cap(chunks, c.W) * 3 * c.Fs * c.H * 4);
+  // The replicated gradients: the vectors' chunk partials [chunks, partial_len - E H -
+  // 3 Fs H] fp32, the weight gradients' segment nodes [seg_cap, (fused ? E H : 0) + 3 Fs
+  // H] fp32 (the router's: 19 MiB at qwen3-30b-a3b, where its chunk partials took 256)
+  const int64_t seg_cols = fused * c.E * c.H + 3 * c.Fs * c.H;
+  w.partials = p.take(chunks * (w.partial_len - c.E * c.H - 3 * c.Fs * c.H) * 4);
+  w.seg_partials = p.take(seg_cap(chunks, c.W) * seg_cols * 4);
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
   w.gate_up = plan_gate_up(c, T, p, false);  // (a_rows, sa: in d_a, d_a_s)
   w.total = p.at;
@@ -953,7 +950,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
     p.peer_dy_rows.rows[0] = p.dy_rows;
     p.peer_dx_rows.rows[0] = p.dx_rows;
   }
-  p.partials = reinterpret_cast<float*>(wp.partials_in_dy_rows ? (char*)p.dy_rows : ws + wp.partials);
+  p.partials = reinterpret_cast<float*>(ws + wp.partials);
   const void* dys = c.use_shared_gate ? p.dy_s : a->dy;
   const char* dys_name = c.use_shared_gate ? "dy_s" : "dy";
   const void* dlog = p.s.fused ? p.dlogits : nullptr;

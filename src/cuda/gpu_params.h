@@ -385,9 +385,8 @@ struct BwdParams {
   int recompute;        // gate|up: computed again here (the RG and RGS tasks), not kept
   int reuse;            // cfg.saved_use = MOK_SAVED_REUSE: the last CTA marks saved used up
   int dx_late;          // and at W = 1: dx_rows where dy_rows are (over saved's o rows), so
-                        // WG2 comes before DX (bwd_order), DX after every WG2, RW after
-                        // every DXSUM (RW's partials go there too); DXR after every WG2
-                        // too (dx_router where h_rows are, when it fits)
+                        // WG2 comes before DX (bwd_order), DX after every WG2; DXR after
+                        // every WG2 too (dx_router where h_rows are, when it fits)
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
   const bf16* o_kept;     // W > 1: [T K, H], other ranks' o rows of this rank's slots (the forward's RETURN)
   PeerRows peer_dy_rows;  // dispatch target of dy_j
@@ -422,9 +421,9 @@ struct BwdParams {
   float* dx_shared;     // [T, H]
   bf16* dy_s;           // [T, H] use_shared_gate: bf16(s_g dy), DG's, the shared expert's dy
   bf16* dl_g;           // [T] use_shared_gate: the gate logit's gradient, DG's
-  float* partials;      // [chunks, partial_len - 3 Fs H]: a chunk's, all but the shared expert's;
-                        // where dy_rows are when they fit (plan_bwd_ws)
-  float* seg_partials;  // [seg_cap(chunks), 3 Fs H]: the shared expert's, a node a segment (RWS)
+  float* partials;      // [chunks, partial_len - E H - 3 Fs H]: a chunk's, the vectors' (RW)
+  float* seg_partials;  // [seg_cap(chunks), (fused ? E H : 0) + 3 Fs H]: the router's and the
+                        // shared expert's weight gradients, a node a segment (SEG)
   int64_t partial_len;  // the tree's columns: E*H + 3*Fs*H, then with use_router_bias d_b_router's E
                         // rounded up to 4, then with use_shared_gate d_w_sg's H
   CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's maps of its weight-gradient task's expert, or of an

@@ -16,10 +16,9 @@
 //   WG2[e,m,n]    dw2[e] = dy_rows^T h_rows, over the expert's rows in order
 //   DXSUM[b]      (32 tokens) dx[t] = bf16(sum_j dx_j + router path + shared path
 //                 (+ dl_g w_sg with the shared gate))
-//   RW[c]         replicated gradients of 64-token chunk c: dW_router, d_b_router,
-//                 d_w_sg (the partials where dy_rows were: after every dh and wgrad2);
-//     [seg,g]     then the shared expert's dws13, dws2: a segment of up to 16 chunks'
-//                 partials summed in registers along the tree (rws_task), per 128 x 64 tile
+//   RW[c]         replicated gradients of 64-token chunk c: d_b_router, d_w_sg
+//     [seg,g]     then dW_router, and the shared expert's dws13, dws2: a segment of up
+//                 to 16 chunks' partials summed along the tree (seg_task), per 128 x 64 tile
 //   WG13[e,m,n]   dw13[e] = d_a^T x_rows
 //   TREE[slice]   the fixed pairwise tree over the chunks, then written out
 #include "sm90_epilogues.cuh"
@@ -61,21 +60,32 @@ __device__ __forceinline__ int first_chunk(const BwdParams& p) {
   return chunk0;
 }
 // The replicated gradients' columns (partial_len: the tree's, the W > 1 windows'):
-// [d_w_router E H | d_ws13 2 Fs H | d_ws2 H Fs | d_b_router | d_w_sg H]. A chunk's
-// partials (RW) hold all but the shared expert's, whose nodes come a segment at a time
-// (RWS): chunk_len columns a chunk, column x at chunk_col(x).
+// [d_w_router E H | d_ws13 2 Fs H | d_ws2 H Fs | d_b_router | d_w_sg H]. The GEMMs'
+// columns, the first router_cols + shared_cols, come a segment of chunks at a time
+// (SEG tasks: seg_len columns a node, column x at x - seg_skip; the router's only when
+// fused); a chunk's partials (RW) hold the rest, the vectors: chunk_len columns a chunk,
+// column x at x - seg_end.
 __device__ __forceinline__ int64_t shared_cols(const Shape& s) { return 3LL * s.Fs * s.H; }
-__device__ __forceinline__ int64_t chunk_len(const BwdParams& p) { return p.partial_len - shared_cols(p.s); }
-__device__ __forceinline__ int64_t chunk_col(const Shape& s, int64_t x) {
-  return x < (int64_t)s.E * s.H ? x : x - shared_cols(s);
-}
-// RWS's tiles: 128 x 64 of d_ws13 [2Fs, H], then of d_ws2 [H, Fs]; kSegTileGroup a task.
+__device__ __forceinline__ int64_t seg_end(const Shape& s) { return (int64_t)s.E * s.H + shared_cols(s); }
+__device__ __forceinline__ int64_t seg_skip(const Shape& s) { return s.fused ? 0 : (int64_t)s.E * s.H; }
+__device__ __forceinline__ int64_t seg_len(const Shape& s) { return seg_end(s) - seg_skip(s); }
+__device__ __forceinline__ int64_t chunk_len(const BwdParams& p) { return p.partial_len - seg_end(p.s); }
+// SEG's tiles, 128 x 64: d_w_router [E, H] = dlogits^T x (fused), then the shared
+// expert's d_ws13 [2Fs, H] = d_a_s^T x and d_ws2 [H, Fs] = dy_s^T sh; kSegTileGroup a
+// task, the router's groups first (they wait for DG alone).
+__device__ __forceinline__ int router_tiles(const Shape& s) { return s.fused ? cdivb(s.E, BM) * cdivb(s.H, 64) : 0; }
 __device__ __forceinline__ int rws_tiles13(const Shape& s) { return cdivb(2 * s.Fs, BM) * cdivb(s.H, 64); }
-__device__ __forceinline__ int rws_groups(const Shape& s) {
-  return s.Fs ? cdivb(rws_tiles13(s) + cdivb(s.H, BM) * cdivb(s.Fs, 64), kSegTileGroup) : 0;
+__device__ __forceinline__ int rws_tiles(const Shape& s) {
+  return s.Fs ? rws_tiles13(s) + cdivb(s.H, BM) * cdivb(s.Fs, 64) : 0;
 }
-// RW's per-chunk tasks: with the router's gradients (fused) or the shared gate's.
-__device__ __forceinline__ int rw_chunk_tasks(const Shape& s) { return s.fused || s.shared_gate ? s.chunks : 0; }
+__device__ __forceinline__ int router_groups(const Shape& s) { return cdivb(router_tiles(s), kSegTileGroup); }
+__device__ __forceinline__ int seg_groups(const Shape& s) {
+  return router_groups(s) + cdivb(rws_tiles(s), kSegTileGroup);
+}
+// RW's per-chunk tasks: with the router bias's gradient or the shared gate's.
+__device__ __forceinline__ int rw_chunk_tasks(const Shape& s) {
+  return s.use_router_bias || s.shared_gate ? s.chunks : 0;
+}
 
 // ---- the saved buffer's checks ----
 // The forward writes saved into a caller's buffer, and the backward takes it back from
@@ -658,7 +668,7 @@ __device__ __forceinline__ void zero_block(bf16* out, int64_t ld, int r0, int nr
 // then the lanes' sums j = 0, 1, .. in order from +0 (fp32 throughout). A thread holds 8
 // columns (one 16-byte word) of one lane. Out: bf16 written, or fp32 added into.
 // Called before the task's GEMM, so the task's signals (wgrad2_done: the readers of
-// dy_rows before RW's partials and dx_late's dx_rows overwrite them) count these reads.
+// dy_rows before dx_late's dx_rows overwrite them) count these reads.
 __device__ __noinline__ void bias_grad(Smem& sm, const BwdParams& p, int which, int e, int mt, int off, int n) {
   constexpr int kLanes = kThreads / 16, kUnroll = 4;
   const int cols = which == 2 ? p.s.H : 2 * p.s.F;  // (a multiple of 64: whole 8-column words)
@@ -764,24 +774,12 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   else run(Flag<false>(), Flag<false>());
 }
 
-// Replicated gradients of chunk c: every 128 x 256 tile of [dW_router | dws13 | dws2]
-// in one pipeline, each the sum over the chunk's 64 tokens (one K block).
-// The partials may be where dy_rows are (plan_bwd_ws): RW writes them once dh and wgrad2,
-// dy_rows' readers, have all finished (wg2_total: wgrad2's tasks). In ticket order RW
-// comes after wgrad2 and dxsum, so by then they all but have.
-// wgrad2's tile has read its dy_rows (every K block's TMA load consumed), which is all
-// RW needs: no wait for the tile's TMA stores (signal_counter's), which nothing reads.
+// dx_late's DX and DXR write where WG2 reads (dy_rows, h_rows): a wgrad2 tile has read
+// its dy_rows and h_rows (every K block's TMA load consumed), which is all they need: no
+// wait for the tile's TMA stores (signal_counter's).
 __device__ __noinline__ void wgrad2_done(Smem& sm, const BwdParams& p) {  // (noinline: no spill at the call)
   __syncthreads();
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_WG2_ALL], 1);
-}
-// Under dx_late dx_rows follow dy_rows there, read by DXSUM: so every DXSUM task too.
-__device__ __noinline__ bool dy_rows_free(Smem& sm, const BwdParams& p, uint32_t wg2_total) {
-  const Shape& s = p.s;
-  const uint32_t dh_total = (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
-  return wait_counter(sm, &p.st.sync->counter[B_DH_ALL], dh_total, p.st, 20) &&
-         wait_counter(sm, &p.st.sync->counter[B_WG2_ALL], wg2_total, p.st, 20) &&
-         (!p.dx_late || wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20));
 }
 // Where d_w_sg's H columns start among the tree's columns (partial_len): after d_b_router's
 // padded E.
@@ -804,15 +802,15 @@ __device__ __noinline__ void gate_grad_partial(const BwdParams& p, float* dw, in
     dw[h] = a, dw[h + 1] = b;  // (signal_counter's __syncthreads and fence publish them with the tiles)
   }
 }
-__device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uint32_t wg2_total) {
+// RW[c]: chunk c's partials of the vectors (d_b_router, d_w_sg), each column's sum over
+// the chunk's tokens in increasing order from +0.
+__device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
   const Shape& s = p.s;
-  if (!dy_rows_free(sm, p, wg2_total)) return;
-  const int nH = cdivb(s.H, BN), tr = s.fused ? cdivb(s.E, BM) * nH : 0;
   if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;  // (dlogits, dl_g)
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
-  float* part = p.partials + (int64_t)c * chunk_len(p);
+  float* const part = p.partials + (int64_t)c * chunk_len(p) - seg_end(s);  // (column x at part[x])
   if (s.use_router_bias) {  // d_b_router's: sum over the chunk's tokens of dlogits[t, e], t increasing
-    float* const db = part + chunk_col(s, (int64_t)s.E * s.H + shared_cols(s));
+    float* const db = part + seg_end(s);
     const int t1 = min(s.T, k0 + MOK_REDUCE_CHUNK_TOKENS);
     for (int e = threadIdx.x; e < (s.E + 3) / 4 * 4; e += kThreads) {  // (the padding: 0)
       float sum = 0.f;
@@ -821,26 +819,18 @@ __device__ __forceinline__ void rw_task(Smem& sm, const BwdParams& p, int c, uin
       db[e] = sum;  // (signal_counter's __syncthreads and fence publish it with the tiles)
     }
   }
-  if (s.shared_gate) gate_grad_partial(p, part + chunk_col(s, gate_grad_at(s)), k0);
-  gemm_tiles<1, 1>(
-      sm, tr,
-      [&](int tile, Operand& A, Operand& B, int& num_kb, int& kv) {
-        num_kb = 1, kv = BK;  // tokens past T are out of bounds: zeros
-        A = rows128(&p.m_dlog, tile / nH * BM, k0);
-        B = wide(&p.m_x, tile % nH * BN, k0);
-      },
-      [&](int tile, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-        store_tile<kStoreF32>(sm, acc, wg, w, l, tile / nH * BM, s.E, tile % nH * BN, s.H, part, s.H);
-      });
-  signal_counter(sm, &p.st.sync->counter[B_RW]);
+  if (s.shared_gate) gate_grad_partial(p, part + gate_grad_at(s), k0);
+  signal_counter(sm, &p.st.sync->counter[B_RW]);  // (its __syncthreads and fence publish the stores)
 }
 
-// RWS[seg, g]: the shared expert's weight gradients over segment seg of this rank's
-// chunks (2^L <= 16 of them, seg_level), tiles [8g, 8g + 8) of 128 x 64 (rws_tiles13 of
-// d_ws13 = d_a_s^T x, then d_ws2 = dy_s^T sh). Writing every chunk's fp32 partial of
-// all 3 Fs H columns and reading it back in TREE cost 12 Fs H bytes a chunk each way
-// (45 GB a step on deepseek-v3 with Fs = 2048: docs/PERF.md, 2026-12-04), so the tree's
-// lowest levels are summed here: for each tile the segment's chunks in order, each
+// SEG[seg, g]: the replicated weight gradients over segment seg of this rank's chunks
+// (2^L <= 16 of them, seg_level), tiles [8g, 8g + 8) of 128 x 64 of the router's, or
+// [8g', 8g' + 8) of the shared expert's (g' = g - router_groups; rws_tiles13 of d_ws13,
+// then d_ws2). Writing every chunk's fp32 partial of all 3 Fs H columns and reading it
+// back in TREE cost 12 Fs H bytes a chunk each way (45 GB a step on deepseek-v3 with
+// Fs = 2048: docs/PERF.md, 2026-12-04), and the router's E H columns 4 E H a chunk
+// (qwen3-30b-a3b: 256 MiB each way, where dy_rows were, so after every dh, wgrad2 and
+// DXSUM), so the tree's lowest levels are summed here: for each tile the segment's chunks in order, each
 // chunk's partial one K block of 64 tokens from zero (m64n64k16, as RW's were), pushed
 // into a binary counter of kSegLevels pending nodes (left node + right, __fadd_rn:
 // tree_add's additions). The last chunk's carry is the segment's node, the tree's node
@@ -857,19 +847,27 @@ __device__ __forceinline__ float* seg_node(Smem& sm, int lv, int q) {
                              : reinterpret_cast<float*>(sm.epi) + q * kThreads;
   return base + tid_here();
 }
-__device__ __forceinline__ void rws_task(Smem& sm, const BwdParams& p, int seg, int g) {
+__device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(cdivb(s.Fs, BN), s.H / BK)), p.st, 20))
-    return;  // (d_a_s)
-  if (s.shared_gate && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;  // (dy_s)
-  if (p.recompute && !wait_counter(sm, &p.st.sync->counter[B_RGS_ALL], s.smt * rgs_groups(s), p.st, 20)) return;  // (sh)
+  const bool router = g < router_groups(s);
+  if (router || s.shared_gate) {  // (dlogits; dy_s)
+    if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
+  }
+  if (!router) {
+    if (!wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(cdivb(s.Fs, BN), s.H / BK)),
+                      p.st, 20))
+      return;  // (d_a_s)
+    if (p.recompute && !wait_counter(sm, &p.st.sync->counter[B_RGS_ALL], s.smt * rgs_groups(s), p.st, 20)) return;  // (sh)
+  }
   const int chunk0 = first_chunk(p), end = chunk0 + s.chunks;
   int a = chunk0;
   for (int i = 0; i < seg; i++) a += 1 << seg_level(a, end);
   const int L = seg_level(a, end), n = 1 << L, k0 = (a - chunk0) * MOK_REDUCE_CHUNK_TOKENS;
   const int nH = cdivb(s.H, 64), nFs = cdivb(s.Fs, 64), n13 = rws_tiles13(s);
-  const int t0 = g * kSegTileGroup, nt = min(kSegTileGroup, n13 + cdivb(s.H, BM) * nFs - t0);
-  float* const out = p.seg_partials + (int64_t)seg * shared_cols(s);
+  // t: the tile's index among the router's (router) or the shared expert's (rws_tiles)
+  const int t0 = (router ? g : g - router_groups(s)) * kSegTileGroup;
+  const int nt = min(kSegTileGroup, (router ? router_tiles(s) : rws_tiles(s)) - t0);
+  float* const out = p.seg_partials + (int64_t)seg * seg_len(s) - seg_skip(s);  // (column x at out[x])
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (earlier epilogues' stores read the nodes' places)
   __syncthreads();
   gemm_tiles<1, 1, false, false, 1>(
@@ -877,7 +875,10 @@ __device__ __forceinline__ void rws_task(Smem& sm, const BwdParams& p, int seg, 
       [&](int i, Operand& A, Operand& B, int& num_kb, int& kv) {  // (tile, chunk), the chunk fastest
         const int t = t0 + i / n, k = k0 + i % n * BK;
         num_kb = 1, kv = BK;  // tokens past T are out of bounds: zeros
-        if (t < n13) {
+        if (router) {
+          A = rows128(&p.m_dlog, t / nH * BM, k);  // (rows past E: TMA's zeros)
+          B = Operand{&p.m_x, {t % nH * 64, 0, 0, 0}, k};
+        } else if (t < n13) {
           const int m0 = t / nH * BM;
           A = rows128(&p.m_das, m0, k);  // (both boxes: rows past 2 Fs, H are TMA's zeros)
           B = Operand{&p.m_x, {t % nH * 64, 0, 0, 0}, k};
@@ -892,10 +893,11 @@ __device__ __forceinline__ void rws_task(Smem& sm, const BwdParams& p, int seg, 
         int z = 0;  // chunk c's partial climbs the levels where c's bits are 1, to level z
         while (z < L && ((c >> z) & 1)) z++;
         const int t = t0 + i / n;  // z = L (c = n - 1): the segment's node goes out
-        const bool w13 = t < n13;
-        const int m0 = w13 ? t / nH * BM : (t - n13) / nFs * BM, n0 = w13 ? t % nH * 64 : (t - n13) % nFs * 64;
-        const int rows = w13 ? 2 * s.Fs : s.H, cols = w13 ? s.H : s.Fs;  // (cols even: H, Fs multiples of 64)
-        float* const o = w13 ? out : out + 2LL * s.Fs * s.H;
+        const bool wide = router || t < n13;  // ([rows, H]: d_w_router, d_ws13)
+        const int m0 = wide ? t / nH * BM : (t - n13) / nFs * BM, n0 = wide ? t % nH * 64 : (t - n13) % nFs * 64;
+        const int rows = router ? s.E : wide ? 2 * s.Fs : s.H, cols = wide ? s.H : s.Fs;  // (cols even: H, Fs % 64 == 0)
+        const int64_t e1 = (int64_t)s.E * s.H;
+        float* const o = router ? out : wide ? out + e1 : out + e1 + 2LL * s.Fs * s.H;
 #pragma unroll
         for (int q = 0; q < 32; q += 2) {  // acc[4i + 2h + x]: row 8h + lane/4, column 8i + 2(lane%4) + x
           float v[2] = {acc[q], acc[q + 1]};
@@ -1031,8 +1033,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   if (!(combine ? wait_counter(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.st, 20, kFlagTree)
                 : wait_counter(sm, &p.st.sync->counter[B_RW], rw_total, p.st, 20, kFlagBackward)))
     return;
-  const int64_t len = p.partial_len, width = tree_slice(len), clen = chunk_len(p), sc = shared_cols(s);
-  const int64_t e1 = (int64_t)s.E * s.H;  // (the shared expert's columns: [e1, e1 + sc))
+  const int64_t len = p.partial_len, width = tree_slice(len), clen = chunk_len(p), sl = seg_len(s);
   const int chunk0 = first_chunk(p);
   // a thread's kTreeLevels pending float4 nodes strided by kThreads, in the pipeline
   // stages (106 KB; no GEMM here; the last epilogue's stores have read them)
@@ -1044,12 +1045,12 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
     void* out = tree_out(p, x, &k);  // (the pieces' bounds are multiples of 4: H % 64 == 0, d_b_router's padded)
     if (!out) continue;
     if (!combine) {  // W = 1: the whole tree; W > 1: subtree j of this rank's chunks, into its window
-      const bool shared = x >= e1 && x < e1 + sc;
+      const bool by_seg = x < seg_end(s);  // (SEG's columns; the vectors' come a chunk at a time)
       for (int a = chunk0, j = 0, sj = 0, end = chunk0 + s.chunks; a < end; j++) {
         const int n = s.W == 1 ? s.chunks : 1 << subtree_level(a, end);
-        // (shared: segment sj starts at a; a subtree of more than 16 chunks is 16-chunk segments)
-        const float4 v = shared ? tree_segments4(p.seg_partials + sj * sc + (x - e1), sc, a, a + n, nodes4)
-                                : tree_column4(p.partials + (a - chunk0) * clen + chunk_col(s, x), clen, n, nodes4);
+        // (segment sj starts at a; a subtree of more than 16 chunks is 16-chunk segments)
+        const float4 v = by_seg ? tree_segments4(p.seg_partials + sj * sl + (x - seg_skip(s)), sl, a, a + n, nodes4)
+                                : tree_column4(p.partials + (a - chunk0) * clen + (x - seg_end(s)), clen, n, nodes4);
         sj += n >> kSegLevels ? n >> kSegLevels : 1;
         if (s.W == 1) tree_store4(p, out, k, v);
         else if (j < p.px.tree_nodes) *reinterpret_cast<float4*>(p.px.tree[s.rank] + j * len + x) = v;
@@ -1138,8 +1139,8 @@ __device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 ||
 // right after dg: dg is memory-bound and short, and at W > 1 the peers' dh waits for
 // this rank's dg. The memory-bound dxsum and rw go between the weight gradients, whose
 // GEMMs hide them, each after what it waits for has long finished (dxsum: every dx; rw:
-// every dh and wgrad2, since its partials go where dy_rows are); only tree (every rw)
-// is left after the last GEMM. The i-th phase in ticket order, and phase k's place.
+// dg, and dhs for the shared expert's segments); only tree (every rw) is left after the
+// last GEMM. The i-th phase in ticket order, and phase k's place.
 constexpr int kBwdPhases = 13;
 // (nibble i: the phase at place i, and the inverse; an array indexed at run time would
 // live in local memory)
@@ -1180,9 +1181,9 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
     wgrad_mt[0] = cdivb(s.H, BM);  // dw2's row tiles
     wgrad_mt[1] = cdivb(2 * s.F, BM);
     const int nH = cdivb(s.H, BN), wg_size = wgrad_group(s);
-    int segs = 0;  // the shared expert's segments of this rank's chunks (seg_level)
-    for (int a = first_chunk(p), end = a + s.chunks; s.Fs && a < end; segs++) a += 1 << seg_level(a, end);
-    const int rw = rw_chunk_tasks(s) + segs * rws_groups(s);
+    int segs = 0;  // the segments of this rank's chunks (seg_level), when SEG has tiles
+    for (int a = first_chunk(p), end = a + s.chunks; seg_groups(s) && a < end; segs++) a += 1 << seg_level(a, end);
+    const int rw = rw_chunk_tasks(s) + segs * seg_groups(s);
     // a phase's tasks: rows x column groups (phase_cols, at least 1 for the dispatch)
     // (TREE whenever there are replicated gradients, even on a rank without tokens: at
     // W > 1 every rank's round-one signal is waited for)
@@ -1246,8 +1247,8 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
         break;
       }
       case 8:
-        if (local < rw_chunk_tasks(s)) rw_task(sm, p, local, wg2_total());
-        else rws_task(sm, p, (local - rw_chunk_tasks(s)) / rws_groups(s), (local - rw_chunk_tasks(s)) % rws_groups(s));
+        if (local < rw_chunk_tasks(s)) rw_task(sm, p, local);
+        else seg_task(sm, p, (local - rw_chunk_tasks(s)) / seg_groups(s), (local - rw_chunk_tasks(s)) % seg_groups(s));
         break;
       case 9: {
         const uint32_t rw_total = phase_size(bwd_place(8, p.dx_late));
