@@ -220,6 +220,17 @@ struct Plan {
   }
 };
 
+// The default layout (MOK_SAVED_REUSE, gate|up kept, W = 1): saved holds the o rows
+// where the x rows were, 2H bytes a routed row less (qwen3-30b-a3b: 512 MiB). Forward:
+// GEMM2 of an m-tile writes exactly the rows GEMM1 of that m-tile read, and waits for
+// all of them (its A is their h). Backward: the region then holds dy_rows (DG) and
+// dx_rows (DX), and DXSUM, the dx rows' last reader, writes each token's x row back to
+// its slot rows for WG13 (x_late). Not when kept (a second backward would find no x
+// rows), nor with the recompute (RG reads the x rows first), nor at W > 1 (the windows).
+static bool x_over_o(const mok_config_t& c) {
+  return c.saved_use == MOK_SAVED_REUSE && c.gate_up == MOK_GATE_UP_SAVE && c.W == 1;
+}
+
 struct SavedPlan {
   size_t header, idx, g, pos, logits, counts, expert_off, tile_band, sorted, loc_off, loc_shift, x_rows, a_rows,
       h_rows, o_rows, sa, sh, sg, shared_o, total;
@@ -243,7 +254,7 @@ static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   s.x_rows = p.take(Rx * c.H * 2);
   s.a_rows = p.take(keep * R * 2 * c.F * 2);
   s.h_rows = p.take(keep * R * c.F * 2);
-  s.o_rows = p.take(Rx * c.H * 2);
+  s.o_rows = x_over_o(c) ? s.x_rows : p.take(Rx * c.H * 2);
   s.sa = p.take(keep * T * 2 * c.Fs * 2);
   s.sh = p.take(keep * T * c.Fs * 2);
   const int64_t gated = c.use_shared_gate != 0;  // (the gate and o_s for d s_g = dy . o_s)
@@ -934,6 +945,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.reuse = c.saved_use == MOK_SAVED_REUSE;
   if (bwd_reuse_gate_up(c)) p.d_a = p.sv.a_rows, p.d_a_s = p.sv.sa;  // (bwd_reuse_*: in place over saved)
   if (bwd_reuse_o(c)) p.dy_rows = p.dx_rows = p.sv.o_rows, p.dx_late = 1;
+  p.x_late = x_over_o(c);
   if (bwd_dx_router_in_h(c)) p.dx_router = reinterpret_cast<float*>(p.sv.h_rows);
   p.partial_len = wp.partial_len;
   p.seg_partials = reinterpret_cast<float*>(ws + wp.seg_partials);
@@ -1003,7 +1015,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.d_b2 = c.use_expert_bias ? a->d_b2 : nullptr;
   p.d_ws13 = a->d_ws13;
   p.d_ws2 = a->d_ws2;
-  p.x = c.use_shared_gate ? static_cast<const bf16*>(a->x) : nullptr;
+  p.x = c.use_shared_gate || p.x_late ? static_cast<const bf16*>(a->x) : nullptr;
   p.w_sg = c.use_shared_gate ? static_cast<const bf16*>(a->w_sg) : nullptr;
   p.d_w_sg = c.use_shared_gate ? a->d_w_sg : nullptr;
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);

@@ -147,7 +147,7 @@ struct SavedView {
   bf16* x_rows;       // [R, H] dispatched rows
   bf16* a_rows;       // [R, 2F] gate | up
   bf16* h_rows;       // [R, F]
-  bf16* o_rows;       // [R, H] expert outputs
+  bf16* o_rows;       // [R, H] expert outputs (x_over_o: where x_rows are)
   bf16* sa;           // [T, 2Fs] shared gate | up
   bf16* sh;           // [T, Fs]
   // cfg.use_shared_gate: the gate s_g (COMBINE's) and the shared expert's output o_s,
@@ -387,6 +387,10 @@ struct BwdParams {
   int dx_late;          // and at W = 1: dx_rows where dy_rows are (over saved's o rows), so
                         // WG2 comes before DX (bwd_order), DX after every WG2; DXR after
                         // every WG2 too (dx_router where h_rows are, when it fits)
+  int x_late;           // and with gate|up kept: the forward wrote the o rows over the x
+                        // rows (x_over_o), so DXSUM writes each token's x row back to its
+                        // slot rows once it has read their dx rows, and WG13 waits for
+                        // every DXSUM
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
   const bf16* o_kept;     // W > 1: [T K, H], other ranks' o rows of this rank's slots (the forward's RETURN)
   PeerRows peer_dy_rows;  // dispatch target of dy_j
@@ -407,7 +411,7 @@ struct BwdParams {
   void* d_b2;           // [E/W, H] like d_w2 (use_expert_bias), or null
   void* d_ws13;         // [2Fs, H]
   void* d_ws2;          // [H, Fs]
-  const bf16* x;        // [T, H] (use_shared_gate: d_w_sg's partials), or null
+  const bf16* x;        // [T, H] (use_shared_gate: d_w_sg's partials; x_late: DXSUM's rows), or null
   const bf16* w_sg;     // [H] (use_shared_gate: DXSUM's dl_g w_sg), or null
   void* d_w_sg;         // [H] like d_ws2 (use_shared_gate), or null
   // workspace

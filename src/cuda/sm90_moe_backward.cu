@@ -15,11 +15,11 @@
 //   DX[m,n]       dx_j = bf16(d_a w13[e])
 //   WG2[e,m,n]    dw2[e] = dy_rows^T h_rows, over the expert's rows in order
 //   DXSUM[b]      (32 tokens) dx[t] = bf16(sum_j dx_j + router path + shared path
-//                 (+ dl_g w_sg with the shared gate))
+//                 (+ dl_g w_sg with the shared gate)); x_late: x[t] back to its rows
 //   RW[c]         replicated gradients of 64-token chunk c: d_b_router, d_w_sg
 //     [seg,g]     then dW_router, and the shared expert's dws13, dws2: a segment of up
 //                 to 16 chunks' partials summed along the tree (seg_task), per 128 x 64 tile
-//   WG13[e,m,n]   dw13[e] = d_a^T x_rows
+//   WG13[e,m,n]   dw13[e] = d_a^T x_rows (x_late: after every DXSUM)
 //   TREE[slice]   the fixed pairwise tree over the chunks, then written out
 #include "sm90_epilogues.cuh"
 #include "sm90_token_rows.cuh"
@@ -729,7 +729,9 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   const bool ok = (p.st.knobs & kKnobOnlyWgrad) ||
                   (wait_counter(sm, dep, target, p.st, 20, which == 2 ? kFlagDg : -1) &&  // (wgrad2: every rank's dy rows)
                    (which != 2 || !p.recompute ||  // (and h_rows)
-                    wait_counter(sm, &p.st.sync->counter[B_RG_ALL], s.max_mt * rg_groups(s), p.st, 20)));
+                    wait_counter(sm, &p.st.sync->counter[B_RG_ALL], s.max_mt * rg_groups(s), p.st, 20)) &&
+                   (which == 2 || !p.x_late ||  // (and x_rows, back over the o rows)
+                    wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20)));
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
   const int eg = s.rank * s.e_loc + e;  // (e: this rank's expert, as the gradients are)
   const int off = p.sv.expert_off[eg], n = p.sv.counts[eg], nk = cdivb(n, BK);
@@ -1119,8 +1121,19 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
           store_bf16x8(p.dx + (int64_t)t * H + v * 8, acc);
         });
   }
+  if (p.x_late) {  // each token's x row back to its K slot rows, whose dx rows are read (WG13's x_rows)
+    __syncthreads();  // (every warp's copies of the rows have landed: cp_async_wait_all)
+    int* const sh_pos = reinterpret_cast<int*>(sm.stage);  // [(t1 - t0) K] (K <= 32: 4 KB)
+    for (int i = threadIdx.x; i < (t1 - t0) * s.K; i += kThreads) sh_pos[i] = p.sv.pos[t0 * s.K + i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      fence_proxy_async();  // (the generic reads of the rows before the bulk copies write them)
+      scatter_token_rows(sm, p.x, t0, t1, H, s.K, sh_pos, sm.stage[0] + 4096, kStages * kStageBytes - 4096,
+                         p.sv.x_rows);
+    }
+  }
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
-  signal_counter(sm, &p.st.sync->counter[B_DXSUM]);  // (its reads of dx_rows are done: dx_late's RW)
+  signal_counter(sm, &p.st.sync->counter[B_DXSUM]);  // (x_late: its x rows have landed)
 }
 
 // The MOK_KNOBS bit that runs phase k alone (0: none does).

@@ -522,11 +522,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (the positions and rows go there)
   __syncthreads();
   // The slots' positions into shared memory, then thread 0 moves the rows with the bulk
-  // copy engine: a batch of the task's token rows into the stages (as many as fit: all
-  // 32 when H <= 3008), then each out to its K slots' positions. Through cp.async and
-  // registers (copy_rows_smem) DISPATCH moved about 2.3 TB/s of rows at qwen3-30b-a3b,
-  // half the HBM copy rate; bulk copies of a row a slot (each token row loaded K times)
-  // were 14% shorter there and on deepseek-v3.
+  // copy engine (scatter_token_rows: all 32 of the task's rows in one batch when H <= 3008).
   int* const sh_pos = reinterpret_cast<int*>(sm.stage);  // [(t1 - t0) K] (K <= 32: 4 KB)
   uint8_t* const ring = sm.stage[0] + 4096;
   const int i0 = t0 * K, n = (t1 - t0) * K;
@@ -537,24 +533,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     put_topk_out(p, i, e);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const uint32_t row_bytes = (uint32_t)H * 2;
-    const int rows = (int)((kStages * kStageBytes - 4096) / row_bytes);
-    for (int u0 = 0; u0 < t1 - t0; u0 += rows) {  // (u: the task's tokens)
-      const int m = min(rows, t1 - t0 - u0);
-      mbar_arrive_expect_tx(&sm.copy_full, (uint32_t)m * row_bytes);
-      for (int u = 0; u < m; u++)
-        bulk_load(ring + u * row_bytes, p.x + (int64_t)(t0 + u0 + u) * H, row_bytes, &sm.copy_full);
-      while (!mbar_try_wait(&sm.copy_full, sm.copy_phase)) {
-      }
-      sm.copy_phase ^= 1;
-      for (int u = 0; u < m; u++)
-        for (int j = 0; j < K; j++)
-          bulk_store(p.sv.x_rows + (int64_t)sh_pos[(u0 + u) * K + j] * H, ring + u * row_bytes, row_bytes);
-      bulk_commit();
-      bulk_wait_read();  // (the ring is refilled next; signal_counter waits for the stores to land)
-    }
-  }
+  if (threadIdx.x == 0) scatter_token_rows(sm, p.x, t0, t1, H, K, sh_pos, ring, kStages * kStageBytes - 4096, p.sv.x_rows);
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
 }

@@ -105,6 +105,32 @@ __device__ __forceinline__ void copy_rows_smem(uint32_t buf, const bf16* const (
   }
 }
 
+// Thread 0: token rows t0 .. t1 - 1 of src [T, H] bf16, each out to its K slot rows,
+// dst + pos[u K + j] H (pos: the tokens' positions, [(t1 - t0) K] in shared memory), with
+// the bulk copy engine: a batch of the rows into ring (as many as fit in ring_bytes),
+// then each to its K places. Through cp.async and registers (copy_rows_smem) DISPATCH
+// moved about 2.3 TB/s of rows at qwen3-30b-a3b, half the HBM copy rate; bulk copies of
+// a row a slot (each token row loaded K times) were 14% shorter there and on deepseek-v3.
+// The stores stay in thread 0's bulk group: signal_counter waits for them to land.
+__device__ __forceinline__ void scatter_token_rows(Smem& sm, const bf16* src, int t0, int t1, int H, int K,
+                                                   const int* pos, uint8_t* ring, uint32_t ring_bytes, bf16* dst) {
+  const uint32_t row_bytes = (uint32_t)H * 2;
+  const int rows = (int)(ring_bytes / row_bytes);
+  for (int u0 = 0; u0 < t1 - t0; u0 += rows) {  // (u: the tokens from t0)
+    const int m = min(rows, t1 - t0 - u0);
+    mbar_arrive_expect_tx(&sm.copy_full, (uint32_t)m * row_bytes);
+    for (int u = 0; u < m; u++)
+      bulk_load(ring + u * row_bytes, src + (int64_t)(t0 + u0 + u) * H, row_bytes, &sm.copy_full);
+    while (!mbar_try_wait(&sm.copy_full, sm.copy_phase)) {
+    }
+    sm.copy_phase ^= 1;
+    for (int u = 0; u < m; u++)
+      for (int j = 0; j < K; j++) bulk_store(dst + (int64_t)pos[(u0 + u) * K + j] * H, ring + u * row_bytes, row_bytes);
+    bulk_commit();
+    bulk_wait_read();  // (the ring is refilled next)
+  }
+}
+
 // fp32 x 4 (16 bytes) of shared memory at addr, into v[0..3].
 __device__ __forceinline__ void ld_shared_f32x4(uint32_t addr, float* v) {
   const uint4 r = ld_shared_v4(addr);
