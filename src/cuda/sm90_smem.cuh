@@ -68,7 +68,8 @@ struct alignas(1024) Smem {
   // a_full (phase a_phase), while B streams through the ring
   uint64_t a_full;
   uint32_t a_phase;
-  // DISPATCH's bulk row copies: a batch of rows into the stages completes on copy_full
+  // scatter_token_rows' bulk row copies (DISPATCH; DXSUM under x_late): a batch of rows
+  // into the stages completes on copy_full
   uint64_t copy_full;
   uint32_t copy_phase;
   uint32_t ring_it;   // K blocks this CTA has put through the stage ring so far
