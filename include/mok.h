@@ -129,9 +129,11 @@ typedef enum {
                           (d_a over the kept gate|up; with W = 1 the gradient rows dy_j,
                           then dx_j, over the expert outputs o, and the router path's
                           fp32 dx over h), so the workspace is smaller by up to 4H + 4F
-                          bytes a routed row and 4H + 4Fs a token; the same bits. saved
-                          is then used up: a second backward on it returns
-                          MOK_STATUS_INVALID_SAVED */
+                          bytes a routed row and 4H + 4Fs a token; with W = 1 and gate|up
+                          kept the forward also writes o over the dispatched x rows (the
+                          backward puts them back), saved 2H bytes a routed row smaller;
+                          the same bits. saved is then used up: a second backward on it
+                          returns MOK_STATUS_INVALID_SAVED */
 } mok_saved_use_t;
 
 typedef struct mok_cpu_comm mok_cpu_comm_t; /* in-process communicator for W CPU ranks */

@@ -62,10 +62,12 @@ class MoE(nn.Module):
             the shared expert).
         reuse_saved: backward writes its own scratch (the gradient rows, d_a) over the
             parts of the saved tensor it has finished reading, so a step needs up to
-            4 H + 4 F bytes a routed row less memory; the same bits. The saved tensor is
-            then used up: a second backward through the same forward (retain_graph)
-            first runs the forward again into it (the same bits, so the same
-            gradients, at the cost of a forward). False keeps it as it is.
+            4 H + 4 F bytes a routed row less memory, and on one GPU with gate|up kept
+            the forward writes the expert outputs over the dispatched token rows (the
+            backward puts those back), 2 H bytes a routed row less; the same bits. The
+            saved tensor is then used up: a second backward through the same forward
+            (retain_graph) first runs the forward again into it (the same bits, so the
+            same gradients, at the cost of a forward). False keeps it as it is.
         process_group: expert parallelism over this torch.distributed group (NCCL, a
             GPU per rank, CUDA backend): each rank holds experts rank * E / W .. + E / W
             (w13, w2 hold those) and its own tokens; the ranks' NCCL unique id goes
