@@ -365,7 +365,7 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   w.dl_g = p.take(gated * T * 2);
   // The replicated gradients: the vectors' chunk partials [chunks, partial_len - E H -
   // 3 Fs H] fp32, the weight gradients' segment nodes [seg_cap, (fused ? E H : 0) + 3 Fs
-  // H] fp32 (the router's: 19 MiB at qwen3-30b-a3b, where its chunk partials took 256)
+  // H] fp32 (the router's: 19 MiB at qwen3-30b-a3b, against 256 MiB of chunk partials)
   const int64_t seg_cols = fused * c.E * c.H + 3 * c.Fs * c.H;
   w.partials = p.take(chunks * (w.partial_len - c.E * c.H - 3 * c.Fs * c.H) * 4);
   w.seg_partials = p.take(seg_cap(chunks, c.W) * seg_cols * 4);

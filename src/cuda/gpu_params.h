@@ -16,8 +16,8 @@ namespace mok {
 typedef __nv_bfloat16 bf16;
 
 constexpr int kSubTokens = 32;  // tokens per DISPATCH, COMBINE, DG and DXSUM task
-// The shared expert's weight gradients (backward's RWS tasks): the chunk tree's lowest
-// kSegLevels levels summed in registers, a segment of up to 2^kSegLevels chunks (1024
+// The router's and the shared expert's weight gradients (backward's SEG tasks): the
+// chunk tree's lowest kSegLevels levels summed in shared memory, a segment of up to 2^kSegLevels chunks (1024
 // tokens) and kSegTileGroup 128 x 64 tiles a task (8 x 16 K blocks); a rank's chunks
 // [a, a + n) split into at most n / 16 + 2 kSegLevels segments (kSegLevels pieces on
 // either side of the whole ones), the nodes' rows in the workspace (seg_cap). At W = 1
@@ -345,10 +345,10 @@ struct FwdParams {
 struct BwdParams {
   // Operand maps. The GEMMs of 128 x 256 tiles read tall maps (kBwdBoxRows, gemm_tiles'
   // kBoxRows): K-major ones (k_*) of 64 x 128 boxes; MN-major ones (marked mn) 3-D,
-  // [cols / 64][rows][64] with 64 x 64 x 2 boxes. The rest (RW's router gradient, RWS's
-  // 64-column tiles) 2-D maps of 64 x 64 boxes.
-  CUtensorMap m_dys;    // the shared expert's dy [T, H]: dy, or dy_s with use_shared_gate (RWS)
-  CUtensorMap m_x;      // x [T, H] (RW, RWS)
+  // [cols / 64][rows][64] with 64 x 64 x 2 boxes. The rest (SEG's 64-column tiles) 2-D
+  // maps of 64 x 64 boxes.
+  CUtensorMap m_dys;    // the shared expert's dy [T, H]: dy, or dy_s with use_shared_gate (SEG)
+  CUtensorMap m_x;      // x [T, H] (SEG)
   CUtensorMap m_wr;     // w_router [E, H], mn (DXR)
   CUtensorMap m_w13;    // w13 [E*2F, H], mn (DX)
   CUtensorMap m_w2;     // w2 [E*H, F], mn (DH)
@@ -356,11 +356,11 @@ struct BwdParams {
   CUtensorMap m_xrows;  // x_rows [R, H], mn (WGRAD13's B, cut)
   CUtensorMap m_hrows;  // h_rows [R, F], mn (WGRAD2's B, cut)
   CUtensorMap m_da;     // d_a [R, 2F], mn (WGRAD13's A, cut)
-  CUtensorMap m_dlog;   // dlogits [T, E], rows Ep apart (RW)
+  CUtensorMap m_dlog;   // dlogits [T, E], rows Ep apart (SEG)
   CUtensorMap m_ws13;   // ws13 [2Fs, H], mn (DXS)
   CUtensorMap m_ws2;    // ws2 [H, Fs], mn (DHS)
-  CUtensorMap m_sh;     // sh [T, Fs] (RWS)
-  CUtensorMap m_das;    // d_a_s [T, 2Fs] (RWS)
+  CUtensorMap m_sh;     // sh [T, Fs] (SEG)
+  CUtensorMap m_das;    // d_a_s [T, 2Fs] (SEG)
   CUtensorMap k_dys, k_dyrows, k_dlog, k_das, k_da;  // the A of DHS, DH, DXR, DXS, DX
   CUtensorMap k_xrows, k_w13, k_x, k_ws13;           // RG's A and B, RGS's A and B
   CUtensorMap m_arows_gu;  // a_rows as [R][2][F], 128-row boxes (swiglu_bwd_store's loads)

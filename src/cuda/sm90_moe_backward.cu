@@ -830,10 +830,10 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
 // [8g', 8g' + 8) of the shared expert's (g' = g - router_groups; rws_tiles13 of d_ws13,
 // then d_ws2). Writing every chunk's fp32 partial of all 3 Fs H columns and reading it
 // back in TREE cost 12 Fs H bytes a chunk each way (45 GB a step on deepseek-v3 with
-// Fs = 2048: docs/PERF.md, 2026-12-04), and the router's E H columns 4 E H a chunk
-// (qwen3-30b-a3b: 256 MiB each way, where dy_rows were, so after every dh, wgrad2 and
-// DXSUM), so the tree's lowest levels are summed here: for each tile the segment's chunks in order, each
-// chunk's partial one K block of 64 tokens from zero (m64n64k16, as RW's were), pushed
+// Fs = 2048: docs/PERF.md, 2026-12-04), the router's 4 E H (256 MiB each way at
+// qwen3-30b-a3b), so the tree's lowest levels are summed here: for each tile the
+// segment's chunks in order, each chunk's partial one K block of 64 tokens from zero
+// (m64n64k16: per element the k16 steps of a chunk partial in order), pushed
 // into a binary counter of kSegLevels pending nodes (left node + right, __fadd_rn:
 // tree_add's additions). The last chunk's carry is the segment's node, the tree's node
 // over those leaves, stored to seg_partials[seg]; TREE pushes the nodes at their levels.
