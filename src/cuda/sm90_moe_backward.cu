@@ -74,13 +74,13 @@ __device__ __forceinline__ int64_t chunk_len(const BwdParams& p) { return p.part
 // expert's d_ws13 [2Fs, H] = d_a_s^T x and d_ws2 [H, Fs] = dy_s^T sh; kSegTileGroup a
 // task, the router's groups first (they wait for DG alone).
 __device__ __forceinline__ int router_tiles(const Shape& s) { return s.fused ? cdivb(s.E, BM) * cdivb(s.H, 64) : 0; }
-__device__ __forceinline__ int rws_tiles13(const Shape& s) { return cdivb(2 * s.Fs, BM) * cdivb(s.H, 64); }
-__device__ __forceinline__ int rws_tiles(const Shape& s) {
-  return s.Fs ? rws_tiles13(s) + cdivb(s.H, BM) * cdivb(s.Fs, 64) : 0;
+__device__ __forceinline__ int shared_tiles13(const Shape& s) { return cdivb(2 * s.Fs, BM) * cdivb(s.H, 64); }
+__device__ __forceinline__ int shared_tiles(const Shape& s) {
+  return s.Fs ? shared_tiles13(s) + cdivb(s.H, BM) * cdivb(s.Fs, 64) : 0;
 }
 __device__ __forceinline__ int router_groups(const Shape& s) { return cdivb(router_tiles(s), kSegTileGroup); }
 __device__ __forceinline__ int seg_groups(const Shape& s) {
-  return router_groups(s) + cdivb(rws_tiles(s), kSegTileGroup);
+  return router_groups(s) + cdivb(shared_tiles(s), kSegTileGroup);
 }
 // RW's per-chunk tasks: with the router bias's gradient or the shared gate's.
 __device__ __forceinline__ int rw_chunk_tasks(const Shape& s) {
@@ -827,8 +827,8 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
 
 // SEG[seg, g]: the replicated weight gradients over segment seg of this rank's chunks
 // (2^L <= 16 of them, seg_level), tiles [8g, 8g + 8) of 128 x 64 of the router's, or
-// [8g', 8g' + 8) of the shared expert's (g' = g - router_groups; rws_tiles13 of d_ws13,
-// then d_ws2). Writing every chunk's fp32 partial of all 3 Fs H columns and reading it
+// [8g', 8g' + 8) of the shared expert's (g' = g - router_groups; shared_tiles13 of
+// d_ws13, then d_ws2). Writing every chunk's fp32 partial of all 3 Fs H columns and reading it
 // back in TREE cost 12 Fs H bytes a chunk each way (45 GB a step on deepseek-v3 with
 // Fs = 2048: docs/PERF.md, 2026-12-04), the router's 4 E H (256 MiB each way at
 // qwen3-30b-a3b), so the tree's lowest levels are summed here: for each tile the
@@ -852,9 +852,8 @@ __device__ __forceinline__ float* seg_node(Smem& sm, int lv, int q) {
 __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, int g) {
   const Shape& s = p.s;
   const bool router = g < router_groups(s);
-  if (router || s.shared_gate) {  // (dlogits; dy_s)
-    if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
-  }
+  // DG's dlogits (the router's tiles), dy_s (the shared gate's)
+  if ((router || s.shared_gate) && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
   if (!router) {
     if (!wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(cdivb(s.Fs, BN), s.H / BK)),
                       p.st, 20))
@@ -865,10 +864,10 @@ __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, 
   int a = chunk0;
   for (int i = 0; i < seg; i++) a += 1 << seg_level(a, end);
   const int L = seg_level(a, end), n = 1 << L, k0 = (a - chunk0) * MOK_REDUCE_CHUNK_TOKENS;
-  const int nH = cdivb(s.H, 64), nFs = cdivb(s.Fs, 64), n13 = rws_tiles13(s);
-  // t: the tile's index among the router's (router) or the shared expert's (rws_tiles)
+  const int nH = cdivb(s.H, 64), nFs = cdivb(s.Fs, 64), n13 = shared_tiles13(s);
+  // t: the tile's index among the router's (router) or the shared expert's (shared_tiles)
   const int t0 = (router ? g : g - router_groups(s)) * kSegTileGroup;
-  const int nt = min(kSegTileGroup, (router ? router_tiles(s) : rws_tiles(s)) - t0);
+  const int nt = min(kSegTileGroup, (router ? router_tiles(s) : shared_tiles(s)) - t0);
   float* const out = p.seg_partials + (int64_t)seg * seg_len(s) - seg_skip(s);  // (column x at out[x])
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (earlier epilogues' stores read the nodes' places)
   __syncthreads();
@@ -1123,13 +1122,12 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
   }
   if (p.x_late) {  // each token's x row back to its K slot rows, whose dx rows are read (WG13's x_rows)
     __syncthreads();  // (every warp's copies of the rows have landed: cp_async_wait_all)
-    int* const sh_pos = reinterpret_cast<int*>(sm.stage);  // [(t1 - t0) K] (K <= 32: 4 KB)
+    int* const sh_pos = scatter_positions(sm);
     for (int i = threadIdx.x; i < (t1 - t0) * s.K; i += kThreads) sh_pos[i] = p.sv.pos[t0 * s.K + i];
     __syncthreads();
     if (threadIdx.x == 0) {
       fence_proxy_async();  // (the generic reads of the rows before the bulk copies write them)
-      scatter_token_rows(sm, p.x, t0, t1, H, s.K, sh_pos, sm.stage[0] + 4096, kStages * kStageBytes - 4096,
-                         p.sv.x_rows);
+      scatter_token_rows(sm, p.x, t0, t1, H, s.K, p.sv.x_rows);
     }
   }
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)

@@ -522,9 +522,8 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (the positions and rows go there)
   __syncthreads();
   // The slots' positions into shared memory, then thread 0 moves the rows with the bulk
-  // copy engine (scatter_token_rows: all 32 of the task's rows in one batch when H <= 3008).
-  int* const sh_pos = reinterpret_cast<int*>(sm.stage);  // [(t1 - t0) K] (K <= 32: 4 KB)
-  uint8_t* const ring = sm.stage[0] + 4096;
+  // copy engine (scatter_token_rows).
+  int* const sh_pos = scatter_positions(sm);
   const int i0 = t0 * K, n = (t1 - t0) * K;
   for (int j = threadIdx.x; j < n; j += kThreads) {
     const int i = i0 + j, e = p.sv.idx[i];
@@ -533,7 +532,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     put_topk_out(p, i, e);
   }
   __syncthreads();
-  if (threadIdx.x == 0) scatter_token_rows(sm, p.x, t0, t1, H, K, sh_pos, ring, kStages * kStageBytes - 4096, p.sv.x_rows);
+  if (threadIdx.x == 0) scatter_token_rows(sm, p.x, t0, t1, H, K, p.sv.x_rows);
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
 }

@@ -105,17 +105,24 @@ __device__ __forceinline__ void copy_rows_smem(uint32_t buf, const bf16* const (
   }
 }
 
+// scatter_token_rows' positions: [(t1 - t0) K] ints at the stages' start (K <= 32: 4 KB),
+// written by the caller (then __syncthreads); the rows' ring follows them.
+constexpr uint32_t kScatterPosBytes = 4096;
+__device__ __forceinline__ int* scatter_positions(Smem& sm) { return reinterpret_cast<int*>(sm.stage); }
 // Thread 0: token rows t0 .. t1 - 1 of src [T, H] bf16, each out to its K slot rows,
-// dst + pos[u K + j] H (pos: the tokens' positions, [(t1 - t0) K] in shared memory), with
-// the bulk copy engine: a batch of the rows into ring (as many as fit in ring_bytes),
-// then each to its K places. Through cp.async and registers (copy_rows_smem) DISPATCH
+// dst + pos[u K + j] H (pos: scatter_positions), with the bulk copy engine: a batch of
+// the rows into the stages after the positions (as many as fit: all 32 of a task's when
+// H <= 3008), then each to its K places. The caller has released the stages
+// (release_stages_from_stores). Through cp.async and registers (copy_rows_smem) DISPATCH
 // moved about 2.3 TB/s of rows at qwen3-30b-a3b, half the HBM copy rate; bulk copies of
 // a row a slot (each token row loaded K times) were 14% shorter there and on deepseek-v3.
 // The stores stay in thread 0's bulk group: signal_counter waits for them to land.
 __device__ __forceinline__ void scatter_token_rows(Smem& sm, const bf16* src, int t0, int t1, int H, int K,
-                                                   const int* pos, uint8_t* ring, uint32_t ring_bytes, bf16* dst) {
+                                                   bf16* dst) {
+  const int* const pos = scatter_positions(sm);
+  uint8_t* const ring = sm.stage[0] + kScatterPosBytes;
   const uint32_t row_bytes = (uint32_t)H * 2;
-  const int rows = (int)(ring_bytes / row_bytes);
+  const int rows = (int)((kStages * kStageBytes - kScatterPosBytes) / row_bytes);
   for (int u0 = 0; u0 < t1 - t0; u0 += rows) {  // (u: the tokens from t0)
     const int m = min(rows, t1 - t0 - u0);
     mbar_arrive_expect_tx(&sm.copy_full, (uint32_t)m * row_bytes);
