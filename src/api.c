@@ -494,18 +494,29 @@ const char* mok_context_last_error(const mok_context_t* ctx) {
   return ctx->last_error;
 }
 
-mok_status_t mok_workspace_size(const mok_context_t* ctx, size_t* bytes) {
+mok_status_t mok_workspace_sizes(const mok_context_t* ctx, size_t* forward_bytes, size_t* backward_bytes) {
   if (!ctx || !registry_has(ctx)) return MOK_STATUS_INVALID_CONTEXT;
-  if (!bytes) return MOK_ERR((mok_context_t*)ctx, MOK_STATUS_NULL_POINTER, "mok_workspace_size: bytes is NULL");
+  if (!forward_bytes || !backward_bytes)
+    return MOK_ERR((mok_context_t*)ctx, MOK_STATUS_NULL_POINTER, "mok_workspace_sizes: %s is NULL",
+                   !forward_bytes ? "forward_bytes" : "backward_bytes");
 #ifdef MOK_HAVE_CUDA
   if (ctx->gpu) {
-    mok_cuda_sizes(ctx, NULL, bytes);
+    mok_cuda_sizes(ctx, NULL, forward_bytes, backward_bytes);
     return MOK_STATUS_SUCCESS;
   }
 #endif
-  mok_workspace_plan_t p;
+  mok_workspace_plan_t p; /* (the CPU backend: one plan serves both) */
   mok_plan_workspace(ctx, ctx->cfg.T, &p);
-  *bytes = p.total;
+  *forward_bytes = *backward_bytes = p.total;
+  return MOK_STATUS_SUCCESS;
+}
+
+mok_status_t mok_workspace_size(const mok_context_t* ctx, size_t* bytes) {
+  if (!ctx || !registry_has(ctx)) return MOK_STATUS_INVALID_CONTEXT;
+  if (!bytes) return MOK_ERR((mok_context_t*)ctx, MOK_STATUS_NULL_POINTER, "mok_workspace_size: bytes is NULL");
+  size_t fwd = 0, bwd = 0;
+  mok_workspace_sizes(ctx, &fwd, &bwd);
+  *bytes = fwd > bwd ? fwd : bwd;
   return MOK_STATUS_SUCCESS;
 }
 
@@ -514,7 +525,7 @@ mok_status_t mok_saved_size(const mok_context_t* ctx, size_t* bytes) {
   if (!bytes) return MOK_ERR((mok_context_t*)ctx, MOK_STATUS_NULL_POINTER, "mok_saved_size: bytes is NULL");
 #ifdef MOK_HAVE_CUDA
   if (ctx->gpu) {
-    mok_cuda_sizes(ctx, bytes, NULL);
+    mok_cuda_sizes(ctx, bytes, NULL, NULL);
     return MOK_STATUS_SUCCESS;
   }
 #endif
@@ -555,13 +566,16 @@ static mok_status_t check_tokens(mok_context_t* ctx, const char* fn, int64_t T) 
   return MOK_STATUS_SUCCESS;
 }
 
-static mok_status_t check_workspace(mok_context_t* ctx, const char* fn, size_t have, size_t saved_have) {
-  size_t need = 0, saved_need = 0;
-  mok_workspace_size(ctx, &need);
+/* forward: the call is a forward (its workspace need: mok_workspace_sizes' first), else a backward */
+static mok_status_t check_workspace(mok_context_t* ctx, const char* fn, int forward, size_t have, size_t saved_have) {
+  size_t fwd = 0, bwd = 0, saved_need = 0;
+  mok_workspace_sizes(ctx, &fwd, &bwd);
   mok_saved_size(ctx, &saved_need);
+  const size_t need = forward ? fwd : bwd;
   if (have < need)
     return MOK_ERR(ctx, MOK_STATUS_WORKSPACE_TOO_SMALL,
-                   "%s: args->workspace_bytes = %zu, below mok_workspace_size() = %zu", fn, have, need);
+                   "%s: args->workspace_bytes = %zu, below mok_workspace_sizes()' %s = %zu", fn, have,
+                   forward ? "forward_bytes" : "backward_bytes", need);
   if (saved_have < saved_need)
     return MOK_ERR(ctx, MOK_STATUS_WORKSPACE_TOO_SMALL,
                    "%s: args->saved_bytes = %zu, below mok_saved_size() = %zu", fn, saved_have, saved_need);
@@ -643,7 +657,7 @@ mok_status_t mok_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   };
   s = check_pointers(ctx, fn, rules, (int)(sizeof rules / sizeof rules[0]));
   if (s) return s;
-  s = check_workspace(ctx, fn, a->workspace_bytes, a->saved_bytes);
+  s = check_workspace(ctx, fn, 1, a->workspace_bytes, a->saved_bytes);
   if (s) return s;
   if (T == 0 && c->W == 1) return forward_no_tokens(ctx, a);
 #ifdef MOK_HAVE_CUDA
@@ -705,7 +719,7 @@ mok_status_t mok_backward(mok_context_t* ctx, const mok_backward_args_t* a) {
   };
   s = check_pointers(ctx, fn, rules, (int)(sizeof rules / sizeof rules[0]));
   if (s) return s;
-  s = check_workspace(ctx, fn, a->workspace_bytes, a->saved_bytes);
+  s = check_workspace(ctx, fn, 0, a->workspace_bytes, a->saved_bytes);
   if (s) return s;
   if (T == 0 && c->W == 1) return backward_no_tokens(ctx, a);
 #ifdef MOK_HAVE_CUDA

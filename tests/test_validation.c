@@ -522,6 +522,9 @@ static int forward_small_buffers(void) {
   fix_t f;
   TEST_ASSERT(!fix_init(&f, MOK_ROUTING_FUSED, MOK_WGRAD_BF16), "fixture");
   const mok_status_t S = MOK_STATUS_WORKSPACE_TOO_SMALL;
+  size_t fwd = 0, bwd = 0; /* (the CPU backend: one plan, so the same) */
+  TEST_ASSERT(!mok_workspace_sizes(f.ctx, &fwd, &bwd) && fwd == f.ws_bytes && bwd == f.ws_bytes,
+              "mok_workspace_sizes: %zu, %zu against mok_workspace_size's %zu", fwd, bwd, f.ws_bytes);
   mok_forward_args_t a = f.fa;
   a.workspace_bytes = f.ws_bytes - 1;
   bad += expect_fwd(&f, &a, S, "workspace", "workspace_bytes - 1");
@@ -624,11 +627,22 @@ static int invalid_context(void) {
     s = mok_saved_size(ctxs[i], &bytes);
     TEST_ASSERT(s == MOK_STATUS_INVALID_CONTEXT && bytes == 12345, "saved_size(%s): %s", which,
                 mok_status_string(s));
+    size_t fwd = 12345, bwd = 12345;
+    s = mok_workspace_sizes(ctxs[i], &fwd, &bwd);
+    TEST_ASSERT(s == MOK_STATUS_INVALID_CONTEXT && fwd == 12345 && bwd == 12345, "workspace_sizes(%s): %s", which,
+                mok_status_string(s));
   }
   mok_status_t s = mok_context_destroy(dead);
   TEST_ASSERT(s == MOK_STATUS_INVALID_CONTEXT, "destroy twice: %s", mok_status_string(s));
   s = mok_workspace_size(f.ctx, NULL);
   TEST_ASSERT(s == MOK_STATUS_NULL_POINTER, "workspace_size(ctx, NULL): %s", mok_status_string(s));
+  size_t bytes = 0;
+  s = mok_workspace_sizes(f.ctx, NULL, &bytes);
+  TEST_ASSERT(s == MOK_STATUS_NULL_POINTER && strstr(mok_context_last_error(f.ctx), "forward_bytes"),
+              "workspace_sizes(ctx, NULL, ..): %s", mok_status_string(s));
+  s = mok_workspace_sizes(f.ctx, &bytes, NULL);
+  TEST_ASSERT(s == MOK_STATUS_NULL_POINTER && strstr(mok_context_last_error(f.ctx), "backward_bytes"),
+              "workspace_sizes(ctx, .., NULL): %s", mok_status_string(s));
   /* the live context still works */
   TEST_ASSERT(!good_forward(&f), "forward on the live context after the failures");
   return 0;

@@ -248,8 +248,7 @@ def _aligned_view(buf: torch.Tensor, nbytes: int, align: int) -> int:
 
 
 class Context:
-    """One libmok context: its sizes, a workspace, and a lock (a context runs one call
-    at a time)."""
+    """One libmok context: its sizes and a lock (a context runs one call at a time)."""
 
     def __init__(self, config: Config, T_max: int, device: torch.device):
         L = _lib.lib()
@@ -263,25 +262,26 @@ class Context:
         with device_guard(device):
             _lib.check(L.mok_context_create(ctypes.byref(cfg), ctypes.byref(h)), "mok_context_create")
         self.handle = h
-        ws, sv = ctypes.c_size_t(), ctypes.c_size_t()
-        _lib.check(L.mok_workspace_size(h, ctypes.byref(ws)), "mok_workspace_size", h)
+        fwd, bwd, sv = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_size_t()
+        _lib.check(L.mok_workspace_sizes(h, ctypes.byref(fwd), ctypes.byref(bwd)), "mok_workspace_sizes", h)
         _lib.check(L.mok_saved_size(h, ctypes.byref(sv)), "mok_saved_size", h)
-        self.workspace_bytes = ws.value
+        self.workspace_bytes = {"forward": fwd.value, "backward": bwd.value}
         self.saved_bytes = sv.value
-        self._workspace: Optional[torch.Tensor] = None
 
     # the saved tensor: payload at a 256-byte aligned offset, the offset in the last byte
     @property
     def saved_numel(self) -> int:
         return self.saved_bytes + _lib.ALIGN_WORKSPACE + 1
 
-    def workspace(self):
-        """(pointer, bytes) of this context's workspace (allocated once)."""
-        if self._workspace is None:
-            self._workspace = torch.empty(
-                self.workspace_bytes + _lib.ALIGN_WORKSPACE, dtype=torch.uint8, device=self.device
-            )
-        return _aligned_view(self._workspace, self.workspace_bytes, _lib.ALIGN_WORKSPACE), self.workspace_bytes
+    def workspace(self, call: str):
+        """(tensor, pointer, bytes) of a workspace for one call ("forward" or "backward"),
+        allocated for it by PyTorch's caching allocator on the current stream: a step then
+        holds each call's own scratch only while that call runs (the CUDA forward's holds
+        the SwiGLU output h, which saved does not keep: mok_workspace_sizes), not the
+        larger of the two throughout. The tensor must outlive the call's enqueue."""
+        n = self.workspace_bytes[call]
+        buf = torch.empty(n + _lib.ALIGN_WORKSPACE, dtype=torch.uint8, device=self.device)
+        return buf, _aligned_view(buf, n, _lib.ALIGN_WORKSPACE), n
 
     def destroy(self):
         if self.handle:

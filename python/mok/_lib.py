@@ -273,6 +273,7 @@ def _declare(lib):
         "mok_context_last_error": (ctypes.c_char_p, [P]),
         "mok_last_create_error": (ctypes.c_char_p, []),
         "mok_workspace_size": (st, [P, ctypes.POINTER(ctypes.c_size_t)]),
+        "mok_workspace_sizes": (st, [P, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]),
         "mok_saved_size": (st, [P, ctypes.POINTER(ctypes.c_size_t)]),
         "mok_forward": (st, [P, ctypes.POINTER(MokForwardArgs)]),
         "mok_backward": (st, [P, ctypes.POINTER(MokBackwardArgs)]),

@@ -12,7 +12,8 @@ extern "C" {
  * allocates the context's device state. */
 mok_status_t mok_cuda_create(mok_context_t* ctx);
 void mok_cuda_destroy(mok_context_t* ctx);
-void mok_cuda_sizes(const mok_context_t* ctx, size_t* saved_bytes, size_t* workspace_bytes);
+/* saved's bytes, and the workspace a forward and a backward each need (null: not asked) */
+void mok_cuda_sizes(const mok_context_t* ctx, size_t* saved_bytes, size_t* forward_ws_bytes, size_t* backward_ws_bytes);
 mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a);
 mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a);
 /* Zeroes bytes at device pointer dst on stream (a step of no tokens: its outputs). */

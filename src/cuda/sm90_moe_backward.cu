@@ -563,7 +563,8 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           swiglu_bwd_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da,
-                                     row0, p.d_a, spare, s.swiglu_alpha, s.swiglu_limit);
+                                     row0, p.d_a, spare, p.h_late, &p.st_hrows, p.sv.h_rows,
+                                     s.swiglu_alpha, s.swiglu_limit);
         });
   });
   if (!ok) return;
@@ -725,11 +726,14 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
                                            bool pairable) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
-  const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
+  const uint32_t dh_total = (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
+  const uint32_t target = which == 2 ? (uint32_t)s.ns : dh_total;
   const bool ok = (p.st.knobs & kKnobOnlyWgrad) ||
                   (wait_counter(sm, dep, target, p.st, 20, which == 2 ? kFlagDg : -1) &&  // (wgrad2: every rank's dy rows)
                    (which != 2 || !p.recompute ||  // (and h_rows)
                     wait_counter(sm, &p.st.sync->counter[B_RG_ALL], s.max_mt * rg_groups(s), p.st, 20)) &&
+                   (which != 2 || !p.h_late ||  // (h_rows from DH's epilogues)
+                    wait_counter(sm, &p.st.sync->counter[B_DH_ALL], dh_total, p.st, 20)) &&
                    (which == 2 || !p.x_late ||  // (and x_rows, back over the o rows)
                     wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20)));
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
