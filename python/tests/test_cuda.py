@@ -96,7 +96,8 @@ def same_bits_as_kept(**variant):
 
 def test_cuda_recompute_gate_up_gives_the_same_bits():
     """recompute_gate_up on the GPU: every output and gradient equal to keeping gate|up,
-    also with another call between forward and backward (it reuses the workspace)."""
+    also with another call between forward and backward (its workspace may be the same
+    memory)."""
     redo, x, dy, a = same_bits_as_kept(recompute_gate_up=True)
     redo.zero_grad(set_to_none=True)
     xr = x.detach().clone().requires_grad_(True)

@@ -398,8 +398,9 @@ def test_recompute_gate_up_gives_the_same_bits():
     saved tensor smaller by 6 F bytes a routed row and 6 Fs a token (each piece
     256-byte aligned)."""
     m, r, x, dy, a = same_bits_as_kept(recompute_gate_up=True)
-    # another call between forward and backward, which reuses the context's workspace
-    # (where forward left gate|up): backward recomputes it, so the bits stay
+    # another call between forward and backward, whose workspace may be the same memory
+    # (each call's is allocated for it; forward left gate|up in its own): backward
+    # recomputes it, so the bits stay
     r.zero_grad(set_to_none=True)
     xr = x.detach().clone().requires_grad_(True)
     y = r(xr)
