@@ -412,9 +412,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
               const float dglu = __fadd_rn(sg, __fmul_rn(__fmul_rn(ag, sg), __fsub_rn(1.f, sg)));
               dg[x] = gate > limit ? 0.f : __fmul_rn(__fmul_rn(dh, __fadd_rn(clamp_up(up, limit), 1.f)), dglu);
               du[x] = up > limit || up < -limit ? 0.f : __fmul_rn(dh, __fmul_rn(gc, sg));
-              // (its own sigmoid, two more MUFU: reusing sg's held one more register and
-              // the clamped kernel spilled)
-              hv[x] = swiglu_h<true>(gate, up, alpha, limit);
+              hv[x] = __fmul_rn(__fadd_rn(clamp_up(up, limit), 1.f), __fmul_rn(gc, sg));  // (swiglu_h<true>'s operations)
             } else {
               const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
               const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
