@@ -716,6 +716,23 @@ __device__ __noinline__ void bias_grad(Smem& sm, const BwdParams& p, int which, 
   __syncthreads();  // (the scratch read before the stages are loaded again)
 }
 
+// h_late: WG2 of this rank's expert e reads the h rows that DH's epilogues of e's m-tiles
+// wrote (walk_tiles' numbering, as expert_tile's): waits for every DH task of them.
+// (noinline: the GEMM task around it keeps its registers)
+__device__ __noinline__ bool expert_dh_done(Smem& sm, const BwdParams& p, int e) {
+  const Shape& s = p.s;
+  const int e0 = s.rank * s.e_loc;
+  int first = 0, n = 0;
+  walk_tiles(p.sv.counts + e0, p.sv.expert_off + e0, s.e_loc, s.pairs, [&](int x, int, int tiles, int) {
+    if (x == e) return n = tiles, true;
+    return first += tiles, false;
+  });
+  const uint32_t per_tile = groups(cdivb(s.F, BN), s.H / BK);  // (DH's tasks a row tile)
+  for (int mt = first; mt < first + n; mt++)
+    if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], per_tile, p.st, 20)) return false;
+  return true;
+}
+
 // dW[e] rows [mt*128, +128), column tiles [g * wgrad_group, +wgrad_group) in one
 // pipeline; each tile sums over the expert's rows in order, 64 per K block. Its
 // operands come through maps cut to the expert's rows (cut_maps): the last K block's
@@ -726,14 +743,12 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
                                            bool pairable) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
-  const uint32_t dh_total = (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
-  const uint32_t target = which == 2 ? (uint32_t)s.ns : dh_total;
+  const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
   const bool ok = (p.st.knobs & kKnobOnlyWgrad) ||
                   (wait_counter(sm, dep, target, p.st, 20, which == 2 ? kFlagDg : -1) &&  // (wgrad2: every rank's dy rows)
                    (which != 2 || !p.recompute ||  // (and h_rows)
                     wait_counter(sm, &p.st.sync->counter[B_RG_ALL], s.max_mt * rg_groups(s), p.st, 20)) &&
-                   (which != 2 || !p.h_late ||  // (h_rows from DH's epilogues)
-                    wait_counter(sm, &p.st.sync->counter[B_DH_ALL], dh_total, p.st, 20)) &&
+                   (which != 2 || !p.h_late || expert_dh_done(sm, p, e)) &&  // (h_rows from DH's epilogues)
                    (which == 2 || !p.x_late ||  // (and x_rows, back over the o rows)
                     wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20)));
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
