@@ -307,7 +307,8 @@ static void place_gate_up(const mok_config_t& c, const GateUpPlan& g, char* ws, 
   sv->sh = reinterpret_cast<bf16*>(ws + g.sh);
 }
 
-// Forward and backward scratch share the workspace (a call uses one of them).
+// Forward and backward scratch: each call's own plan (mok_workspace_sizes); one buffer of
+// the larger serves both.
 struct FwdWsPlan {
   size_t scores, lse, rank, block_counts, block_off, tile_expert, tile_row0, tile_row_end, num_tiles, chunk_stats,
       shared_o, cta_maps, h_rows, total;

@@ -386,7 +386,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
     }
     MOK_STALL_ADD(kStallEpiLoads);
     if (with_h && q > 0) {
-      // the last quarter's h store has read hbuf: quarters 1, 2 follow thread 0's wait for
+      // the last quarter's h store has read the h box: quarters 1, 2 follow thread 0's wait for
       // every group (before load(q + 1)); quarter 3's for all but the newest (quarter 2's
       // d_a, committed after its h)
       if (q == 3 && tid == 0) bulk_wait_read<1>();

@@ -728,7 +728,7 @@ __device__ __noinline__ bool expert_dh_done(Smem& sm, const BwdParams& p, int e)
     return first += tiles, false;
   });
   const uint32_t per_tile = groups(cdivb(s.F, BN), s.H / BK);  // (DH's tasks a row tile)
-  for (int mt = first; mt < first + n; mt++)
+  for (int mt = first; mt < min(first + n, s.max_mt); mt++)  // (max_mt: DH's counters, whatever counts holds)
     if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], per_tile, p.st, 20)) return false;
   return true;
 }
