@@ -211,7 +211,7 @@ def _forward(cfg, x, w_router, bias_select, w13, w2, ws13, ws2, topk_idx, topk_w
     a.stream = _stream(dev)
     L = _lib.lib()
     with ctx.lock, device_guard(dev):
-        ws, a.workspace, a.workspace_bytes = ctx.workspace("forward")
+        ws_buf, a.workspace, a.workspace_bytes = ctx.workspace("forward")  # (ws_buf: held past the enqueue)
         ctx.check(L.mok_forward(ctx.handle, ctypes.byref(a)), "mok_forward")
     _set_used_up(saved, False)
     return y, aux, z, tpe, idx, wt, saved
@@ -336,7 +336,7 @@ def _moe_backward_op(
     with ctx.lock, device_guard(dev):
         b.saved, keep = _saved_payload(ctx, saved)
         b.saved_bytes = ctx.saved_bytes
-        ws, b.workspace, b.workspace_bytes = ctx.workspace("backward")
+        ws_buf, b.workspace, b.workspace_bytes = ctx.workspace("backward")  # (ws_buf: held past the enqueue)
         ctx.check(L.mok_backward(ctx.handle, ctypes.byref(b)), "mok_backward")
     if cfg.reuse_saved and keep is saved:  # (not a copy of it: _saved_payload)
         _set_used_up(saved, True)
