@@ -132,8 +132,9 @@ typedef enum {
                           fp32 dx over h), so the workspace is smaller by up to 4H + 4F
                           bytes a routed row and 4H + 4Fs a token; with W = 1 and gate|up
                           kept the forward also writes o over the dispatched x rows (the
-                          backward puts them back), saved 2H bytes a routed row smaller;
-                          the same bits. saved is then used up: a second backward on it
+                          backward puts them back), saved 2H bytes a routed row smaller,
+                          and with MOK_WGRAD_BF16 (CUDA) keeps no h either: 2F bytes a
+                          routed row less (mok_workspace_sizes); the same bits. saved is then used up: a second backward on it
                           returns MOK_STATUS_INVALID_SAVED */
 } mok_saved_use_t;
 
@@ -338,7 +339,8 @@ typedef struct {
   float* d_b_router;         /* [E] fp32 (use_router_bias), summed over ranks by mok's fixed
                                 tree; fp32 whatever cfg.wgrad: written, or added into with
                                 MOK_WGRAD_FP32_ACCUM; optional, as d_w_router */
-  void* d_w13;               /* [E/W, 2F, H] */
+  void* d_w13;               /* [E/W, 2F, H] (CUDA, mok_workspace_sizes: may hold the
+                                backward's scratch before its gradient is written) */
   void* d_w2;                /* [E/W, H, F] */
   void* d_b13;               /* [E/W, 2F] (use_expert_bias), as d_w13: bf16 written or fp32 added into */
   void* d_b2;                /* [E/W, H] (use_expert_bias), as d_w2 */
@@ -390,8 +392,12 @@ MOK_API const char* mok_last_create_error(void); /* this thread's last failed cr
 
 /* The workspace a call needs: mok_workspace_size the most either call needs (one buffer
  * kept for both), mok_workspace_sizes each call's own. A forward's args->workspace_bytes
- * must reach forward_bytes, a backward's backward_bytes. Allocated for each call, the
- * two give a lower peak than one buffer of the larger. */
+ * must reach forward_bytes, a backward's backward_bytes. CUDA, MOK_SAVED_REUSE with
+ * gate|up kept, W = 1, MOK_WGRAD_BF16: the forward's workspace holds the SwiGLU output h
+ * (F bytes a routed row), which saved then does not, and the backward writes its h and
+ * the router path's fp32 dx into d_w13 before the weight gradient itself (where they fit:
+ * 2 T K F + 4 T H <= E 4F H bytes). Allocated for each call, the two give a lower peak than one
+ * buffer of the larger. */
 MOK_API mok_status_t mok_workspace_size(const mok_context_t* ctx, size_t* bytes);
 MOK_API mok_status_t mok_workspace_sizes(const mok_context_t* ctx, size_t* forward_bytes, size_t* backward_bytes);
 MOK_API mok_status_t mok_saved_size(const mok_context_t* ctx, size_t* bytes);

@@ -276,8 +276,9 @@ class Context:
     def workspace(self, call: str):
         """(tensor, pointer, bytes) of a workspace for one call ("forward" or "backward"),
         allocated for it by PyTorch's caching allocator on the current stream: a step then
-        holds each call's own scratch only while that call runs (mok_workspace_sizes), not
-        the larger of the two throughout. The tensor must outlive the call's enqueue."""
+        holds each call's own scratch only while that call runs (the CUDA forward's holds
+        the SwiGLU output h, which saved does not keep: mok_workspace_sizes), not the
+        larger of the two throughout. The tensor must outlive the call's enqueue."""
         n = self.workspace_bytes[call]
         buf = torch.empty(n + _lib.ALIGN_WORKSPACE, dtype=torch.uint8, device=self.device)
         return buf, _aligned_view(buf, n, _lib.ALIGN_WORKSPACE), n

@@ -64,7 +64,10 @@ class MoE(nn.Module):
             parts of the saved tensor it has finished reading, so a step needs up to
             4 H + 4 F bytes a routed row less memory, and on one GPU with gate|up kept
             the forward writes the expert outputs over the dispatched token rows (the
-            backward puts those back), 2 H bytes a routed row less; the same bits. The
+            backward puts those back), 2 H bytes a routed row less, and with bf16
+            weight gradients keeps no SwiGLU output h (the backward recomputes it from
+            gate|up into the w13 gradient's buffer before that gradient is written),
+            2 F bytes a routed row less; the same bits. The
             saved tensor is then used up: a second backward through the same forward
             (retain_graph) first runs the forward again into it (the same bits, so the
             same gradients, at the cost of a forward). False keeps it as it is.

@@ -231,6 +231,20 @@ static bool x_over_o(const mok_config_t& c) {
   return c.saved_use == MOK_SAVED_REUSE && c.gate_up == MOK_GATE_UP_SAVE && c.W == 1;
 }
 
+// The default layout with bf16 weight gradients (h_late): saved holds no h either (F
+// bytes a routed row less again: qwen3-30b-a3b 192 MiB). The forward writes h into its
+// workspace, where GEMM2 reads it; the backward's DH epilogues, which have each tile's
+// gate|up in shared memory, write it again, the same bits, to the front of d_w13 for WG2,
+// and the router path's fp32 dx goes after it. d_w13 is free until WG13, which runs only
+// after every DXSUM (x_late), the last reader of both. Only where both fit in d_w13 at
+// cfg.T: R F 2 (rounded to 256) + T H 4 (fused routing) <= E/W 2F H 2; fp32 weight
+// gradients are added into, so they keep h in saved.
+static int64_t dw13_h_bytes(const mok_config_t& c) { return (recv_rows(c, c.T) * c.F * 2 + 255) / 256 * 256; }
+static bool h_in_dw13(const mok_config_t& c) {
+  const int64_t dx_router = c.routing == MOK_ROUTING_FUSED ? c.T * c.H * 4 : 0;
+  return x_over_o(c) && c.wgrad == MOK_WGRAD_BF16 && dw13_h_bytes(c) + dx_router <= c.E / c.W * 2 * c.F * c.H * 2;
+}
+
 struct SavedPlan {
   size_t header, idx, g, pos, logits, counts, expert_off, tile_band, sorted, loc_off, loc_shift, x_rows, a_rows,
       h_rows, o_rows, sa, sh, sg, shared_o, total;
@@ -253,7 +267,7 @@ static SavedPlan plan_saved(const mok_config_t& c, int64_t T) {
   const int64_t keep = c.gate_up == MOK_GATE_UP_SAVE;  // (else in the workspace: GateUpPlan)
   s.x_rows = p.take(Rx * c.H * 2);
   s.a_rows = p.take(keep * R * 2 * c.F * 2);
-  s.h_rows = p.take(keep * R * c.F * 2);
+  s.h_rows = p.take(keep * !h_in_dw13(c) * R * c.F * 2);
   s.o_rows = x_over_o(c) ? s.x_rows : p.take(Rx * c.H * 2);
   s.sa = p.take(keep * T * 2 * c.Fs * 2);
   s.sh = p.take(keep * T * c.Fs * 2);
@@ -297,7 +311,7 @@ static void place_gate_up(const mok_config_t& c, const GateUpPlan& g, char* ws, 
 // the larger serves both.
 struct FwdWsPlan {
   size_t scores, lse, rank, block_counts, block_off, tile_expert, tile_row0, tile_row_end, num_tiles, chunk_stats,
-      shared_o, cta_maps, total;
+      shared_o, cta_maps, h_rows, total;
   GateUpPlan gate_up;
 };
 static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
@@ -317,6 +331,7 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   // the shared expert's output: none without one, in saved with the gate (plan_saved)
   w.shared_o = p.take((c.Fs > 0 && !c.use_shared_gate) * T * c.H * 2);
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
+  w.h_rows = p.take(h_in_dw13(c) * recv_rows(c, T) * c.F * 2);  // (h_in_dw13: not in saved)
   w.gate_up = plan_gate_up(c, T, p, true);
   w.total = p.at;
   return w;
@@ -339,9 +354,10 @@ static bool bwd_reuse_gate_up(const mok_config_t& c) {
 }
 // With bwd_reuse_o, WG2 (h_rows' last reader) comes before DXR, so the router path's fp32
 // dx_router [T, H] can go where h_rows [T K, F] are (saved's, or the recompute's in the
-// workspace) when it fits: 4H <= 2 K F bytes a token (every benchmark shape).
+// workspace) when it fits: 4H <= 2 K F bytes a token. With h_in_dw13 it goes into d_w13,
+// after h.
 static bool bwd_dx_router_in_h(const mok_config_t& c) {
-  return bwd_reuse_o(c) && c.routing == MOK_ROUTING_FUSED && 4 * c.H <= 2 * c.K * c.F;
+  return bwd_reuse_o(c) && c.routing == MOK_ROUTING_FUSED && 4 * c.H <= 2 * c.K * c.F && !h_in_dw13(c);
 }
 static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t R = recv_rows(c, T), chunks = cdiv(T, MOK_REDUCE_CHUNK_TOKENS);
@@ -359,7 +375,7 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   const int64_t fused = c.routing == MOK_ROUTING_FUSED, shared = c.Fs > 0;  // (else unused)
   w.dlogits = p.take(fused * T * router_stride(c) * 2);
   w.d_a_s = p.take(own_da * T * 2 * c.Fs * 2);
-  w.dx_router = p.take(!bwd_dx_router_in_h(c) * fused * T * c.H * 4);
+  w.dx_router = p.take(!bwd_dx_router_in_h(c) * !h_in_dw13(c) * fused * T * c.H * 4);
   w.dx_shared = p.take(shared * T * c.H * 4);
   const int64_t gated = c.use_shared_gate != 0;
   w.dy_s = p.take(gated * T * c.H * 2);
@@ -867,6 +883,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   const FwdWsPlan wp = plan_fwd_ws(c, c.T);
   char* ws = static_cast<char*>(a->workspace);
   place_gate_up(c, wp.gate_up, ws, &p.sv);
+  if (h_in_dw13(c)) p.sv.h_rows = reinterpret_cast<bf16*>(ws + wp.h_rows);  // (GEMM1 to GEMM2 only)
   MAP_TRY(make_map(ctx, &p.m_x, a->x, T, H, "x", kFwdBoxRows));
   MAP_TRY(make_map(ctx, &p.m_wr, p.s.fused ? a->w_router : nullptr, E, H, "w_router", kFwdBoxRows));
   MAP_TRY(make_map(ctx, &p.m_w13, a->w13, El * 2 * F, H, "w13", kFwdBoxRows));
@@ -949,6 +966,11 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   if (bwd_reuse_o(c)) p.dy_rows = p.dx_rows = p.sv.o_rows, p.dx_late = 1;
   p.x_late = x_over_o(c);
   if (bwd_dx_router_in_h(c)) p.dx_router = reinterpret_cast<float*>(p.sv.h_rows);
+  p.h_late = h_in_dw13(c);
+  if (p.h_late) {  // (h_in_dw13: h, then dx_router, at d_w13's front until WG13)
+    p.sv.h_rows = static_cast<bf16*>(a->d_w13);
+    p.dx_router = reinterpret_cast<float*>(static_cast<char*>(a->d_w13) + dw13_h_bytes(c));
+  }
   p.partial_len = wp.partial_len;
   p.seg_partials = reinterpret_cast<float*>(ws + wp.seg_partials);
   p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
@@ -1000,7 +1022,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   MAP_TRY(make_store_map(ctx, &p.st_dw2, p.wgrad_fp32 ? nullptr : a->d_w2, El * H, F, "d_w2"));
   const bool redo = p.recompute;
   MAP_TRY(make_gate_up_store_map(ctx, &p.st_arows, redo ? p.sv.a_rows : nullptr, R, F, "a_rows"));
-  MAP_TRY(make_store_map(ctx, &p.st_hrows, redo ? p.sv.h_rows : nullptr, R, F, "h_rows"));
+  MAP_TRY(make_store_map(ctx, &p.st_hrows, redo || p.h_late ? p.sv.h_rows : nullptr, R, F, "h_rows"));
   MAP_TRY(make_gate_up_store_map(ctx, &p.st_sa, redo && Fs ? p.sv.sa : nullptr, T, Fs, "shared_a"));
   MAP_TRY(make_store_map(ctx, &p.st_sh, redo && Fs ? p.sv.sh : nullptr, T, Fs, "shared_h"));
   p.dy = static_cast<const bf16*>(a->dy);

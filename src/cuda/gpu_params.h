@@ -391,6 +391,10 @@ struct BwdParams {
                         // rows (x_over_o), so DXSUM writes each token's x row back to its
                         // slot rows once it has read their dx rows, and WG13 waits for
                         // every DXSUM
+  int h_late;           // and x_late with bf16 weight gradients: saved holds no h (h_in_dw13);
+                        // DH's epilogue writes h_rows (sv.h_rows: the front of d_w13, which
+                        // WG13 writes only after every DXSUM) and WG2 of an expert waits
+                        // for DH of its m-tiles
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
   const bf16* o_kept;     // W > 1: [T K, H], other ranks' o rows of this rank's slots (the forward's RETURN)
   PeerRows peer_dy_rows;  // dispatch target of dy_j

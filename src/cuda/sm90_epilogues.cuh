@@ -350,11 +350,18 @@ __device__ __forceinline__ void swiglu_store(Smem& sm, float (&acc)[kAcc], int w
 // waits for parity q / 2. kClamped: the clamped SwiGLU's derivative (docs/CPU.md: d_gate
 // = dh (up' + 1) (s + alpha gate' s (1 - s)), 0 where gate > limit; d_up = dh gate' s,
 // 0 where |up| > limit; s = sigmoid(alpha gate')).
+// with_h: also h = swiglu_h(gate, up) of the same bf16 values, the forward's
+// bits, into h_rows [.., F] (store map st_h, row map_row = row0), for WG2 when saved
+// holds no h (h_late). Each quarter's h box (128 x 64 bf16) goes through the spare's
+// third box, written once the last quarter's h store has read it (a CTA barrier at the
+// quarter's start); its store group is committed before the quarter's d_a group, so that
+// quarter 3's last group still comes from sm.epi.
 template <bool kClamped = false>
 __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], int wg, int w, int l, int row0,
                                                  int row_end, int f0, int F, const CUtensorMap* ld_a, int a_row,
                                                  const StoreMap* st_da, int map_row, bf16* d_a, uint8_t* spare,
-                                                 float alpha = 0.f, float limit = 0.f) {
+                                                 bool with_h = false, const StoreMap* st_h = nullptr,
+                                                 bf16* h_rows = nullptr, float alpha = 0.f, float limit = 0.f) {
   if (sm.knobs & 2) return;
   const int tid = tid_here(), rows = min(BM, row_end - row0);
   auto load = [&](int q) {  // thread 0: quarter q's gate and up boxes (none past F)
@@ -378,15 +385,23 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
     while (!mbar_try_wait(&sm.epi_full[q % 2], q / 2)) {
     }
     MOK_STALL_ADD(kStallEpiLoads);
+    if (with_h && q > 0) {
+      // the last quarter's h store has read the h box: quarters 1, 2 follow thread 0's wait for
+      // every group (before load(q + 1)); quarter 3's for all but the newest (quarter 2's
+      // d_a, committed after its h)
+      if (q == 3 && tid == 0) bulk_wait_read<1>();
+      __syncthreads();
+    }
     if (f0 + 64 * q < F) {
       const uint32_t row_a = smem_addr(buf) + r * 128 + 4 * (l % 4);
+      const uint32_t h_at = smem_addr(spare) + 2 * kBox - smem_addr(buf);  // (h's box, the spare's third: gate's plus this)
 #pragma unroll
       for (int j = 0; j < 8; j++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
           const uint32_t at = row_a + h * 8 * 128 + (j ^ sw) * 16;  // gate; up one box on
           const uint32_t g2 = ld_shared_b32(at), u2 = ld_shared_b32(at + kBox);
-          float dg[2], du[2];
+          float dg[2], du[2], hv[2];
 #pragma unroll
           for (int x = 0; x < 2; x++) {
             const float gate = x ? bf16_hi(g2) : bf16_lo(g2);
@@ -397,18 +412,26 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
               const float dglu = __fadd_rn(sg, __fmul_rn(__fmul_rn(ag, sg), __fsub_rn(1.f, sg)));
               dg[x] = gate > limit ? 0.f : __fmul_rn(__fmul_rn(dh, __fadd_rn(clamp_up(up, limit), 1.f)), dglu);
               du[x] = up > limit || up < -limit ? 0.f : __fmul_rn(dh, __fmul_rn(gc, sg));
+              hv[x] = __fmul_rn(__fadd_rn(clamp_up(up, limit), 1.f), __fmul_rn(gc, sg));  // (swiglu_h<true>'s operations)
             } else {
               const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
               const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
               dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
               du[x] = __fmul_rn(dh, si);
+              hv[x] = __fmul_rn(si, up);  // (swiglu_h<false>: silu(gate) up)
             }
           }
           st_shared_b32(at, pack_bf16x2(dg[0], dg[1]));
           st_shared_b32(at + kBox, pack_bf16x2(du[0], du[1]));
+          st_shared_b32(at + h_at, pack_bf16x2(hv[0], hv[1]));  // (without with_h unread: no predicate)
         }
       }
       epi_publish(sm);
+      if (with_h)  // (its tail rows: as d_a's, below)
+        epi_write_boxes(
+            sm, spare + 2 * kBox, st_h, 1, rows,
+            [&](int, const CUtensorMap* map, int rr, const uint8_t* src) { tma_store_2d(map, src, f0 + 64 * q, map_row + rr); },
+            [&](int, int rr) { return h_rows + (int64_t)(row0 + rr) * F + f0 + 64 * q; });
       tail = epi_write_boxes(
           sm, buf, st_da, 2, rows,
           [&](int b, const CUtensorMap* map, int rr, const uint8_t* src) {

@@ -563,7 +563,8 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
         },
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           swiglu_bwd_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da,
-                                     row0, p.d_a, spare, s.swiglu_alpha, s.swiglu_limit);
+                                     row0, p.d_a, spare, p.h_late, &p.st_hrows, p.sv.h_rows,
+                                     s.swiglu_alpha, s.swiglu_limit);
         });
   });
   if (!ok) return;
@@ -715,6 +716,23 @@ __device__ __noinline__ void bias_grad(Smem& sm, const BwdParams& p, int which, 
   __syncthreads();  // (the scratch read before the stages are loaded again)
 }
 
+// h_late: WG2 of this rank's expert e reads the h rows that DH's epilogues of e's m-tiles
+// wrote (walk_tiles' numbering, as expert_tile's): waits for every DH task of them.
+// (noinline: the GEMM task around it keeps its registers)
+__device__ __noinline__ bool expert_dh_done(Smem& sm, const BwdParams& p, int e) {
+  const Shape& s = p.s;
+  const int e0 = s.rank * s.e_loc;
+  int first = 0, n = 0;
+  walk_tiles(p.sv.counts + e0, p.sv.expert_off + e0, s.e_loc, s.pairs, [&](int x, int, int tiles, int) {
+    if (x == e) return n = tiles, true;
+    return first += tiles, false;
+  });
+  const uint32_t per_tile = groups(cdivb(s.F, BN), s.H / BK);  // (DH's tasks a row tile)
+  for (int mt = first; mt < min(first + n, s.max_mt); mt++)  // (max_mt: DH's counters, whatever counts holds)
+    if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], per_tile, p.st, 20)) return false;
+  return true;
+}
+
 // dW[e] rows [mt*128, +128), column tiles [g * wgrad_group, +wgrad_group) in one
 // pipeline; each tile sums over the expert's rows in order, 64 per K block. Its
 // operands come through maps cut to the expert's rows (cut_maps): the last K block's
@@ -730,6 +748,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
                   (wait_counter(sm, dep, target, p.st, 20, which == 2 ? kFlagDg : -1) &&  // (wgrad2: every rank's dy rows)
                    (which != 2 || !p.recompute ||  // (and h_rows)
                     wait_counter(sm, &p.st.sync->counter[B_RG_ALL], s.max_mt * rg_groups(s), p.st, 20)) &&
+                   (which != 2 || !p.h_late || expert_dh_done(sm, p, e)) &&  // (h_rows from DH's epilogues)
                    (which == 2 || !p.x_late ||  // (and x_rows, back over the o rows)
                     wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20)));
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
@@ -810,9 +829,9 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
   const Shape& s = p.s;
   if (!wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;  // (dlogits, dl_g)
   const int k0 = c * MOK_REDUCE_CHUNK_TOKENS;
-  float* const part = p.partials + (int64_t)c * chunk_len(p) - seg_end(s);  // (column x at part[x])
+  float* const part = p.partials + (int64_t)c * chunk_len(p);  // (column x at part[x - seg_end])
   if (s.use_router_bias) {  // d_b_router's: sum over the chunk's tokens of dlogits[t, e], t increasing
-    float* const db = part + seg_end(s);
+    float* const db = part;
     const int t1 = min(s.T, k0 + MOK_REDUCE_CHUNK_TOKENS);
     for (int e = threadIdx.x; e < (s.E + 3) / 4 * 4; e += kThreads) {  // (the padding: 0)
       float sum = 0.f;
@@ -821,7 +840,7 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
       db[e] = sum;  // (signal_counter's __syncthreads and fence publish it with the tiles)
     }
   }
-  if (s.shared_gate) gate_grad_partial(p, part + gate_grad_at(s), k0);
+  if (s.shared_gate) gate_grad_partial(p, part + (gate_grad_at(s) - seg_end(s)), k0);
   signal_counter(sm, &p.st.sync->counter[B_RW]);  // (its __syncthreads and fence publish the stores)
 }
 
@@ -868,7 +887,7 @@ __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, 
   // t: the tile's index among the router's (router) or the shared expert's (shared_tiles)
   const int t0 = (router ? g : g - router_groups(s)) * kSegTileGroup;
   const int nt = min(kSegTileGroup, (router ? router_tiles(s) : shared_tiles(s)) - t0);
-  float* const out = p.seg_partials + (int64_t)seg * seg_len(s) - seg_skip(s);  // (column x at out[x])
+  float* const out = p.seg_partials + (int64_t)seg * seg_len(s);  // (column x at out[x - seg_skip])
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (earlier epilogues' stores read the nodes' places)
   __syncthreads();
   gemm_tiles<1, 1, false, false, 1>(
@@ -898,7 +917,8 @@ __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, 
         const int m0 = wide ? t / nH * BM : (t - n13) / nFs * BM, n0 = wide ? t % nH * 64 : (t - n13) % nFs * 64;
         const int rows = router ? s.E : wide ? 2 * s.Fs : s.H, cols = wide ? s.H : s.Fs;  // (cols even: H, Fs % 64 == 0)
         const int64_t e1 = (int64_t)s.E * s.H;
-        float* const o = router ? out : wide ? out + e1 : out + e1 + 2LL * s.Fs * s.H;
+        // (the router's columns start at 0 and are there only when seg_skip is 0)
+        float* const o = router ? out : wide ? out + (e1 - seg_skip(s)) : out + (e1 - seg_skip(s) + 2LL * s.Fs * s.H);
 #pragma unroll
         for (int q = 0; q < 32; q += 2) {  // acc[4i + 2h + x]: row 8h + lane/4, column 8i + 2(lane%4) + x
           float v[2] = {acc[q], acc[q + 1]};

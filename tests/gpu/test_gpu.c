@@ -481,14 +481,25 @@ static int gate_up_recompute(void) {
  * and writes the same bits again. */
 static int saved_reuse(void) {
   int bad = 0;
-  {  // sizes: saved smaller by the o rows; the workspace smaller (the backward's plan is the larger here)
+  {  // sizes: saved smaller by the o rows and h (bf16 gradients: h_in_dw13); the forward's
+     // workspace larger by h, the backward's smaller (dy, dx rows and dx_router elsewhere)
     const gpu_shape_t* s = &shapes[21];
     size_t sk = 0, sr = 0, wk = 0, wr = 0;
     if (variant_sizes(MOK_GATE_UP_SAVE, MOK_SAVED_REUSE, &sk, &sr, &wk, &wr)) return 1;
-    const size_t o_rows = aligned256(s->T * s->K * s->H * 2);  // (W = 1: every routed row)
+    const size_t o_rows = aligned256(s->T * s->K * s->H * 2), h_rows = aligned256(s->T * s->K * s->F * 2);  // (W = 1)
     printf("    %s: saved %zu -> %zu bytes, workspace %zu -> %zu\n", s->name, sk, sr, wk, wr);
-    TEST_ASSERT(sk - sr == o_rows, "saved %zu less, want %zu", sk - sr, o_rows);
-    TEST_ASSERT(wr < wk, "the workspace smaller");
+    TEST_ASSERT(sk - sr == o_rows + h_rows, "saved %zu less, want %zu", sk - sr, o_rows + h_rows);
+    mok_config_t c = shape_config(s);
+    c.T = s->T, c.backend = MOK_BACKEND_CUDA;
+    mok_config_t r = c;
+    r.saved_use = MOK_SAVED_REUSE;
+    mok_context_t *ck = test_context(&c, NULL), *cr = test_context(&r, NULL);
+    size_t fk = 0, bk = 0, fr = 0, br = 0;
+    TEST_ASSERT(ck && cr && !mok_workspace_sizes(ck, &fk, &bk) && !mok_workspace_sizes(cr, &fr, &br), "sizes");
+    printf("    %s: forward workspace %zu -> %zu bytes, backward %zu -> %zu\n", s->name, fk, fr, bk, br);
+    TEST_ASSERT(fr - fk == h_rows, "forward workspace %zu more, want %zu (h)", fr - fk, h_rows);
+    TEST_ASSERT(br < bk, "the backward's workspace smaller");
+    TEST_ASSERT(wr == (fr > br ? fr : br) && wk == (fk > bk ? fk : bk), "mok_workspace_size: the larger");
   }
   for (size_t i = 0; i < kVariantShapes; i++) {
     const gpu_shape_t* s = &shapes[variant_shapes[i]];
@@ -509,6 +520,28 @@ static int saved_reuse(void) {
     if (run_cuda(keep, &o)) return 1;
     test_snapshot(keep, 1, &b);
     bad += test_same_bits(&b, &a, NULL, "kept: after a second backward") != 0;
+  }
+  // the clamped SwiGLU's h from DH's epilogue (the *_clamped_kernel launches): F = 192
+  // (the last dh tile has no fourth quarter), 600 rows (tails of 16-row boxes), with and
+  // without the expert biases
+  const char* clamped[] = {"clamped_tight", "ebias_gptoss"};
+  for (int i = 0; i < 2; i++) {
+    const gpu_shape_t* s = NULL;
+    for (size_t j = 0; j < sizeof router_shapes / sizeof router_shapes[0]; j++)
+      if (!strcmp(router_shapes[j].name, clamped[i])) s = &router_shapes[j];
+    TEST_ASSERT(s && s->swiglu_limit > 0.f && s->routing == FUSED && s->wgrad == BF16, "%s: a clamped bf16 case",
+                clamped[i]);
+    mok_problem_t* keep = shape_problem_as(s, test_case_seed() + 100 + i, MOK_GATE_UP_SAVE, MOK_SAVED_KEEP);
+    mok_problem_t* reuse = shape_problem_as(s, test_case_seed() + 100 + i, MOK_GATE_UP_SAVE, MOK_SAVED_REUSE);
+    TEST_ASSERT(keep && reuse, "%s: problems", s->name);
+    mok_run_opts_t o = MOK_RUN_OPTS_INIT, r = MOK_RUN_OPTS_INIT;
+    if (run_cuda(keep, &o) || run_cuda(reuse, &r)) return 1;
+    test_outputs_t a, b;
+    test_snapshot(keep, 1, &a);
+    test_snapshot(reuse, 1, &b);
+    char what[64];
+    snprintf(what, sizeof what, "%s: reuse vs keep", s->name);
+    bad += test_same_bits(&b, &a, NULL, what) != 0;
   }
   return bad;
 }
