@@ -259,14 +259,14 @@ __host__ __device__ inline uint64_t saved_shape_word(const Shape& s, int k) {
 // The step's dependency counters (GpuSync::counter): the forward's kFwdFixedCounters
 // (its C_* enum) then one an expert m-tile and one a shared-expert m-tile; the
 // backward's kBwdFixedCounters (B_*) then four: dh and rg an m-tile, dhs and rgs a
-// shared m-tile. The kernels assert their enums against these; the context allocates
+// shared m-tile, and one an expert of this rank (DH's tasks of it). The kernels assert their enums against these; the context allocates
 // the larger count.
 constexpr int kFwdFixedCounters = 6, kBwdFixedCounters = 12;
 __host__ __device__ inline uint32_t fwd_num_counters(const Shape& s) {
   return (uint32_t)(kFwdFixedCounters + s.max_mt + s.smt);
 }
 __host__ __device__ inline uint32_t bwd_num_counters(const Shape& s) {
-  return (uint32_t)(kBwdFixedCounters + 2 * (s.max_mt + s.smt));
+  return (uint32_t)(kBwdFixedCounters + 2 * (s.max_mt + s.smt) + s.e_loc);
 }
 
 // The TMA store maps of an output: 128-row boxes for whole tiles, kStoreRows-row boxes

@@ -30,10 +30,13 @@ namespace mok {
 enum : int {
   B_DG, B_DH_ALL, B_DHS_ALL, B_DXR, B_DXS, B_DX, B_RW, B_TREE, B_RG_ALL, B_RGS_ALL, B_WG2_ALL, B_DXSUM, B_FIXED
 };
-// then dh[max_mt], dhs[smt], rg[max_mt], rgs[smt] (gpu_params.h's bwd_num_counters)
+// then dh[max_mt], dhs[smt], rg[max_mt], rgs[smt], dh_expert[e_loc] (gpu_params.h's
+// bwd_num_counters)
 static_assert(B_FIXED == kBwdFixedCounters, "gpu_params.h's bwd_num_counters");
 __device__ __forceinline__ int c_rg(const Shape& s, int mt) { return B_FIXED + s.max_mt + s.smt + mt; }
 __device__ __forceinline__ int c_rgs(const Shape& s, int mt) { return B_FIXED + 2 * s.max_mt + s.smt + mt; }
+// h_late: DH's tasks of this rank's expert e, counted for its WG2 tasks (expert_dh_done)
+__device__ __forceinline__ int c_dh_expert(const Shape& s, int e) { return B_FIXED + 2 * (s.max_mt + s.smt) + e; }
 
 __device__ __forceinline__ int cdivb(int a, int b) { return (a + b - 1) / b; }
 
@@ -569,7 +572,10 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
   });
   if (!ok) return;
   signal_counter(sm, &p.st.sync->counter[B_FIXED + mt]);
-  if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
+  if (threadIdx.x == 0) {  // (after signal_counter's fence, as its own add)
+    red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
+    if (p.h_late && e >= 0) red_release_add(&p.st.sync->counter[c_dh_expert(s, e)], 1);
+  }
 }
 
 // dx_late (plan_bwd_ws, W = 1 with reuse): DX's dx_rows go where WG2 reads dy_rows, and
@@ -717,20 +723,14 @@ __device__ __noinline__ void bias_grad(Smem& sm, const BwdParams& p, int which, 
 }
 
 // h_late: WG2 of this rank's expert e reads the h rows that DH's epilogues of e's m-tiles
-// wrote (walk_tiles' numbering, as expert_tile's): waits for every DH task of them.
+// wrote; each of those DH tasks also counts into e's counter (c_dh_expert), so one wait
+// for ceil(counts[e] / BM) tiles times DH's tasks a tile covers them all.
 // (noinline: the GEMM task around it keeps its registers)
 __device__ __noinline__ bool expert_dh_done(Smem& sm, const BwdParams& p, int e) {
   const Shape& s = p.s;
-  const int e0 = s.rank * s.e_loc;
-  int first = 0, n = 0;
-  walk_tiles(p.sv.counts + e0, p.sv.expert_off + e0, s.e_loc, s.pairs, [&](int x, int, int tiles, int) {
-    if (x == e) return n = tiles, true;
-    return first += tiles, false;
-  });
-  const uint32_t per_tile = groups(cdivb(s.F, BN), s.H / BK);  // (DH's tasks a row tile)
-  for (int mt = first; mt < min(first + n, s.max_mt); mt++)  // (max_mt: DH's counters, whatever counts holds)
-    if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], per_tile, p.st, 20)) return false;
-  return true;
+  const uint32_t tiles = cdivb(p.sv.counts[s.rank * s.e_loc + e], BM);  // (DG checked counts)
+  const uint32_t per_tile = groups(cdivb(s.F, BN), s.H / BK);             // (DH's tasks a row tile)
+  return wait_counter(sm, &p.st.sync->counter[c_dh_expert(s, e)], tiles * per_tile, p.st, 20);
 }
 
 // dW[e] rows [mt*128, +128), column tiles [g * wgrad_group, +wgrad_group) in one
