@@ -134,8 +134,9 @@ typedef enum {
                           kept the forward also writes o over the dispatched x rows (the
                           backward puts them back), saved 2H bytes a routed row smaller,
                           and with MOK_WGRAD_BF16 (CUDA) keeps no h either: 2F bytes a
-                          routed row less (mok_workspace_sizes); the same bits. saved is then used up: a second backward on it
-                          returns MOK_STATUS_INVALID_SAVED */
+                          routed row less (mok_workspace_sizes); the same bits. saved is
+                          then used up: a second backward on it returns
+                          MOK_STATUS_INVALID_SAVED */
 } mok_saved_use_t;
 
 typedef struct mok_cpu_comm mok_cpu_comm_t; /* in-process communicator for W CPU ranks */
@@ -396,8 +397,8 @@ MOK_API const char* mok_last_create_error(void); /* this thread's last failed cr
  * gate|up kept, W = 1, MOK_WGRAD_BF16: the forward's workspace holds the SwiGLU output h
  * (F bytes a routed row), which saved then does not, and the backward writes its h and
  * the router path's fp32 dx into d_w13 before the weight gradient itself (where they fit:
- * 2 T K F + 4 T H <= E 4F H bytes). Allocated for each call, the two give a lower peak than one
- * buffer of the larger. */
+ * 2 T K F + 4 T H <= E 4F H bytes). Allocated for each call, the two give a lower peak
+ * than one buffer of the larger. */
 MOK_API mok_status_t mok_workspace_size(const mok_context_t* ctx, size_t* bytes);
 MOK_API mok_status_t mok_workspace_sizes(const mok_context_t* ctx, size_t* forward_bytes, size_t* backward_bytes);
 MOK_API mok_status_t mok_saved_size(const mok_context_t* ctx, size_t* bytes);

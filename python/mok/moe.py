@@ -67,10 +67,10 @@ class MoE(nn.Module):
             backward puts those back), 2 H bytes a routed row less, and with bf16
             weight gradients keeps no SwiGLU output h (the backward recomputes it from
             gate|up into the w13 gradient's buffer before that gradient is written),
-            2 F bytes a routed row less; the same bits. The
-            saved tensor is then used up: a second backward through the same forward
-            (retain_graph) first runs the forward again into it (the same bits, so the
-            same gradients, at the cost of a forward). False keeps it as it is.
+            2 F bytes a routed row less; the same bits. The saved tensor is then used
+            up: a second backward through the same forward (retain_graph) first runs
+            the forward again into it (the same bits, so the same gradients, at the cost
+            of a forward). False keeps it as it is.
         process_group: expert parallelism over this torch.distributed group (NCCL, a
             GPU per rank, CUDA backend): each rank holds experts rank * E / W .. + E / W
             (w13, w2 hold those) and its own tokens; the ranks' NCCL unique id goes

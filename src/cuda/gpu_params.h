@@ -259,8 +259,8 @@ __host__ __device__ inline uint64_t saved_shape_word(const Shape& s, int k) {
 // The step's dependency counters (GpuSync::counter): the forward's kFwdFixedCounters
 // (its C_* enum) then one an expert m-tile and one a shared-expert m-tile; the
 // backward's kBwdFixedCounters (B_*) then four: dh and rg an m-tile, dhs and rgs a
-// shared m-tile, and one an expert of this rank (DH's tasks of it). The kernels assert their enums against these; the context allocates
-// the larger count.
+// shared m-tile, and one an expert of this rank (DH's tasks of it: h_late). The kernels
+// assert their enums against these; the context allocates the larger count.
 constexpr int kFwdFixedCounters = 6, kBwdFixedCounters = 12;
 __host__ __device__ inline uint32_t fwd_num_counters(const Shape& s) {
   return (uint32_t)(kFwdFixedCounters + s.max_mt + s.smt);
@@ -394,7 +394,7 @@ struct BwdParams {
   int h_late;           // and x_late with bf16 weight gradients: saved holds no h (h_in_dw13);
                         // DH's epilogue writes h_rows (sv.h_rows: the front of d_w13, which
                         // WG13 writes only after every DXSUM) and WG2 of an expert waits
-                        // for DH of its m-tiles
+                        // for DH of its m-tiles (one counter an expert)
   PeerRows peer_o_rows;   // [R, H] expert outputs of each rank (forward's)
   const bf16* o_kept;     // W > 1: [T K, H], other ranks' o rows of this rank's slots (the forward's RETURN)
   PeerRows peer_dy_rows;  // dispatch target of dy_j
