@@ -44,9 +44,23 @@
 // 4096, 14336)), deepseek-v3 (256 x (256, 4096, 7168), (256, 7168, 2048)); a dense
 // 8192^3; and `tails` (3 x (300, 904, 1000): partial and wholly outside A and B boxes,
 // a K block of 40, clipped stores, a coop warpgroup with no row stored), all of --quick.
+// --dh: each case is instead dh's GEMM of a layer (M = T K / E rows, N = F, K = H) with
+// dh's epilogue, the SwiGLU backward of the megakernel's DH tasks: dh (fp32, never
+// stored) and gate|up (GU [G][M][2N] bf16: gate columns, then up) give d_a = bf16(dh up
+// silu'(gate)) | bf16(dh silu(gate)) into C [G][M][2N], a 64-column quarter of the tile
+// at a time (its gate and up boxes loaded by TMA, turned into d_a in place, stored by
+// TMA). The question it answers: does ping-pong, which runs one warpgroup's epilogue
+// beside the other's mainloop, pay where the epilogue is this heavy (dh: about a third
+// of thread 0's cycles in the step), when it did not for plain stores? Schedules:
+// cooperative 128x256 (a consumer's 16 KB buffer holds one quarter: each quarter's loads
+// after the last one's stores), ping-pong 64x256 (32 KB: two quarters, the next loads
+// under this one's arithmetic) and the control, gemm_tiles with swiglu_bwd_store itself
+// (quarters double-buffered through the spare stage, as in the step). The reference:
+// the fp32 reference dh through the same operations; every schedule must give the
+// control's bits. N a multiple of 64 (F's rule).
 // A failed check prints the first bad element; the program goes on and exits non-zero.
 // A wait that hangs (over 2 s) is reported with its role and block, and the launch ends.
-//   make micro && build/micro/engine_gemm [--quick] [--case SUBSTRING]
+//   make micro && build/micro/engine_gemm [--quick] [--dh] [--case SUBSTRING]
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -89,7 +103,8 @@ struct Engine {
   static constexpr int kStages = (kSmemOptin - 1024 - kBarBytes - 2 * kEpiBytes) / kStageBytes;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kEpiBytes + kBarBytes;
   static_assert((WM == 64 && WN == 256) || (WM == 128 && WN == 128 && !kCoop), "a warpgroup's tile");
-  static_assert(kStages >= 3 && (2 * kStages + 2) * 8 <= kBarBytes, "the ring and its barriers");
+  static_assert(kStages >= 3 && (2 * kStages + 2 + 4) * 8 <= kBarBytes, "the ring and its barriers (+ dh's 4)");
+  static constexpr int kDhSlots = kEpiBytes / (2 * kBoxBytes);  // dh quarters (gate + up boxes) a buffer holds
   static_assert(kSmemBytes <= kSmemOptin, "shared memory");
   static const char* name() { return kCoop ? "cooperative" : "ping-pong"; }
 };
@@ -103,11 +118,12 @@ struct Problem {
 };
 struct Params {
   CUtensorMap a, b, c;  // [G][M][K], [G][N][K], [G][M][N] bf16; boxes of 64 x 64, 128-byte swizzle
+  CUtensorMap gu;       // --dh: [G][M][2N] gate|up (C is then d_a, [G][M][2N])
   Problem p;
 };
 
 // The first wait that timed out: role << 32 | block (0: none). Roles: 1 the producer's
-// empty wait, 2 a consumer's full wait, 3 a ping-pong consumer's turn.
+// empty wait, 2 a consumer's full wait, 3 a ping-pong consumer's turn, 4 a --dh quarter's loads.
 __device__ unsigned long long g_timeout;
 
 // ---- PTX this file alone uses ----
@@ -267,11 +283,90 @@ __device__ __forceinline__ void store_wg_tile(const Params& prm, const float (&a
   }
 }
 
+// d_a's two bf16 words for dh values dh0, dh1 at gate words g2 and up words u2 (the
+// megakernel's swiglu_bwd_store, not clamped: the same operations, so the same bits).
+__device__ __forceinline__ void swiglu_bwd_pair(uint32_t g2, uint32_t u2, float dh0, float dh1, uint32_t& dg2,
+                                                uint32_t& du2) {
+  float dg[2], du[2];
+#pragma unroll
+  for (int x = 0; x < 2; x++) {
+    const float gate = x ? bf16_hi(g2) : bf16_lo(g2), up = x ? bf16_hi(u2) : bf16_lo(u2), dh = x ? dh1 : dh0;
+    const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
+    const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
+    dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
+    du[x] = __fmul_rn(dh, si);
+  }
+  dg2 = pack_bf16x2(dg[0], dg[1]), du2 = pack_bf16x2(du[0], du[1]);
+}
+
+// --dh: a consumer's 64 x 256 dh tile out as d_a, quarter q (columns 64 q ..) at a time
+// through slot q % kDhSlots of buf (a gate box, then an up box, 8 KB each; epi_full
+// [slot] completes once a use, kDhSlots uses a tile an even count, so use u waits for
+// parity u & 1): thread lt 0 loads the quarter's gate and up boxes, every thread turns
+// the words under its accumulators into d_a in place, lt 0 stores both boxes. With two
+// slots quarter q + 2's loads go out once quarter q's stores have read the slot.
+template <class E>
+__device__ __forceinline__ void dh_wg_tile(const Params& prm, const float (&acc)[E::kRowBlocks][E::WN / 2],
+                                           uint8_t* buf, uint64_t* epi_full, int t, int w, int lt) {
+  static_assert(E::WN == 256 && E::kRowBlocks == 1 && E::kDhSlots >= 1, "64 x 256 a warpgroup");
+  constexpr int kSlots = E::kDhSlots > 2 ? 2 : E::kDhSlots;
+  const Problem& p = prm.p;
+  int g, m0, n0;
+  tile_origin<E::TM, E::TN>(p, t, g, m0, n0);
+  if (E::kCoop) m0 += 64 * w;
+  auto load = [&](int q) {  // (lt 0)
+    uint8_t* const dst = buf + (q % kSlots) * 2 * kBoxBytes;
+    const bool in = n0 + 64 * q < p.N;
+    mbar_arrive_expect_tx(&epi_full[q % kSlots], in ? 2 * kBoxBytes : 0);
+    if (in) {
+      tma_load_3d(dst, &prm.gu, &epi_full[q % kSlots], n0 + 64 * q, m0, g);
+      tma_load_3d(dst + kBoxBytes, &prm.gu, &epi_full[q % kSlots], p.N + n0 + 64 * q, m0, g);
+    }
+  };
+  if (lt == 0) {
+    bulk_wait_read<0>();  // (the last tile's stores have read buf)
+    for (int q = 0; q < kSlots; q++) load(q);
+  }
+  const int lane = lt % 32, r = (lt / 32) * 16 + lane / 4, sw = r % 8;  // rows r and r + 8: the same swizzle
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    uint8_t* const dst = buf + (q % kSlots) * 2 * kBoxBytes;
+    wait_phase(&epi_full[q % kSlots], (q / kSlots) & 1, 4);
+    if (n0 + 64 * q < p.N) {
+      const uint32_t row_a = smem_addr(dst) + r * 128 + 4 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const uint32_t at = row_a + h * 8 * 128 + (j ^ sw) * 16;  // gate; up one box on
+          const int i = 4 * (8 * q + j) + 2 * h;
+          uint32_t dg2, du2;
+          swiglu_bwd_pair(ld_shared_b32(at), ld_shared_b32(at + kBoxBytes), acc[0][i], acc[0][i + 1], dg2, du2);
+          st_shared_b32(at, dg2);
+          st_shared_b32(at + kBoxBytes, du2);
+        }
+      fence_proxy_async_smem();
+    }
+    warpgroup_sync(1 + w);  // (also: every thread past the wait before lt 0 arms the slot again)
+    if (lt == 0) {
+      if (n0 + 64 * q < p.N) {
+        tma_store_3d(&prm.c, dst, n0 + 64 * q, m0, g);
+        tma_store_3d(&prm.c, dst + kBoxBytes, p.N + n0 + 64 * q, m0, g);
+        bulk_commit();
+      }
+      if (q + kSlots < 4) {
+        bulk_wait_read<0>();
+        load(q + kSlots);
+      }
+    }
+  }
+}
+
 // Consumer w (0 or 1): cooperative, 64 rows of every tile of the CTA; ping-pong, the
 // CTA's tiles i = w, w + 2, ..., its mainloop after the other's (turn[w]: the hand-over).
-template <class E>
+template <class E, bool kDh>
 __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint8_t* epi, uint64_t* full,
-                                        uint64_t* empty, uint64_t* turn, int w) {
+                                        uint64_t* empty, uint64_t* turn, uint64_t* epi_full, int w) {
   const Problem& p = prm.p;
   const int lt = threadIdx.x % 128;
   uint8_t* const buf = epi + w * E::kEpiBytes;
@@ -305,27 +400,31 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
     if (!E::kCoop && lt == 0) mbar_arrive(&turn[w ^ 1]);  // every wgmma of the tile issued
     wgmma_wait<0>();
     if (lt % 32 == 0) mbar_arrive(&empty[prev]);
-    store_wg_tile<E>(prm, acc, buf, t, w, lt);
+    if constexpr (kDh) dh_wg_tile<E>(prm, acc, buf, epi_full + 2 * w, t, w, lt);
+    else store_wg_tile<E>(prm, acc, buf, t, w, lt);
   }
   if (lt == 0) bulk_wait_all();  // the stores have read shared memory and are complete
 }
 
-template <class E>
+template <class E, bool kDh = false>
 __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __grid_constant__ Params prm) {
   extern __shared__ uint8_t smem_raw[];
   // stages [kStages][kStageBytes], the consumers' store buffers [2][kEpiBytes] (both
-  // 1024-byte aligned: the 128-byte swizzle), then full [kStages], empty [kStages], turn [2]
+  // 1024-byte aligned: the 128-byte swizzle), then full [kStages], empty [kStages], turn [2],
+  // epi_full [2][2] (--dh: each consumer's quarter slots)
   uint8_t* const stages = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   uint8_t* const epi = stages + E::kStages * E::kStageBytes;
   uint64_t* const full = reinterpret_cast<uint64_t*>(epi + 2 * E::kEpiBytes);
   uint64_t* const empty = full + E::kStages;
   uint64_t* const turn = empty + E::kStages;
+  uint64_t* const epi_full = turn + 2;
   if (threadIdx.x == 0) {
     for (int s = 0; s < E::kStages; s++) {
       mbar_init(&full[s], 1);                        // the producer's expect_tx; the bytes
       mbar_init(&empty[s], (E::kCoop ? 2 : 1) * 4);  // each warp of each consumer that reads it
     }
     mbar_init(&turn[0], 1), mbar_init(&turn[1], 1);
+    for (int i = 0; i < 4; i++) mbar_init(&epi_full[i], 1);
     fence_mbar_init();
   }
   __syncthreads();
@@ -335,7 +434,7 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
     if (threadIdx.x == 0) produce<E>(prm, stages, full, empty);
   } else {
     regs_inc<kConsumerRegs>();
-    consume<E>(prm, stages, epi, full, empty, turn, wg - 1);
+    consume<E, kDh>(prm, stages, epi, full, empty, turn, epi_full, wg - 1);
   }
 }
 
@@ -344,11 +443,12 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
 // megakernel), each tile's epilogue store_tile's bf16 TMA path.
 struct TilesParams {
   CUtensorMap a, b;  // [G M, K], [G N, K] bf16, boxes of 64 x kBoxRows
-  StoreMap c;        // [G M, N] (make_store_map's three maps)
+  StoreMap c;        // [G M, N] (make_store_map's three maps); --dh: d_a, [G M][2][N] (gate_up_map's)
+  CUtensorMap gu;    // --dh: gate|up, [G M][2][N], 64 x 1 x 128 boxes (the backward's m_arows_gu)
   bf16* c_base;
   Problem p;
 };
-template <int kBoxRows>
+template <int kBoxRows, bool kDh = false>
 __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_constant__ TilesParams prm) {
   Smem& sm = kernel_smem(0);
   const Problem& p = prm.p;
@@ -368,8 +468,14 @@ __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_co
         [&](int i, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           int g, m0, n0;
           tile_origin<BM, BN>(p, tile(i), g, m0, n0);
-          store_tile<kStoreBf16>(sm, acc, wg, w, l, m0, p.M, n0, p.N, prm.c_base + (size_t)g * p.M * p.N, p.N, &prm.c,
-                                 g * p.M + m0, spare);
+          if constexpr (kDh) {  // (rows as the map's: expert g's rows follow g - 1's)
+            const int row0 = g * p.M + m0;
+            swiglu_bwd_store(sm, acc, wg, w, l, row0, g * p.M + p.M, n0, p.N, &prm.gu, row0, &prm.c, row0,
+                             prm.c_base, spare);
+          } else {
+            store_tile<kStoreBf16>(sm, acc, wg, w, l, m0, p.M, n0, p.N, prm.c_base + (size_t)g * p.M * p.N, p.N,
+                                   &prm.c, g * p.M + m0, spare);
+          }
         });
   }
   if (threadIdx.x == 0) bulk_wait_all();
@@ -397,6 +503,19 @@ __global__ void __launch_bounds__(1024)
     __syncthreads();
   }
   if (m < M && n < N) ref[((size_t)g * M + m) * N + n] = acc;
+}
+
+// --dh: the reference d_a [G][M][2N] from the reference dh [G][M][N] and gate|up GU
+// [G][M][2N], through swiglu_bwd_pair's operations (fp32, before its bf16 rounding).
+__global__ void dh_reference_kernel(const float* dh, const bf16* gu, float* ref, size_t n, int N) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const size_t row = i / N, col = i % N;
+    const float gate = bf(gu[row * 2 * N + col]), up = bf(gu[row * 2 * N + N + col]), d = dh[i];
+    const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
+    const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
+    ref[row * 2 * N + col] = __fmul_rn(__fmul_rn(d, up), dsi);
+    ref[row * 2 * N + N + col] = __fmul_rn(d, si);
+  }
 }
 
 // The first i where c[i] is not within |c - ref| <= 1e-2 |ref| + atol (NaN: never), into *bad.
@@ -460,6 +579,21 @@ static void bf16_map_3d(CUtensorMap* map, const void* base, int G, int rows, int
     fprintf(stderr, "engine_gemm: cuTensorMapEncodeTiled failed (%d x %d x %d)\n", G, rows, cols), exit(1);
 }
 
+// make_gate_up_map's map (cuda_backend.cu) of the [rows, 2F] gate|up buffer at base, seen
+// as [rows][2][F], boxes of 64 x 1 x box_rows.
+static void gate_up_map(CUtensorMap* map, const void* base, int rows, int F, int box_rows) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+  const cuuint64_t dims[3] = {(cuuint64_t)F, 2, (cuuint64_t)rows}, strides[2] = {(cuuint64_t)F * 2, (cuuint64_t)F * 4};
+  const cuuint32_t box[3] = {64, 1, (cuuint32_t)box_rows}, elem[3] = {1, 1, 1};
+  if (reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)(
+          map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, elem,
+          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    fprintf(stderr, "engine_gemm: cuTensorMapEncodeTiled failed (gate|up %d x 2 x %d)\n", rows, F), exit(1);
+}
+
 // make_store_map's maps (cuda_backend.cu) of the [rows, cols] bf16 matrix at base: 128-
 // and 16-row boxes, and the pair map (two 64-column boxes in one store) where the
 // driver takes it.
@@ -483,12 +617,15 @@ struct Case {
   int G, M, N, K;
   double flops() const { return 2.0 * G * M * N * K; }
 };
+static bool g_dh = false;  // --dh: dh's GEMM with its SwiGLU backward epilogue (C = d_a, [G][M][2N])
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
-// first schedule's output) [G][M][N] bf16; ref [G][M][N] fp32; two result words.
+// first schedule's output) [G][M][N] bf16; ref [G][M][N] fp32; two result words. --dh:
+// C, C2, C0 and ref are d_a's [G][M][2N], GU gate|up [G][M][2N], ref_dh and C_dh (cuBLAS's
+// output) dh's [G][M][N].
 struct Buffers {
-  bf16 *A, *B, *C, *C2, *C0;
-  float* ref;
+  bf16 *A, *B, *C, *C2, *C0, *GU, *C_dh;
+  float *ref, *ref_dh;
   unsigned long long* word;
   size_t nc;
 };
@@ -527,17 +664,20 @@ static long long first_fault(const Buffers& b, Kernel k, Args... args) {
 
 // C against the reference; true when every element is within tolerance, else a line
 // naming the first bad one.
-static bool check_ref(const Case& c, const Buffers& b, const bf16* C, const char* who) {
-  const long long i =
-      first_fault(b, check_kernel, (const bf16*)C, (const float*)b.ref, b.nc, 1e-3f * sqrtf((float)c.K));
+// (dh_out: C is dh [G][M][N] against ref_dh, cuBLAS's under --dh)
+static bool check_ref(const Case& c, const Buffers& b, const bf16* C, const char* who, bool dh_out = false) {
+  const float* ref = dh_out ? b.ref_dh : b.ref;
+  const int cols = g_dh && !dh_out ? 2 * c.N : c.N;
+  const size_t n = (size_t)c.G * c.M * cols;
+  const long long i = first_fault(b, check_kernel, (const bf16*)C, ref, n, 1e-3f * sqrtf((float)c.K));
   if (i < 0) return true;
   bf16 v;
   float r;
   CK(cudaMemcpy(&v, C + i, sizeof v, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(&r, b.ref + i, sizeof r, cudaMemcpyDeviceToHost));
-  const long long mn = (long long)c.M * c.N;
+  CK(cudaMemcpy(&r, ref + i, sizeof r, cudaMemcpyDeviceToHost));
+  const long long mn = (long long)c.M * cols;
   printf("  %s: MISMATCH at index %lld (expert %lld, row %lld, column %lld): %g, reference %g\n", who, i, i / mn,
-         i % mn / c.N, i % c.N, (double)__bfloat162float(v), (double)r);
+         i % mn / cols, i % cols, (double)__bfloat162float(v), (double)r);
   return false;
 }
 static long long first_diff(const Buffers& b, const bf16* x, const bf16* y) {
@@ -586,39 +726,43 @@ static bool check_and_time(const Case& c, const Buffers& b, const char* who, int
   return true;
 }
 
-// Engine E on case c (check_and_time).
-template <class E>
+// Engine E on case c (check_and_time); kDh: --dh's epilogue (C is d_a).
+template <class E, bool kDh = false>
 static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
   Params prm;
   prm.p = tiled(c, E::TM, E::TN);
   bf16_map_3d(&prm.a, b.A, c.G, c.M, c.K);
   bf16_map_3d(&prm.b, b.B, c.G, c.N, c.K);
+  if (kDh) bf16_map_3d(&prm.gu, b.GU, c.G, c.M, 2 * c.N);
+  CK(cudaFuncSetAttribute(engine_gemm_kernel<E, kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, E::kSmemBytes));
   const int grid = prm.p.num_tiles < g_sms ? prm.p.num_tiles : g_sms;
   char who[64];
-  snprintf(who, sizeof who, "%s %dx%d", E::name(), E::TM, E::TN);
+  snprintf(who, sizeof who, "%s %dx%d%s", E::name(), E::TM, E::TN, kDh ? " dh" : "");
   auto launch = [&](bf16* C) {
-    bf16_map_3d(&prm.c, C, c.G, c.M, c.N);
-    engine_gemm_kernel<E><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
+    bf16_map_3d(&prm.c, C, c.G, c.M, kDh ? 2 * c.N : c.N);
+    engine_gemm_kernel<E, kDh><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
   };
   auto timed_out = [&] {
     unsigned long long to = 0;
     CK(cudaMemcpyFromSymbol(&to, g_timeout, sizeof to));
     if (!to) return false;
-    printf("  %s: an mbarrier wait timed out (role %llu: 1 producer empty, 2 consumer full, 3 turn; block %llu)\n",
+    printf("  %s: an mbarrier wait timed out (role %llu: 1 producer empty, 2 consumer full, 3 turn, 4 dh loads; "
+           "block %llu)\n",
            who, to >> 32, to & 0xffffffffull);
     const unsigned long long zero = 0;
     CK(cudaMemcpyToSymbol(g_timeout, &zero, sizeof zero));
     return true;
   };
   return check_and_time(c, b, who, E::kStages, cublas_ms, have_first, launch, timed_out,
-                        [&] { engine_gemm_kernel<E><<<grid, kEngineThreads, E::kSmemBytes>>>(prm); });
+                        [&] { engine_gemm_kernel<E, kDh><<<grid, kEngineThreads, E::kSmemBytes>>>(prm); });
 }
 
-// The control (tiles_gemm_kernel, maps of kBoxRows-row boxes) on case c (check_and_time).
-template <int kBoxRows>
+// The control (tiles_gemm_kernel, maps of kBoxRows-row boxes) on case c (check_and_time);
+// kDh: with swiglu_bwd_store (C is d_a).
+template <int kBoxRows, bool kDh = false>
 static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
   char who[64];
-  snprintf(who, sizeof who, "gemm_tiles %d-row boxes", kBoxRows);
+  snprintf(who, sizeof who, "gemm_tiles %d-row boxes%s", kBoxRows, kDh ? " dh" : "");
   if (c.N % 64) {
     printf("  %-24s not run: N %% 64 != 0 (the CUDA backend's rule for H and F)\n", who);
     return true;
@@ -628,16 +772,23 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
   if (!bf16_map("engine_gemm", &prm.a, b.A, c.G * c.M, c.K, kBoxRows) ||
       !bf16_map("engine_gemm", &prm.b, b.B, c.G * c.N, c.K, kBoxRows))
     exit(1);
+  if (kDh) gate_up_map(&prm.gu, b.GU, c.G * c.M, c.N, BM);
   const int grid = prm.p.num_tiles < g_sms ? prm.p.num_tiles : g_sms;
   const int smem = (int)sizeof(Smem) + 1024;
-  CK(cudaFuncSetAttribute(tiles_gemm_kernel<kBoxRows>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CK(cudaFuncSetAttribute(tiles_gemm_kernel<kBoxRows, kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   auto launch = [&](bf16* C) {
-    store_maps(&prm.c, C, c.G * c.M, c.N);
+    if (kDh) {  // (make_gate_up_store_map's: no pair map)
+      memset(&prm.c, 0, sizeof prm.c);
+      gate_up_map(&prm.c.full, C, c.G * c.M, c.N, BM);
+      gate_up_map(&prm.c.part, C, c.G * c.M, c.N, kStoreRows);
+    } else {
+      store_maps(&prm.c, C, c.G * c.M, c.N);
+    }
     prm.c_base = C;
-    tiles_gemm_kernel<kBoxRows><<<grid, kThreads, smem>>>(prm);
+    tiles_gemm_kernel<kBoxRows, kDh><<<grid, kThreads, smem>>>(prm);
   };
   return check_and_time(c, b, who, kStages, cublas_ms, have_first, launch, [] { return false; },
-                        [&] { tiles_gemm_kernel<kBoxRows><<<grid, kThreads, smem>>>(prm); });
+                        [&] { tiles_gemm_kernel<kBoxRows, kDh><<<grid, kThreads, smem>>>(prm); });
 }
 
 // C = A B^T for every expert: cuBLAS is column-major, so it computes C^T (N x M, ld N) =
@@ -665,10 +816,12 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick"))
       quick = true;
+    else if (!strcmp(argv[i], "--dh"))
+      g_dh = true;
     else if (!strcmp(argv[i], "--case") && i + 1 < argc)
       only = argv[++i];
     else
-      return fprintf(stderr, "usage: engine_gemm [--quick] [--case SUBSTRING]\n"), 2;
+      return fprintf(stderr, "usage: engine_gemm [--quick] [--dh] [--case SUBSTRING]\n"), 2;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -687,8 +840,19 @@ int main(int argc, char** argv) {
                           {"mixtral-8x7b", 8192, 4096, 14336, 8, 2},
                           {"deepseek-v3", 8192, 7168, 2048, 256, 8}};
   std::vector<Case> cases;
-  cases.push_back({"tails", 3, 300, 904, 1000});
-  if (!quick) {
+  if (g_dh) {  // dh = dy_rows w2[e]: M = T K / E, N = F, K = H (tails: N a multiple of 64)
+    cases.push_back({"tails dh", 3, 300, 960, 1000});
+    for (const Layer& l : layers) {
+      if (quick) break;
+      Case dh{};
+      snprintf(dh.name, sizeof dh.name, "%s dh", l.name);
+      dh.G = l.E, dh.M = l.T * l.K / l.E, dh.N = l.F, dh.K = l.H;
+      cases.push_back(dh);
+    }
+  } else {
+    cases.push_back({"tails", 3, 300, 904, 1000});
+  }
+  if (!quick && !g_dh) {
     for (const Layer& l : layers) {
       const int M = l.T * l.K / l.E;
       Case up{}, down{};
@@ -721,7 +885,8 @@ int main(int argc, char** argv) {
     fflush(stdout);
     Buffers b{};
     const size_t na = (size_t)c.G * c.M * c.K, nb = (size_t)c.G * c.N * c.K;
-    b.nc = (size_t)c.G * c.M * c.N;
+    const size_t ndh = (size_t)c.G * c.M * c.N;
+    b.nc = g_dh ? 2 * ndh : ndh;
     CK(cudaMalloc(&b.A, na * 2));
     CK(cudaMalloc(&b.B, nb * 2));
     CK(cudaMalloc(&b.C, b.nc * 2));
@@ -731,24 +896,41 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&b.word, sizeof(unsigned long long)));
     fill_kernel<<<g_sms * 8, 256>>>(b.A, na, 1);
     fill_kernel<<<g_sms * 8, 256>>>(b.B, nb, 2);
-    reference_kernel<<<dim3((c.N + 31) / 32, (c.M + 31) / 32, c.G), dim3(32, 32)>>>(b.A, b.B, b.ref, c.M, c.N, c.K);
+    if (g_dh) {  // the reference dh, then d_a from it and gate|up
+      CK(cudaMalloc(&b.GU, b.nc * 2));
+      CK(cudaMalloc(&b.C_dh, ndh * 2));
+      CK(cudaMalloc(&b.ref_dh, ndh * 4));
+      fill_kernel<<<g_sms * 8, 256>>>(b.GU, b.nc, 3);
+      reference_kernel<<<dim3((c.N + 31) / 32, (c.M + 31) / 32, c.G), dim3(32, 32)>>>(b.A, b.B, b.ref_dh, c.M, c.N,
+                                                                                      c.K);
+      dh_reference_kernel<<<g_sms * 8, 256>>>(b.ref_dh, b.GU, b.ref, ndh, c.N);
+    } else {
+      reference_kernel<<<dim3((c.N + 31) / 32, (c.M + 31) / 32, c.G), dim3(32, 32)>>>(b.A, b.B, b.ref, c.M, c.N, c.K);
+    }
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
 
-    CK(cudaMemset(b.C, 0xff, b.nc * 2));
-    cublas_gemm(handle, c, b, b.C);
+    bf16* const C_peer = g_dh ? b.C_dh : b.C;  // (--dh: cuBLAS's dh alone, no epilogue)
+    CK(cudaMemset(C_peer, 0xff, ndh * 2));
+    cublas_gemm(handle, c, b, C_peer);
     CK(cudaDeviceSynchronize());
-    const bool peer_ok = check_ref(c, b, b.C, "cuBLAS");
-    const double peer_ms = launch_ms([&] { cublas_gemm(handle, c, b, b.C); });
-    printf("  %-24s %9s %8.3f ms %7.1f TFLOP/s%s\n", "cuBLAS", "", peer_ms, c.flops() / peer_ms * 1e-9,
-           peer_ok ? "  (checked)" : "");
+    const bool peer_ok = check_ref(c, b, C_peer, g_dh ? "cuBLAS (dh alone)" : "cuBLAS", g_dh);
+    const double peer_ms = launch_ms([&] { cublas_gemm(handle, c, b, C_peer); });
+    printf("  %-24s %9s %8.3f ms %7.1f TFLOP/s%s\n", g_dh ? "cuBLAS (dh alone)" : "cuBLAS", "", peer_ms,
+           c.flops() / peer_ms * 1e-9, peer_ok ? "  (checked)" : "");
     failed += !peer_ok;
     bool have_first = false;
-    failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
-    failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
-    failed += !run_engine<PingPong64>(c, b, peer_ms, have_first);
-    failed += !run_tiles<64>(c, b, peer_ms, have_first);
-    failed += !run_tiles<128>(c, b, peer_ms, have_first);
+    if (g_dh) {  // the control first: the others' bits are compared with the step's epilogue
+      failed += !run_tiles<128, true>(c, b, peer_ms, have_first);
+      failed += !run_engine<Cooperative, true>(c, b, peer_ms, have_first);
+      failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
+    } else {
+      failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
+      failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
+      failed += !run_engine<PingPong64>(c, b, peer_ms, have_first);
+      failed += !run_tiles<64>(c, b, peer_ms, have_first);
+      failed += !run_tiles<128>(c, b, peer_ms, have_first);
+    }
     fflush(stdout);
     CK(cudaFree(b.A));
     CK(cudaFree(b.B));
@@ -757,6 +939,11 @@ int main(int argc, char** argv) {
     CK(cudaFree(b.C0));
     CK(cudaFree(b.ref));
     CK(cudaFree(b.word));
+    if (g_dh) {
+      CK(cudaFree(b.GU));
+      CK(cudaFree(b.C_dh));
+      CK(cudaFree(b.ref_dh));
+    }
   }
   CKB(cublasDestroy(handle));
   printf(failed ? "engine_gemm: %d checks FAILED\n" : "engine_gemm: every check passed\n", failed);
