@@ -53,14 +53,16 @@
 // beside the other's mainloop, pay where the epilogue is this heavy (dh: about a third
 // of thread 0's cycles in the step), when it did not for plain stores? Schedules:
 // cooperative 128x256 (a consumer's 16 KB buffer holds one quarter: each quarter's loads
-// after the last one's stores), ping-pong 64x256 (32 KB: two quarters, the next loads
-// under this one's arithmetic) and the control, gemm_tiles with swiglu_bwd_store itself
+// after the last one's stores), ping-pong 64x256 and 128x128 (32 KB: two 64 x 64 units,
+// the next loads under this one's arithmetic) and the control, gemm_tiles with swiglu_bwd_store itself
 // (quarters double-buffered through the spare stage, as in the step). The reference:
 // the fp32 reference dh through the same operations; every schedule must give the
 // control's bits. N a multiple of 64 (F's rule).
 // A failed check prints the first bad element; the program goes on and exits non-zero.
 // A wait that hangs (over 2 s) is reported with its role and block, and the launch ends.
-//   make micro && build/micro/engine_gemm [--quick] [--dh] [--case SUBSTRING]
+// --dh-plain: dh's shapes with the plain epilogue (C = dh), for what the SwiGLU backward
+// adds to each schedule.
+//   make micro && build/micro/engine_gemm [--quick] [--dh | --dh-plain] [--case SUBSTRING]
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -299,28 +301,32 @@ __device__ __forceinline__ void swiglu_bwd_pair(uint32_t g2, uint32_t u2, float 
   dg2 = pack_bf16x2(dg[0], dg[1]), du2 = pack_bf16x2(du[0], du[1]);
 }
 
-// --dh: a consumer's 64 x 256 dh tile out as d_a, quarter q (columns 64 q ..) at a time
-// through slot q % kDhSlots of buf (a gate box, then an up box, 8 KB each; epi_full
-// [slot] completes once a use, kDhSlots uses a tile an even count, so use u waits for
-// parity u & 1): thread lt 0 loads the quarter's gate and up boxes, every thread turns
-// the words under its accumulators into d_a in place, lt 0 stores both boxes. With two
-// slots quarter q + 2's loads go out once quarter q's stores have read the slot.
+// --dh: a consumer's dh tile (64 x 256, or 128 x 128 as two 64-row blocks) out as d_a,
+// in four units of 64 rows x 64 columns (unit u: quarter u of 64 x 256; column half u / 2
+// of row block u % 2 of 128 x 128), unit u through slot u % kSlots of buf (a gate box,
+// then an up box, 8 KB each; epi_full[slot] completes once a use, 4 / kSlots uses a tile,
+// an even count, so use v of a slot in a tile waits for parity v & 1): thread lt 0 loads
+// the unit's gate and up boxes, every thread turns the words under its accumulators into
+// d_a in place, lt 0 stores both boxes. With two slots unit u + 2's loads go out once
+// unit u's stores have read the slot.
 template <class E>
 __device__ __forceinline__ void dh_wg_tile(const Params& prm, const float (&acc)[E::kRowBlocks][E::WN / 2],
                                            uint8_t* buf, uint64_t* epi_full, int t, int w, int lt) {
-  static_assert(E::WN == 256 && E::kRowBlocks == 1 && E::kDhSlots >= 1, "64 x 256 a warpgroup");
+  static_assert(E::WN * E::kRowBlocks == 256 && E::kDhSlots >= 1, "64 x 256 or 128 x 128 a warpgroup");
   constexpr int kSlots = E::kDhSlots > 2 ? 2 : E::kDhSlots;
   const Problem& p = prm.p;
   int g, m0, n0;
   tile_origin<E::TM, E::TN>(p, t, g, m0, n0);
   if (E::kCoop) m0 += 64 * w;
-  auto load = [&](int q) {  // (lt 0)
-    uint8_t* const dst = buf + (q % kSlots) * 2 * kBoxBytes;
-    const bool in = n0 + 64 * q < p.N;
-    mbar_arrive_expect_tx(&epi_full[q % kSlots], in ? 2 * kBoxBytes : 0);
+  constexpr int kQuarters = E::WN / 64;  // (unit u: column quarter u % kQuarters, row block u / kQuarters)
+  auto load = [&](int u) {  // (lt 0)
+    uint8_t* const dst = buf + (u % kSlots) * 2 * kBoxBytes;
+    const int n = n0 + 64 * (u % kQuarters), m = m0 + 64 * (u / kQuarters);
+    const bool in = n < p.N;
+    mbar_arrive_expect_tx(&epi_full[u % kSlots], in ? 2 * kBoxBytes : 0);
     if (in) {
-      tma_load_3d(dst, &prm.gu, &epi_full[q % kSlots], n0 + 64 * q, m0, g);
-      tma_load_3d(dst + kBoxBytes, &prm.gu, &epi_full[q % kSlots], p.N + n0 + 64 * q, m0, g);
+      tma_load_3d(dst, &prm.gu, &epi_full[u % kSlots], n, m, g);
+      tma_load_3d(dst + kBoxBytes, &prm.gu, &epi_full[u % kSlots], p.N + n, m, g);
     }
   };
   if (lt == 0) {
@@ -329,10 +335,11 @@ __device__ __forceinline__ void dh_wg_tile(const Params& prm, const float (&acc)
   }
   const int lane = lt % 32, r = (lt / 32) * 16 + lane / 4, sw = r % 8;  // rows r and r + 8: the same swizzle
 #pragma unroll
-  for (int q = 0; q < 4; q++) {
-    uint8_t* const dst = buf + (q % kSlots) * 2 * kBoxBytes;
-    wait_phase(&epi_full[q % kSlots], (q / kSlots) & 1, 4);
-    if (n0 + 64 * q < p.N) {
+  for (int u = 0; u < 4; u++) {
+    const int q = u % kQuarters, rb = u / kQuarters, n = n0 + 64 * q;
+    uint8_t* const dst = buf + (u % kSlots) * 2 * kBoxBytes;
+    wait_phase(&epi_full[u % kSlots], (u / kSlots) & 1, 4);
+    if (n < p.N) {
       const uint32_t row_a = smem_addr(dst) + r * 128 + 4 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < 8; j++)
@@ -341,7 +348,7 @@ __device__ __forceinline__ void dh_wg_tile(const Params& prm, const float (&acc)
           const uint32_t at = row_a + h * 8 * 128 + (j ^ sw) * 16;  // gate; up one box on
           const int i = 4 * (8 * q + j) + 2 * h;
           uint32_t dg2, du2;
-          swiglu_bwd_pair(ld_shared_b32(at), ld_shared_b32(at + kBoxBytes), acc[0][i], acc[0][i + 1], dg2, du2);
+          swiglu_bwd_pair(ld_shared_b32(at), ld_shared_b32(at + kBoxBytes), acc[rb][i], acc[rb][i + 1], dg2, du2);
           st_shared_b32(at, dg2);
           st_shared_b32(at + kBoxBytes, du2);
         }
@@ -349,14 +356,14 @@ __device__ __forceinline__ void dh_wg_tile(const Params& prm, const float (&acc)
     }
     warpgroup_sync(1 + w);  // (also: every thread past the wait before lt 0 arms the slot again)
     if (lt == 0) {
-      if (n0 + 64 * q < p.N) {
-        tma_store_3d(&prm.c, dst, n0 + 64 * q, m0, g);
-        tma_store_3d(&prm.c, dst + kBoxBytes, p.N + n0 + 64 * q, m0, g);
+      if (n < p.N) {
+        tma_store_3d(&prm.c, dst, n, m0 + 64 * rb, g);
+        tma_store_3d(&prm.c, dst + kBoxBytes, p.N + n, m0 + 64 * rb, g);
         bulk_commit();
       }
-      if (q + kSlots < 4) {
+      if (u + kSlots < 4) {
         bulk_wait_read<0>();
-        load(q + kSlots);
+        load(u + kSlots);
       }
     }
   }
@@ -618,6 +625,7 @@ struct Case {
   double flops() const { return 2.0 * G * M * N * K; }
 };
 static bool g_dh = false;  // --dh: dh's GEMM with its SwiGLU backward epilogue (C = d_a, [G][M][2N])
+static bool g_dh_shapes = false;  // --dh and --dh-plain (dh's shapes, the plain bf16 epilogue: C = dh)
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
 // first schedule's output) [G][M][N] bf16; ref [G][M][N] fp32; two result words. --dh:
@@ -817,11 +825,13 @@ int main(int argc, char** argv) {
     if (!strcmp(argv[i], "--quick"))
       quick = true;
     else if (!strcmp(argv[i], "--dh"))
-      g_dh = true;
+      g_dh = g_dh_shapes = true;
+    else if (!strcmp(argv[i], "--dh-plain"))
+      g_dh_shapes = true;
     else if (!strcmp(argv[i], "--case") && i + 1 < argc)
       only = argv[++i];
     else
-      return fprintf(stderr, "usage: engine_gemm [--quick] [--dh] [--case SUBSTRING]\n"), 2;
+      return fprintf(stderr, "usage: engine_gemm [--quick] [--dh | --dh-plain] [--case SUBSTRING]\n"), 2;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -840,7 +850,7 @@ int main(int argc, char** argv) {
                           {"mixtral-8x7b", 8192, 4096, 14336, 8, 2},
                           {"deepseek-v3", 8192, 7168, 2048, 256, 8}};
   std::vector<Case> cases;
-  if (g_dh) {  // dh = dy_rows w2[e]: M = T K / E, N = F, K = H (tails: N a multiple of 64)
+  if (g_dh_shapes) {  // dh = dy_rows w2[e]: M = T K / E, N = F, K = H (tails: N a multiple of 64)
     cases.push_back({"tails dh", 3, 300, 960, 1000});
     for (const Layer& l : layers) {
       if (quick) break;
@@ -852,7 +862,7 @@ int main(int argc, char** argv) {
   } else {
     cases.push_back({"tails", 3, 300, 904, 1000});
   }
-  if (!quick && !g_dh) {
+  if (!quick && !g_dh_shapes) {
     for (const Layer& l : layers) {
       const int M = l.T * l.K / l.E;
       Case up{}, down{};
@@ -923,6 +933,7 @@ int main(int argc, char** argv) {
     if (g_dh) {  // the control first: the others' bits are compared with the step's epilogue
       failed += !run_tiles<128, true>(c, b, peer_ms, have_first);
       failed += !run_engine<Cooperative, true>(c, b, peer_ms, have_first);
+      failed += !run_engine<PingPong128, true>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
     } else {
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
