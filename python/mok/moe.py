@@ -200,10 +200,15 @@ class MoE(nn.Module):
     # -- parameters --
     def reset_parameters(self):
         """nn.Linear's initialisation of each [out, in] matrix and bias: U(-1/sqrt(in),
-        1/sqrt(in)). With world_size > 1 every rank draws all E experts and keeps its own,
-        so that the same seed gives the weights of world_size = 1."""
+        1/sqrt(in)). The experts' tensors are drawn one expert at a time, in expert order,
+        through a temporary of one expert's size (fp32, or fp64 with exact): with
+        world_size > 1 every rank draws all E experts and keeps its own, so that the same
+        seed gives the weights of world_size = 1, without a temporary of all E experts on
+        every rank (kimi-k2's w13 alone: 45 GB in fp32)."""
         c = self.config
         fan_ins = {"b_router": c.hidden, "b13": c.hidden, "b2": c.ffn, "w_sg": c.hidden}
+        dtype = torch.float64 if c.exact else torch.float32
+        first = c.rank * c.local_experts  # (this rank's first expert: 0 at world_size 1)
         with torch.no_grad():
             for name in _WEIGHTS:
                 p = getattr(self, name)
@@ -211,13 +216,13 @@ class MoE(nn.Module):
                     continue
                 fan_in = fan_ins.get(name, p.shape[-1])
                 bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-                experts = name in _EXPERTS and c.world_size > 1
-                shape = (c.num_experts,) + tuple(p.shape[1:]) if experts else p.shape
-                tmp = torch.empty(shape, dtype=torch.float64 if c.exact else torch.float32, device=p.device)
-                nn.init.uniform_(tmp, -bound, bound)
-                if experts:
-                    tmp = tmp[c.rank * c.local_experts:(c.rank + 1) * c.local_experts]
-                p.copy_(tmp)
+                if name not in _EXPERTS:
+                    p.copy_(nn.init.uniform_(torch.empty(p.shape, dtype=dtype, device=p.device), -bound, bound))
+                    continue
+                for e in range(c.num_experts):
+                    tmp = nn.init.uniform_(torch.empty(p.shape[1:], dtype=dtype, device=p.device), -bound, bound)
+                    if first <= e < first + p.shape[0]:
+                        p[e - first].copy_(tmp)
 
     def _link_main_grads(self):
         for name in _WEIGHTS:

@@ -333,6 +333,42 @@ def test_expert_parallel_configs():
         moe_forward(x, torch.zeros(8, H, dtype=torch.bfloat16), w13, w2, None, None, config=c)
 
 
+def test_rank_init_is_a_slice_of_the_whole(monkeypatch):
+    """reset_parameters draws the experts one at a time, in order, on every rank: a
+    rank's experts under a seed are world_size = 1's experts of that rank, bit for bit
+    (w13, w2 and the expert biases), the replicated weights are world_size = 1's, and no
+    temporary holds more than one expert's tensor (or a replicated weight)."""
+    E8, W = 8, 4
+    torch.manual_seed(21)
+    one = mok.MoE(H, F, E8, 2, expert_bias=True, router_bias=True)
+    for rank in range(W):
+        torch.manual_seed(21)
+        layer = mok.MoE(H, F, E8, 2, expert_bias=True, router_bias=True)
+        # the rank's config and tensors, as a process_group layer has them (CPU: no context is made)
+        layer.config = dataclasses.replace(layer.config, world_size=W, rank=rank, comm_id="00" * 128, max_tokens=64)
+        El = layer.config.local_experts
+        for name in ("w13", "w2", "b13", "b2"):
+            p = getattr(layer, name)
+            setattr(layer, name, torch.nn.Parameter(torch.full((El,) + tuple(p.shape[1:]), float("nan"), dtype=p.dtype)))
+        torch.manual_seed(21)
+        sizes, empty = [], torch.empty
+
+        def recorded_empty(*args, **kw):
+            t = empty(*args, **kw)
+            sizes.append(t.numel())
+            return t
+
+        monkeypatch.setattr(torch, "empty", recorded_empty)
+        layer.reset_parameters()
+        monkeypatch.undo()
+        assert max(sizes) == max(2 * F * H, E8 * H), sizes  # (w13's expert, w_router)
+        mine = slice(rank * El, (rank + 1) * El)
+        for name in ("w13", "w2", "b13", "b2"):
+            assert torch.equal(getattr(layer, name), getattr(one, name)[mine]), (rank, name)
+        for name in ("w_router", "b_router"):
+            assert torch.equal(getattr(layer, name), getattr(one, name)), (rank, name)
+
+
 def test_cuda_is_a_clear_error_not_a_copy():
     """Without a GPU, a context for CUDA tensors fails with the library's
     MOK_STATUS_BACKEND_UNAVAILABLE (mok never copies to the CPU)."""
