@@ -62,7 +62,20 @@
 // A wait that hangs (over 2 s) is reported with its role and block, and the launch ends.
 // --dh-plain: dh's shapes with the plain epilogue (C = dh), for what the SwiGLU backward
 // adds to each schedule.
-//   make micro && build/micro/engine_gemm [--quick] [--dh | --dh-plain] [--case SUBSTRING]
+// --gather: the question after --dh (docs/PERF.md, 2026-12-05 fourth session): can the
+// producer warpgroup gather A's rows by index (Hopper's TMA has no row gather) at TMA's
+// rate, so that the megakernel's GEMMs read x and dy where they are instead of rows that
+// DISPATCH and DG copied? A's logical row i (expert g, row m: i = g M + m) is row
+// rows[i] of X [G M][K], a random permutation (X holds A's rows scattered there). The
+// producer's 128 threads each copy 16-byte chunks with cp.async (zeros past the expert's
+// rows or K), a K block of a 128-row tile 8 a thread; B stays TMA's. A stage's copies
+// are seen by the consumers through its full barrier's second arrival, made by thread 0
+// once every producer thread has waited for them (cp.async.wait_group, two stages
+// behind the newest), fenced them for the async proxy and met at a barrier. The
+// cooperative and ping-pong 128x128 engines, each with TMA A and with gathered A, and the
+// control; every one must give the first's bits. (Written and compiled 2026-12-05 with no
+// device time left: not yet run.)
+//   make micro && build/micro/engine_gemm [--quick] [--dh | --dh-plain | --gather] [--case SUBSTRING]
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -70,6 +83,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "micro_host.h"
@@ -121,6 +135,8 @@ struct Problem {
 struct Params {
   CUtensorMap a, b, c;  // [G][M][K], [G][N][K], [G][M][N] bf16; boxes of 64 x 64, 128-byte swizzle
   CUtensorMap gu;       // --dh: [G][M][2N] gate|up (C is then d_a, [G][M][2N])
+  const bf16* x;        // --gather: A's rows scattered, [G M][K] (row rows[i] holds A's row i)
+  const int* rows;      // --gather: [G M]
   Problem p;
 };
 
@@ -234,6 +250,68 @@ __device__ __forceinline__ void produce(const Params& prm, uint8_t* stages, uint
       if (++s == E::kStages) s = 0, ph ^= 1;
     }
   }
+}
+
+// 16 bytes from global to shared memory through cp.async, src_bytes of them read (the
+// rest zeros: 0 for a chunk past the expert's rows or K).
+__device__ __forceinline__ void cp_async_16_fill(uint32_t saddr, const void* gmem, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes) : "memory");
+}
+
+// --gather's producer (all 128 threads of warpgroup 0, lt its thread): the ring as
+// produce's, A's rows copied by index (E::TM rows x 8 chunks a K block: chunk j = lt + 128
+// q is row j / 8, chunk j % 8, at chunk j % 8 ^ row % 8 of its 128-byte row in the
+// swizzled box), B by TMA from thread 0. full[s] takes two arrivals: thread 0's
+// expect_tx for B, then, kLag positions later, thread 0's once every thread has waited
+// for its copies of the position (cp.async groups, one a position), fenced them for the
+// tensor core's reads (async proxy) and met at named barrier 3.
+template <class E>
+__device__ __forceinline__ void produce_gather(const Params& prm, uint8_t* stages, uint64_t* full, uint64_t* empty,
+                                               int lt) {
+  constexpr int kLag = 2, kChunks = E::TM * 8 / 128;
+  static_assert(kLag < E::kStages, "a position completes before its stage comes round again");
+  const Problem& p = prm.p;
+  auto complete = [&](uint32_t j) {  // position j's copies have landed (this thread's: waited for)
+    fence_proxy_async_smem();
+    asm volatile("bar.sync 3, 128;" ::: "memory");
+    if (lt == 0) mbar_arrive(&full[j % E::kStages]);
+  };
+  uint32_t i = 0;  // ring position: K block kb of the CTA's n-th tile
+  for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+    int g, m0, n0;
+    tile_origin<E::TM, E::TN>(p, t, g, m0, n0);
+    const int b_boxes = min(E::kBBoxes, (p.N - n0 + 63) / 64);
+    for (int kb = 0; kb < p.num_kb; kb++, i++) {
+      const uint32_t s = i % E::kStages, ph = (i / E::kStages) & 1;
+      // (a timed-out wait copies nothing but goes on, so that every thread meets every
+      // barrier 3 and the launch ends)
+      const bool ok = wait_phase(&empty[s], ph ^ 1, 1);
+      uint8_t* const dst = stages + s * E::kStageBytes;
+      if (lt == 0 && ok) {
+        mbar_arrive_expect_tx(&full[s], (uint32_t)b_boxes * kBoxBytes);
+#pragma unroll
+        for (int b = 0; b < E::kBBoxes; b++)
+          if (b < b_boxes) tma_load_3d(dst + (E::kABoxes + b) * kBoxBytes, &prm.b, &full[s], kb * BK, n0 + 64 * b, g);
+      }
+      const int c = lt % 8, k = kb * BK + 8 * c;
+#pragma unroll 4
+      for (int q = 0; q < kChunks; q++) {
+        const int r = lt / 8 + 16 * q, m = m0 + r;
+        const bool in = m < p.M && k < p.K;
+        const bf16* src = in ? prm.x + (size_t)__ldg(prm.rows + (size_t)g * p.M + m) * p.K + k : prm.x;
+        if (ok)
+          cp_async_16_fill(smem_addr(dst + (r / 64) * kBoxBytes + (r % 64) * 128 + ((c ^ (r % 8)) * 16)), src,
+                           in ? 16 : 0);
+      }
+      cp_async_commit();
+      if (i >= kLag) {
+        cp_async_wait_group<kLag>();
+        complete(i - kLag);
+      }
+    }
+  }
+  cp_async_wait_all();
+  for (uint32_t j = i > kLag ? i - kLag : 0; j < i; j++) complete(j);
 }
 
 // The packed bf16 pair of accumulators 4i + 2h, + 1 (row half h, chunk i of 8 columns).
@@ -413,7 +491,7 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
   if (lt == 0) bulk_wait_all();  // the stores have read shared memory and are complete
 }
 
-template <class E, bool kDh = false>
+template <class E, bool kDh = false, bool kGather = false>
 __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __grid_constant__ Params prm) {
   extern __shared__ uint8_t smem_raw[];
   // stages [kStages][kStageBytes], the consumers' store buffers [2][kEpiBytes] (both
@@ -427,7 +505,7 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
   uint64_t* const epi_full = turn + 2;
   if (threadIdx.x == 0) {
     for (int s = 0; s < E::kStages; s++) {
-      mbar_init(&full[s], 1);                        // the producer's expect_tx; the bytes
+      mbar_init(&full[s], kGather ? 2 : 1);          // the producer's expect_tx; the bytes (--gather: and A's)
       mbar_init(&empty[s], (E::kCoop ? 2 : 1) * 4);  // each warp of each consumer that reads it
     }
     mbar_init(&turn[0], 1), mbar_init(&turn[1], 1);
@@ -438,7 +516,8 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dec<kProducerRegs>();
-    if (threadIdx.x == 0) produce<E>(prm, stages, full, empty);
+    if (kGather) produce_gather<E>(prm, stages, full, empty, threadIdx.x);
+    else if (threadIdx.x == 0) produce<E>(prm, stages, full, empty);
   } else {
     regs_inc<kConsumerRegs>();
     consume<E, kDh>(prm, stages, epi, full, empty, turn, epi_full, wg - 1);
@@ -537,6 +616,11 @@ __global__ void same_bits_kernel(const uint16_t* x, const uint16_t* y, size_t n,
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
     if (x[i] != y[i]) atomicMin(diff, (unsigned long long)i);
 }
+// --gather: X's row rows[i] = A's row i ([G M] rows of K).
+__global__ void scatter_rows_kernel(const bf16* A, const int* rows, bf16* X, size_t n_rows, int K) {
+  for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n_rows * K; e += (size_t)gridDim.x * blockDim.x)
+    X[(size_t)rows[e / K] * K + e % K] = A[e];
+}
 // x[i] uniform in [-1, 1) (splitmix64 of i and seed), rounded to bf16.
 __global__ void fill_kernel(bf16* x, size_t n, uint64_t seed) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -626,13 +710,15 @@ struct Case {
 };
 static bool g_dh = false;  // --dh: dh's GEMM with its SwiGLU backward epilogue (C = d_a, [G][M][2N])
 static bool g_dh_shapes = false;  // --dh and --dh-plain (dh's shapes, the plain bf16 epilogue: C = dh)
+static bool g_gather = false;     // --gather: A's rows gathered by the producer (cp.async)
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
 // first schedule's output) [G][M][N] bf16; ref [G][M][N] fp32; two result words. --dh:
 // C, C2, C0 and ref are d_a's [G][M][2N], GU gate|up [G][M][2N], ref_dh and C_dh (cuBLAS's
 // output) dh's [G][M][N].
 struct Buffers {
-  bf16 *A, *B, *C, *C2, *C0, *GU, *C_dh;
+  bf16 *A, *B, *C, *C2, *C0, *GU, *C_dh, *X;
+  int* rows;  // --gather: X's row of A's row i (X [G M][K])
   float *ref, *ref_dh;
   unsigned long long* word;
   size_t nc;
@@ -734,21 +820,24 @@ static bool check_and_time(const Case& c, const Buffers& b, const char* who, int
   return true;
 }
 
-// Engine E on case c (check_and_time); kDh: --dh's epilogue (C is d_a).
-template <class E, bool kDh = false>
+// Engine E on case c (check_and_time); kDh: --dh's epilogue (C is d_a); kGather: A's rows
+// gathered from b.X through b.rows by the producer.
+template <class E, bool kDh = false, bool kGather = false>
 static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
   Params prm;
+  prm.x = b.X, prm.rows = b.rows;
   prm.p = tiled(c, E::TM, E::TN);
   bf16_map_3d(&prm.a, b.A, c.G, c.M, c.K);
   bf16_map_3d(&prm.b, b.B, c.G, c.N, c.K);
   if (kDh) bf16_map_3d(&prm.gu, b.GU, c.G, c.M, 2 * c.N);
-  CK(cudaFuncSetAttribute(engine_gemm_kernel<E, kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, E::kSmemBytes));
+  CK(cudaFuncSetAttribute(engine_gemm_kernel<E, kDh, kGather>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          E::kSmemBytes));
   const int grid = prm.p.num_tiles < g_sms ? prm.p.num_tiles : g_sms;
   char who[64];
-  snprintf(who, sizeof who, "%s %dx%d%s", E::name(), E::TM, E::TN, kDh ? " dh" : "");
+  snprintf(who, sizeof who, "%s %dx%d%s", E::name(), E::TM, E::TN, kDh ? " dh" : kGather ? " gather" : "");
   auto launch = [&](bf16* C) {
     bf16_map_3d(&prm.c, C, c.G, c.M, kDh ? 2 * c.N : c.N);
-    engine_gemm_kernel<E, kDh><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
+    engine_gemm_kernel<E, kDh, kGather><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
   };
   auto timed_out = [&] {
     unsigned long long to = 0;
@@ -762,7 +851,7 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
     return true;
   };
   return check_and_time(c, b, who, E::kStages, cublas_ms, have_first, launch, timed_out,
-                        [&] { engine_gemm_kernel<E, kDh><<<grid, kEngineThreads, E::kSmemBytes>>>(prm); });
+                        [&] { engine_gemm_kernel<E, kDh, kGather><<<grid, kEngineThreads, E::kSmemBytes>>>(prm); });
 }
 
 // The control (tiles_gemm_kernel, maps of kBoxRows-row boxes) on case c (check_and_time);
@@ -828,10 +917,12 @@ int main(int argc, char** argv) {
       g_dh = g_dh_shapes = true;
     else if (!strcmp(argv[i], "--dh-plain"))
       g_dh_shapes = true;
+    else if (!strcmp(argv[i], "--gather"))
+      g_gather = true;
     else if (!strcmp(argv[i], "--case") && i + 1 < argc)
       only = argv[++i];
     else
-      return fprintf(stderr, "usage: engine_gemm [--quick] [--dh | --dh-plain] [--case SUBSTRING]\n"), 2;
+      return fprintf(stderr, "usage: engine_gemm [--quick] [--dh | --dh-plain | --gather] [--case SUBSTRING]\n"), 2;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -935,6 +1026,26 @@ int main(int argc, char** argv) {
       failed += !run_engine<Cooperative, true>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128, true>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
+    } else if (g_gather) {  // A's rows scattered by a permutation, each engine with TMA A then gathered A
+      std::vector<int> rows(c.G * (size_t)c.M);
+      for (size_t i = 0; i < rows.size(); i++) rows[i] = (int)i;
+      uint64_t z = 0x9e3779b97f4a7c15ull;  // (a fixed Fisher-Yates shuffle: the same rows every run)
+      for (size_t i = rows.size(); i > 1; i--) {
+        z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+        std::swap(rows[i - 1], rows[z % i]);
+      }
+      CK(cudaMalloc(&b.rows, rows.size() * sizeof(int)));
+      CK(cudaMalloc(&b.X, na * 2));
+      CK(cudaMemcpy(b.rows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice));
+      scatter_rows_kernel<<<g_sms * 8, 256>>>(b.A, b.rows, b.X, rows.size(), c.K);
+      CK(cudaGetLastError());
+      failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
+      failed += !run_engine<Cooperative, false, true>(c, b, peer_ms, have_first);
+      failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
+      failed += !run_engine<PingPong128, false, true>(c, b, peer_ms, have_first);
+      failed += !run_tiles<128>(c, b, peer_ms, have_first);
+      CK(cudaFree(b.rows));
+      CK(cudaFree(b.X));
     } else {
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
