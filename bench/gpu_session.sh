@@ -65,6 +65,11 @@
 #   block-cycles  SM cycles a K block of each GEMM kind at several token counts, for the
 #                 first shape of SHAPES (bench/block_cycles.py; TOKENS=4096,8192,16384)
 #   micro         the GPU microbenchmarks (bench/micro/: conversion pipes, wgmma ring)
+#   engine        build/micro/engine_gemm once per ENGINE_ARGS entry (';'-separated, default
+#                 "--gather;--dh": A gathered by the producer, then dh's epilogue; the entry
+#                 "plain": no flags, the plain cases), each run's output in
+#                 $OUT/engine<i>.txt, bounded by ENGINE_LIMIT s (default 240; a hung wait
+#                 reports itself after 2 s)
 #   phase-ncu     ncu over the backward running only its weight gradients (MOK_KNOBS 64),
 #                 then only dx (128) (PHASE_KNOBS: another list, e.g. 256 = DG alone), for
 #                 the first shape of SHAPES: the tensor pipe's
@@ -338,8 +343,20 @@ for part in "$@"; do
       make -j"$(nproc)" micro > "$OUT/build-micro.log" 2>&1 || { tail -20 "$OUT/build-micro.log"; exit 1; }
       for m in build/micro/*; do echo "== $m"; "$m"; done 2>&1 | tee "$OUT/micro.txt"
       ;;
+    engine)
+      make build/micro/engine_gemm > "$OUT/build-engine.log" 2>&1 || { tail -20 "$OUT/build-engine.log"; exit 1; }
+      i=0
+      IFS=';' read -ra engine_runs <<< "${ENGINE_ARGS:---gather;--dh}"
+      for args in "${engine_runs[@]}"; do
+        [ "$args" = plain ] && args=""
+        echo "== engine_gemm $args"
+        # shellcheck disable=SC2086  # (the flags split on purpose)
+        timeout "${ENGINE_LIMIT:-240}" build/micro/engine_gemm $args 2>&1 | tee "$OUT/engine$i.txt" | grep -v "^  cuBLAS"
+        i=$((i + 1))
+      done
+      ;;
     *)
-      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, variants, comm, stalls, ab, peer-cycles, block-cycles, micro, phase-ncu, dram)"
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, variants, comm, stalls, ab, peer-cycles, block-cycles, micro, engine, phase-ncu, dram)"
       exit 2
       ;;
   esac
