@@ -66,7 +66,8 @@
 #                 first shape of SHAPES (bench/block_cycles.py; TOKENS=4096,8192,16384)
 #   micro         the GPU microbenchmarks (bench/micro/: conversion pipes, wgmma ring)
 #   engine        build/micro/engine_gemm once per ENGINE_ARGS entry (';'-separated, default
-#                 "--gather;--dh": A gathered by the producer, then dh's epilogue; the entry
+#                 "--gather;--gather-scaled;--dh": A gathered by the producer, as is and
+#                 scaled on the way, then dh's epilogue; the entry
 #                 "plain": no flags, the plain cases), each run's output in
 #                 $OUT/engine<i>.txt, bounded by ENGINE_LIMIT s (default 240; a hung wait
 #                 reports itself after 2 s)
@@ -346,7 +347,7 @@ for part in "$@"; do
     engine)
       make build/micro/engine_gemm > "$OUT/build-engine.log" 2>&1 || { tail -20 "$OUT/build-engine.log"; exit 1; }
       i=0
-      IFS=';' read -ra engine_runs <<< "${ENGINE_ARGS:---gather;--dh}"
+      IFS=';' read -ra engine_runs <<< "${ENGINE_ARGS:---gather;--gather-scaled;--dh}"
       for args in "${engine_runs[@]}"; do
         [ "$args" = plain ] && args=""
         echo "== engine_gemm $args"

@@ -75,7 +75,12 @@
 // cooperative and ping-pong 128x128 engines, each with TMA A and with gathered A, and the
 // control; every one must give the first's bits. (Written and compiled 2026-12-05 with no
 // device time left: not yet run.)
-//   make micro && build/micro/engine_gemm [--quick] [--dh | --dh-plain | --gather] [--case SUBSTRING]
+// --gather-scaled: the same with each gathered row scaled on the way, bf16(s_i X[rows[i]])
+// with s_i in [0.5, 1) (DG's dy_j = bf16(g dy[t]): a transform, so through the producer's
+// registers, not cp.async); A is then those scaled rows, for the reference and the TMA
+// schedules. (Written and compiled 2026-12-05, not yet run.)
+//   make micro && build/micro/engine_gemm [--quick] [--dh | --dh-plain | --gather | --gather-scaled]
+//                                         [--case SUBSTRING]
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -137,6 +142,7 @@ struct Params {
   CUtensorMap gu;       // --dh: [G][M][2N] gate|up (C is then d_a, [G][M][2N])
   const bf16* x;        // --gather: A's rows scattered, [G M][K] (row rows[i] holds A's row i)
   const int* rows;      // --gather: [G M]
+  const float* scale;   // --gather-scaled: A's row i is bf16(scale[i] X[rows[i]]) ([G M], as DG's bf16(g dy))
   Problem p;
 };
 
@@ -258,6 +264,20 @@ __device__ __forceinline__ void cp_async_16_fill(uint32_t saddr, const void* gme
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(src_bytes) : "memory");
 }
 
+// 16 bytes of global memory through the non-coherent path (read-only here).
+__device__ __forceinline__ uint4 ld_global_nc_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+// Eight bf16 (a 16-byte chunk) each times s, rounded to bf16: bf16(s x), DG's operations.
+__device__ __forceinline__ uint32_t scaled_pair(uint32_t w, float s) {
+  return pack_bf16x2(__fmul_rn(bf16_lo(w), s), __fmul_rn(bf16_hi(w), s));
+}
+__device__ __forceinline__ uint4 scaled_chunk(uint4 v, float s) {
+  return make_uint4(scaled_pair(v.x, s), scaled_pair(v.y, s), scaled_pair(v.z, s), scaled_pair(v.w, s));
+}
+
 // --gather's producer (all 128 threads of warpgroup 0, lt its thread): the ring as
 // produce's, A's rows copied by index (E::TM rows x 8 chunks a K block: chunk j = lt + 128
 // q is row j / 8, chunk j % 8, at chunk j % 8 ^ row % 8 of its 128-byte row in the
@@ -265,10 +285,16 @@ __device__ __forceinline__ void cp_async_16_fill(uint32_t saddr, const void* gme
 // expect_tx for B, then, kLag positions later, thread 0's once every thread has waited
 // for its copies of the position (cp.async groups, one a position), fenced them for the
 // tensor core's reads (async proxy) and met at named barrier 3.
-template <class E>
+// kScaled (--gather-scaled): each chunk through registers instead, as dy's rows would
+// come (DG's dy_j = bf16(g dy[t]), the contract's rounding point): 16 bytes loaded
+// (ld.global.nc), each bf16 times scale[i] rounded to bf16 (scaled_chunk), stored to
+// shared memory, kBatch chunks a batch (the loads of a batch in flight together: the
+// producer has 40 registers). No cp.async groups then: a position is complete once its
+// stores are done (kLag 0: the same fence, barrier and arrival, at once).
+template <class E, bool kScaled = false>
 __device__ __forceinline__ void produce_gather(const Params& prm, uint8_t* stages, uint64_t* full, uint64_t* empty,
                                                int lt) {
-  constexpr int kLag = 2, kChunks = E::TM * 8 / 128;
+  constexpr int kLag = kScaled ? 0 : 2, kChunks = E::TM * 8 / 128, kBatch = 4;
   static_assert(kLag < E::kStages, "a position completes before its stage comes round again");
   const Problem& p = prm.p;
   auto complete = [&](uint32_t j) {  // position j's copies have landed (this thread's: waited for)
@@ -294,23 +320,42 @@ __device__ __forceinline__ void produce_gather(const Params& prm, uint8_t* stage
           if (b < b_boxes) tma_load_3d(dst + (E::kABoxes + b) * kBoxBytes, &prm.b, &full[s], kb * BK, n0 + 64 * b, g);
       }
       const int c = lt % 8, k = kb * BK + 8 * c;
+      // chunk q: row r = lt / 8 + 16 q, at chunk c ^ r % 8 of its row in the swizzled box
+      auto chunk_at = [&](int r) { return smem_addr(dst + (r / 64) * kBoxBytes + (r % 64) * 128 + ((c ^ (r % 8)) * 16)); };
+      if constexpr (!kScaled) {
 #pragma unroll 4
-      for (int q = 0; q < kChunks; q++) {
-        const int r = lt / 8 + 16 * q, m = m0 + r;
-        const bool in = m < p.M && k < p.K;
-        const bf16* src = in ? prm.x + (size_t)__ldg(prm.rows + (size_t)g * p.M + m) * p.K + k : prm.x;
-        if (ok)
-          cp_async_16_fill(smem_addr(dst + (r / 64) * kBoxBytes + (r % 64) * 128 + ((c ^ (r % 8)) * 16)), src,
-                           in ? 16 : 0);
-      }
-      cp_async_commit();
-      if (i >= kLag) {
-        cp_async_wait_group<kLag>();
-        complete(i - kLag);
+        for (int q = 0; q < kChunks; q++) {
+          const int r = lt / 8 + 16 * q, m = m0 + r;
+          const bool in = m < p.M && k < p.K;
+          const bf16* src = in ? prm.x + (size_t)__ldg(prm.rows + (size_t)g * p.M + m) * p.K + k : prm.x;
+          if (ok) cp_async_16_fill(chunk_at(r), src, in ? 16 : 0);
+        }
+        cp_async_commit();
+        if (i >= kLag) {
+          cp_async_wait_group<kLag>();
+          complete(i - kLag);
+        }
+      } else {
+        for (int q0 = 0; q0 < kChunks; q0 += kBatch) {
+          uint4 v[kBatch];
+          float sc[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; u++) {  // (the batch's loads first, all in flight)
+            const int m = m0 + lt / 8 + 16 * (q0 + u);
+            const bool in = ok && m < p.M && k < p.K;
+            const size_t i_row = (size_t)g * p.M + m;
+            v[u] = in ? ld_global_nc_v4(prm.x + (size_t)__ldg(prm.rows + i_row) * p.K + k) : make_uint4(0, 0, 0, 0);
+            sc[u] = in ? __ldg(prm.scale + i_row) : 0.f;
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; u++)
+            if (ok) st_shared_v4(chunk_at(lt / 8 + 16 * (q0 + u)), scaled_chunk(v[u], sc[u]));
+        }
+        complete(i);
       }
     }
   }
-  cp_async_wait_all();
+  if (!kScaled) cp_async_wait_all();
   for (uint32_t j = i > kLag ? i - kLag : 0; j < i; j++) complete(j);
 }
 
@@ -491,7 +536,9 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
   if (lt == 0) bulk_wait_all();  // the stores have read shared memory and are complete
 }
 
-template <class E, bool kDh = false, bool kGather = false>
+// kGather: A by TMA (0), gathered by cp.async (1, --gather) or through registers, scaled (2,
+// --gather-scaled)
+template <class E, bool kDh = false, int kGather = 0>
 __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __grid_constant__ Params prm) {
   extern __shared__ uint8_t smem_raw[];
   // stages [kStages][kStageBytes], the consumers' store buffers [2][kEpiBytes] (both
@@ -516,7 +563,7 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dec<kProducerRegs>();
-    if (kGather) produce_gather<E>(prm, stages, full, empty, threadIdx.x);
+    if (kGather) produce_gather<E, kGather == 2>(prm, stages, full, empty, threadIdx.x);
     else if (threadIdx.x == 0) produce<E>(prm, stages, full, empty);
   } else {
     regs_inc<kConsumerRegs>();
@@ -616,6 +663,16 @@ __global__ void same_bits_kernel(const uint16_t* x, const uint16_t* y, size_t n,
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
     if (x[i] != y[i]) atomicMin(diff, (unsigned long long)i);
 }
+// --gather-scaled: A's row i times scale[i], rounded to bf16 (scaled_pair's operations).
+__global__ void scale_rows_kernel(bf16* A, const float* scale, size_t n_rows, int K) {
+  for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n_rows * K; e += (size_t)gridDim.x * blockDim.x)
+    A[e] = to_bf(__fmul_rn(bf(A[e]), scale[e / K]));
+}
+// x[i] scaled to [0.5, 1) (fill_kernel's values, made positive and halved).
+__global__ void half_to_one_kernel(float* x, const bf16* u, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    x[i] = 0.75f + 0.25f * bf(u[i]);
+}
 // --gather: X's row rows[i] = A's row i ([G M] rows of K).
 __global__ void scatter_rows_kernel(const bf16* A, const int* rows, bf16* X, size_t n_rows, int K) {
   for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n_rows * K; e += (size_t)gridDim.x * blockDim.x)
@@ -711,6 +768,7 @@ struct Case {
 static bool g_dh = false;  // --dh: dh's GEMM with its SwiGLU backward epilogue (C = d_a, [G][M][2N])
 static bool g_dh_shapes = false;  // --dh and --dh-plain (dh's shapes, the plain bf16 epilogue: C = dh)
 static bool g_gather = false;     // --gather: A's rows gathered by the producer (cp.async)
+static bool g_gather_scaled = false;  // --gather-scaled: and scaled on the way (through registers)
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
 // first schedule's output) [G][M][N] bf16; ref [G][M][N] fp32; two result words. --dh:
@@ -718,7 +776,8 @@ static bool g_gather = false;     // --gather: A's rows gathered by the producer
 // output) dh's [G][M][N].
 struct Buffers {
   bf16 *A, *B, *C, *C2, *C0, *GU, *C_dh, *X;
-  int* rows;  // --gather: X's row of A's row i (X [G M][K])
+  int* rows;     // --gather: X's row of A's row i (X [G M][K])
+  float* scale;  // --gather-scaled: A's row i = bf16(scale[i] X[rows[i]])
   float *ref, *ref_dh;
   unsigned long long* word;
   size_t nc;
@@ -821,11 +880,11 @@ static bool check_and_time(const Case& c, const Buffers& b, const char* who, int
 }
 
 // Engine E on case c (check_and_time); kDh: --dh's epilogue (C is d_a); kGather: A's rows
-// gathered from b.X through b.rows by the producer.
-template <class E, bool kDh = false, bool kGather = false>
+// gathered from b.X through b.rows by the producer (1: cp.async; 2: scaled by b.scale).
+template <class E, bool kDh = false, int kGather = 0>
 static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
   Params prm;
-  prm.x = b.X, prm.rows = b.rows;
+  prm.x = b.X, prm.rows = b.rows, prm.scale = b.scale;
   prm.p = tiled(c, E::TM, E::TN);
   bf16_map_3d(&prm.a, b.A, c.G, c.M, c.K);
   bf16_map_3d(&prm.b, b.B, c.G, c.N, c.K);
@@ -834,7 +893,8 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
                           E::kSmemBytes));
   const int grid = prm.p.num_tiles < g_sms ? prm.p.num_tiles : g_sms;
   char who[64];
-  snprintf(who, sizeof who, "%s %dx%d%s", E::name(), E::TM, E::TN, kDh ? " dh" : kGather ? " gather" : "");
+  snprintf(who, sizeof who, "%s %dx%d%s", E::name(), E::TM, E::TN,
+           kDh ? " dh" : kGather == 1 ? " gather" : kGather == 2 ? " gather-scaled" : "");
   auto launch = [&](bf16* C) {
     bf16_map_3d(&prm.c, C, c.G, c.M, kDh ? 2 * c.N : c.N);
     engine_gemm_kernel<E, kDh, kGather><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
@@ -919,10 +979,14 @@ int main(int argc, char** argv) {
       g_dh_shapes = true;
     else if (!strcmp(argv[i], "--gather"))
       g_gather = true;
+    else if (!strcmp(argv[i], "--gather-scaled"))
+      g_gather_scaled = true;
     else if (!strcmp(argv[i], "--case") && i + 1 < argc)
       only = argv[++i];
     else
-      return fprintf(stderr, "usage: engine_gemm [--quick] [--dh | --dh-plain | --gather] [--case SUBSTRING]\n"), 2;
+      return fprintf(stderr, "usage: engine_gemm [--quick] [--dh | --dh-plain | --gather | --gather-scaled] "
+                             "[--case SUBSTRING]\n"),
+             2;
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -997,6 +1061,30 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&b.word, sizeof(unsigned long long)));
     fill_kernel<<<g_sms * 8, 256>>>(b.A, na, 1);
     fill_kernel<<<g_sms * 8, 256>>>(b.B, nb, 2);
+    if (g_gather || g_gather_scaled) {  // A's rows scattered into X by a permutation (and A scaled)
+      std::vector<int> rows(c.G * (size_t)c.M);
+      for (size_t i = 0; i < rows.size(); i++) rows[i] = (int)i;
+      uint64_t z = 0x9e3779b97f4a7c15ull;  // (a fixed Fisher-Yates shuffle: the same rows every run)
+      for (size_t i = rows.size(); i > 1; i--) {
+        z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+        std::swap(rows[i - 1], rows[z % i]);
+      }
+      CK(cudaMalloc(&b.rows, rows.size() * sizeof(int)));
+      CK(cudaMalloc(&b.X, na * 2));
+      CK(cudaMemcpy(b.rows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice));
+      scatter_rows_kernel<<<g_sms * 8, 256>>>(b.A, b.rows, b.X, rows.size(), c.K);
+      if (g_gather_scaled) {  // the logical A: each row scaled, as the producer will make it from X
+        bf16* u = nullptr;
+        CK(cudaMalloc(&u, rows.size() * 2));
+        CK(cudaMalloc(&b.scale, rows.size() * sizeof(float)));
+        fill_kernel<<<g_sms * 8, 256>>>(u, rows.size(), 4);
+        half_to_one_kernel<<<g_sms * 8, 256>>>(b.scale, u, rows.size());
+        scale_rows_kernel<<<g_sms * 8, 256>>>(b.A, b.scale, rows.size(), c.K);
+        CK(cudaDeviceSynchronize());
+        CK(cudaFree(u));
+      }
+      CK(cudaGetLastError());
+    }
     if (g_dh) {  // the reference dh, then d_a from it and gate|up
       CK(cudaMalloc(&b.GU, b.nc * 2));
       CK(cudaMalloc(&b.C_dh, ndh * 2));
@@ -1026,26 +1114,17 @@ int main(int argc, char** argv) {
       failed += !run_engine<Cooperative, true>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128, true>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
-    } else if (g_gather) {  // A's rows scattered by a permutation, each engine with TMA A then gathered A
-      std::vector<int> rows(c.G * (size_t)c.M);
-      for (size_t i = 0; i < rows.size(); i++) rows[i] = (int)i;
-      uint64_t z = 0x9e3779b97f4a7c15ull;  // (a fixed Fisher-Yates shuffle: the same rows every run)
-      for (size_t i = rows.size(); i > 1; i--) {
-        z ^= z << 13, z ^= z >> 7, z ^= z << 17;
-        std::swap(rows[i - 1], rows[z % i]);
-      }
-      CK(cudaMalloc(&b.rows, rows.size() * sizeof(int)));
-      CK(cudaMalloc(&b.X, na * 2));
-      CK(cudaMemcpy(b.rows, rows.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice));
-      scatter_rows_kernel<<<g_sms * 8, 256>>>(b.A, b.rows, b.X, rows.size(), c.K);
-      CK(cudaGetLastError());
+    } else if (g_gather || g_gather_scaled) {  // each engine with TMA A, then A gathered from X
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
-      failed += !run_engine<Cooperative, false, true>(c, b, peer_ms, have_first);
+      if (g_gather) failed += !run_engine<Cooperative, false, 1>(c, b, peer_ms, have_first);
+      else failed += !run_engine<Cooperative, false, 2>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
-      failed += !run_engine<PingPong128, false, true>(c, b, peer_ms, have_first);
+      if (g_gather) failed += !run_engine<PingPong128, false, 1>(c, b, peer_ms, have_first);
+      else failed += !run_engine<PingPong128, false, 2>(c, b, peer_ms, have_first);
       failed += !run_tiles<128>(c, b, peer_ms, have_first);
       CK(cudaFree(b.rows));
       CK(cudaFree(b.X));
+      if (g_gather_scaled) CK(cudaFree(b.scale));
     } else {
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
