@@ -425,8 +425,8 @@ __device__ __forceinline__ void swiglu_bwd_pair(uint32_t g2, uint32_t u2, float 
 }
 
 // --dh: a consumer's dh tile (64 x 256, or 128 x 128 as two 64-row blocks) out as d_a,
-// in four units of 64 rows x 64 columns (unit u: quarter u of 64 x 256; column half u / 2
-// of row block u % 2 of 128 x 128), unit u through slot u % kSlots of buf (a gate box,
+// in four units of 64 rows x 64 columns (unit u: quarter u of 64 x 256; column half u % 2
+// of row block u / 2 of 128 x 128), unit u through slot u % kSlots of buf (a gate box,
 // then an up box, 8 KB each; epi_full[slot] completes once a use, 4 / kSlots uses a tile,
 // an even count, so use v of a slot in a tile waits for parity v & 1): thread lt 0 loads
 // the unit's gate and up boxes, every thread turns the words under its accumulators into
