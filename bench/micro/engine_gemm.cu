@@ -408,19 +408,13 @@ __device__ __forceinline__ void store_wg_tile(const Params& prm, const float (&a
   }
 }
 
-// d_a's two bf16 words for dh values dh0, dh1 at gate words g2 and up words u2 (the
-// megakernel's swiglu_bwd_store, not clamped: the same operations, so the same bits).
+// d_a's two bf16 words for dh values dh0, dh1 at gate words g2 and up words u2
+// (swiglu_bwd, as the megakernel's swiglu_bwd_store: the same bits).
 __device__ __forceinline__ void swiglu_bwd_pair(uint32_t g2, uint32_t u2, float dh0, float dh1, uint32_t& dg2,
                                                 uint32_t& du2) {
-  float dg[2], du[2];
-#pragma unroll
-  for (int x = 0; x < 2; x++) {
-    const float gate = x ? bf16_hi(g2) : bf16_lo(g2), up = x ? bf16_hi(u2) : bf16_lo(u2), dh = x ? dh1 : dh0;
-    const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
-    const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
-    dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
-    du[x] = __fmul_rn(dh, si);
-  }
+  float dg[2], du[2], si;
+  swiglu_bwd(bf16_lo(g2), bf16_lo(u2), dh0, dg[0], du[0], si);
+  swiglu_bwd(bf16_hi(g2), bf16_hi(u2), dh1, dg[1], du[1], si);
   dg2 = pack_bf16x2(dg[0], dg[1]), du2 = pack_bf16x2(du[0], du[1]);
 }
 
@@ -639,15 +633,13 @@ __global__ void __launch_bounds__(1024)
 }
 
 // --dh: the reference d_a [G][M][2N] from the reference dh [G][M][N] and gate|up GU
-// [G][M][2N], through swiglu_bwd_pair's operations (fp32, before its bf16 rounding).
+// [G][M][2N], through swiglu_bwd (fp32, before the bf16 rounding).
 __global__ void dh_reference_kernel(const float* dh, const bf16* gu, float* ref, size_t n, int N) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     const size_t row = i / N, col = i % N;
-    const float gate = bf(gu[row * 2 * N + col]), up = bf(gu[row * 2 * N + N + col]), d = dh[i];
-    const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
-    const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
-    ref[row * 2 * N + col] = __fmul_rn(__fmul_rn(d, up), dsi);
-    ref[row * 2 * N + N + col] = __fmul_rn(d, si);
+    float si;
+    swiglu_bwd(bf(gu[row * 2 * N + col]), bf(gu[row * 2 * N + N + col]), dh[i], ref[row * 2 * N + col],
+               ref[row * 2 * N + N + col], si);
   }
 }
 
@@ -707,9 +699,10 @@ __global__ void fill_kernel(bf16* x, size_t n, uint64_t seed) {
     }                                                                                                 \
   } while (0)
 
-// A map of the [G][rows][cols] bf16 tensor at base, boxes of 64 columns x 64 rows x 1
-// (128-byte swizzle, zeros past the tensor), as micro_host.h's 2-D bf16_map.
-static void bf16_map_3d(CUtensorMap* map, const void* base, int G, int rows, int cols) {
+// A 3-D bf16 map at base (128-byte swizzle, 128-byte L2 promotion, zeros past the tensor)
+// through the driver's cuTensorMapEncodeTiled, looked up once; whether the driver took it.
+static bool encode_3d(CUtensorMap* map, const void* base, const cuuint64_t (&dims)[3], const cuuint64_t (&strides)[2],
+                      const cuuint32_t (&box)[3]) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (!encode) {
     void* fn = nullptr;
@@ -718,27 +711,28 @@ static void bf16_map_3d(CUtensorMap* map, const void* base, int G, int rows, int
     if (!fn) fprintf(stderr, "engine_gemm: no cuTensorMapEncodeTiled\n"), exit(1);
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
+  const cuuint32_t elem[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, elem,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// A map of the [G][rows][cols] bf16 tensor at base, boxes of 64 columns x 64 rows x 1, as
+// micro_host.h's 2-D bf16_map.
+static void bf16_map_3d(CUtensorMap* map, const void* base, int G, int rows, int cols) {
   const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)G};
   const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, (cuuint64_t)rows * cols * 2};
-  const cuuint32_t box[3] = {64, 64, 1}, elem[3] = {1, 1, 1};
-  if (encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, elem,
-             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+  const cuuint32_t box[3] = {64, 64, 1};
+  if (!encode_3d(map, base, dims, strides, box))
     fprintf(stderr, "engine_gemm: cuTensorMapEncodeTiled failed (%d x %d x %d)\n", G, rows, cols), exit(1);
 }
 
 // make_gate_up_map's map (cuda_backend.cu) of the [rows, 2F] gate|up buffer at base, seen
 // as [rows][2][F], boxes of 64 x 1 x box_rows.
 static void gate_up_map(CUtensorMap* map, const void* base, int rows, int F, int box_rows) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
   const cuuint64_t dims[3] = {(cuuint64_t)F, 2, (cuuint64_t)rows}, strides[2] = {(cuuint64_t)F * 2, (cuuint64_t)F * 4};
-  const cuuint32_t box[3] = {64, 1, (cuuint32_t)box_rows}, elem[3] = {1, 1, 1};
-  if (reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)(
-          map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, elem,
-          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+  const cuuint32_t box[3] = {64, 1, (cuuint32_t)box_rows};
+  if (!encode_3d(map, base, dims, strides, box))
     fprintf(stderr, "engine_gemm: cuTensorMapEncodeTiled failed (gate|up %d x 2 x %d)\n", rows, F), exit(1);
 }
 
@@ -749,15 +743,9 @@ static void store_maps(StoreMap* m, void* base, int rows, int cols) {
   if (!bf16_map("engine_gemm", &m->full, base, rows, cols, BM) ||
       !bf16_map("engine_gemm", &m->part, base, rows, cols, kStoreRows))
     exit(1);
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
   const cuuint64_t dims[3] = {64, (cuuint64_t)rows, (cuuint64_t)cols / 64}, strides[2] = {(cuuint64_t)cols * 2, 128};
-  const cuuint32_t box[3] = {64, BM, 2}, elem[3] = {1, 1, 1};
-  m->has_pair = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)(
-                    &m->pair, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, dims, strides, box, elem,
-                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  const cuuint32_t box[3] = {64, BM, 2};
+  m->has_pair = encode_3d(&m->pair, base, dims, strides, box);
 }
 
 struct Case {
@@ -1122,9 +1110,6 @@ int main(int argc, char** argv) {
       if (g_gather) failed += !run_engine<PingPong128, false, 1>(c, b, peer_ms, have_first);
       else failed += !run_engine<PingPong128, false, 2>(c, b, peer_ms, have_first);
       failed += !run_tiles<128>(c, b, peer_ms, have_first);
-      CK(cudaFree(b.rows));
-      CK(cudaFree(b.X));
-      if (g_gather_scaled) CK(cudaFree(b.scale));
     } else {
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
@@ -1144,6 +1129,11 @@ int main(int argc, char** argv) {
       CK(cudaFree(b.GU));
       CK(cudaFree(b.C_dh));
       CK(cudaFree(b.ref_dh));
+    }
+    if (g_gather || g_gather_scaled) {
+      CK(cudaFree(b.rows));
+      CK(cudaFree(b.X));
+      if (g_gather_scaled) CK(cudaFree(b.scale));
     }
   }
   CKB(cublasDestroy(handle));

@@ -412,13 +412,11 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
               const float dglu = __fadd_rn(sg, __fmul_rn(__fmul_rn(ag, sg), __fsub_rn(1.f, sg)));
               dg[x] = gate > limit ? 0.f : __fmul_rn(__fmul_rn(dh, __fadd_rn(clamp_up(up, limit), 1.f)), dglu);
               du[x] = up > limit || up < -limit ? 0.f : __fmul_rn(dh, __fmul_rn(gc, sg));
-              hv[x] = __fmul_rn(__fadd_rn(clamp_up(up, limit), 1.f), __fmul_rn(gc, sg));  // (swiglu_h<true>'s operations)
+              hv[x] = swiglu_h_clamped(gc, sg, up, limit);
             } else {
-              const float sg = sigmoid_fast(gate), si = __fmul_rn(gate, sg);
-              const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
-              dg[x] = __fmul_rn(__fmul_rn(dh, up), dsi);
-              du[x] = __fmul_rn(dh, si);
-              hv[x] = __fmul_rn(si, up);  // (swiglu_h<false>: silu(gate) up)
+              float si;
+              swiglu_bwd(gate, up, dh, dg[x], du[x], si);
+              hv[x] = __fmul_rn(si, up);  // (swiglu_h<false>'s operations)
             }
           }
           st_shared_b32(at, pack_bf16x2(dg[0], dg[1]));

@@ -108,13 +108,28 @@ __device__ __forceinline__ float silu(float g) { return __fmul_rn(g, sigmoid_fas
 // up' = clamp(up, -limit, limit), NaN staying NaN (the comparisons fail for it).
 __device__ __forceinline__ float clamp_gate(float g, float limit) { return g > limit ? limit : g; }
 __device__ __forceinline__ float clamp_up(float u, float limit) { return u > limit ? limit : u < -limit ? -limit : u; }
+// The clamped h from gate' (gc) and sg = sigmoid(alpha gate') already at hand (the
+// SwiGLU backward has them): (up' + 1) (gate' sg).
+__device__ __forceinline__ float swiglu_h_clamped(float gc, float sg, float u, float limit) {
+  return __fmul_rn(__fadd_rn(clamp_up(u, limit), 1.f), __fmul_rn(gc, sg));
+}
 // h of a bf16 gate and up, in fp32: silu(gate) up, or (kClamped) (up' + 1) (gate'
 // sigmoid(alpha gate')) in that order.
 template <bool kClamped>
 __device__ __forceinline__ float swiglu_h(float g, float u, float alpha, float limit) {
   if constexpr (!kClamped) return __fmul_rn(silu(g), u);
   const float gc = clamp_gate(g, limit);
-  return __fmul_rn(__fadd_rn(clamp_up(u, limit), 1.f), __fmul_rn(gc, sigmoid_fast(__fmul_rn(alpha, gc))));
+  return swiglu_h_clamped(gc, sigmoid_fast(__fmul_rn(alpha, gc)), u, limit);
+}
+// The SwiGLU backward of one element, not clamped (docs/CPU.md): d_gate = (dh up) silu'(gate),
+// d_up = dh silu(gate), silu' = s (1 + gate (1 - s)), s = sigmoid(gate); si = silu(gate)
+// (h = si up: swiglu_h<false>'s operations).
+__device__ __forceinline__ void swiglu_bwd(float gate, float up, float dh, float& dg, float& du, float& si) {
+  const float sg = sigmoid_fast(gate);
+  si = __fmul_rn(gate, sg);
+  const float dsi = __fmul_rn(sg, __fadd_rn(1.f, __fmul_rn(gate, __fsub_rn(1.f, sg))));
+  dg = __fmul_rn(__fmul_rn(dh, up), dsi);
+  du = __fmul_rn(dh, si);
 }
 
 }  // namespace mok

@@ -527,6 +527,9 @@ __device__ __forceinline__ void rgs_task(Smem& sm, const BwdParams& p, int mt, i
 // Column groups of an RG / RGS row tile: what its counter reaches.
 __device__ __forceinline__ uint32_t rg_groups(const Shape& s) { return groups(cdivb(s.F, BF), s.H / BK); }
 __device__ __forceinline__ uint32_t rgs_groups(const Shape& s) { return groups(cdivb(s.Fs, BF), s.H / BK); }
+// The same for DH / DHS (dh's tasks a row tile)
+__device__ __forceinline__ int dh_groups(const Shape& s) { return groups(cdivb(s.F, BN), s.H / BK); }
+__device__ __forceinline__ int dhs_groups(const Shape& s) { return groups(cdivb(s.Fs, BN), s.H / BK); }
 
 __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
@@ -603,7 +606,7 @@ __device__ __forceinline__ void dxr_task(Smem& sm, const BwdParams& p, int b, in
 
 __device__ __forceinline__ void dxs_task(Smem& sm, const BwdParams& p, int mt, int g) {
   const Shape& s = p.s;
-  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], groups(cdivb(s.Fs, BN), s.H / BK), p.st, 20)) return;
+  if (!wait_counter(sm, &p.st.sync->counter[B_FIXED + s.max_mt + mt], dhs_groups(s), p.st, 20)) return;
   const int t0 = mt * BM;
   gemm_group<0, 1, false, kBwdBoxRows>(
       sm, g, cdivb(s.H, BN), 2 * s.Fs / BK,
@@ -621,7 +624,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
                                         uint32_t wg2_total) {
   const Shape& s = p.s;
   const bool ok = (p.st.knobs & kKnobOnlyDx) ||
-                  (wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], groups(cdivb(s.F, BN), s.H / BK), p.st, 20) &&
+                  (wait_counter(sm, &p.st.sync->counter[B_FIXED + mt], dh_groups(s), p.st, 20) &&
                    dx_late_ready(sm, p, wg2_total));
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
@@ -729,7 +732,7 @@ __device__ __noinline__ void bias_grad(Smem& sm, const BwdParams& p, int which, 
 __device__ __noinline__ bool expert_dh_done(Smem& sm, const BwdParams& p, int e) {
   const Shape& s = p.s;
   const uint32_t tiles = cdivb(p.sv.counts[s.rank * s.e_loc + e], BM);  // (DG checked counts)
-  const uint32_t per_tile = groups(cdivb(s.F, BN), s.H / BK);             // (DH's tasks a row tile)
+  const uint32_t per_tile = dh_groups(s);
   return wait_counter(sm, &p.st.sync->counter[c_dh_expert(s, e)], tiles * per_tile, p.st, 20);
 }
 
@@ -743,7 +746,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
                                            bool pairable) {
   const Shape& s = p.s;
   const uint32_t* dep = which == 2 ? &p.st.sync->counter[B_DG] : &p.st.sync->counter[B_DH_ALL];
-  const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * groups(cdivb(s.F, BN), s.H / BK));
+  const uint32_t target = which == 2 ? (uint32_t)s.ns : (uint32_t)(s.max_mt * dh_groups(s));
   const bool ok = (p.st.knobs & kKnobOnlyWgrad) ||
                   (wait_counter(sm, dep, target, p.st, 20, which == 2 ? kFlagDg : -1) &&  // (wgrad2: every rank's dy rows)
                    (which != 2 || !p.recompute ||  // (and h_rows)
@@ -874,9 +877,7 @@ __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, 
   // DG's dlogits (the router's tiles), dy_s (the shared gate's)
   if ((router || s.shared_gate) && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
   if (!router) {
-    if (!wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * groups(cdivb(s.Fs, BN), s.H / BK)),
-                      p.st, 20))
-      return;  // (d_a_s)
+    if (!wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * dhs_groups(s)), p.st, 20)) return;  // (d_a_s)
     if (p.recompute && !wait_counter(sm, &p.st.sync->counter[B_RGS_ALL], s.smt * rgs_groups(s), p.st, 20)) return;  // (sh)
   }
   const int chunk0 = first_chunk(p), end = chunk0 + s.chunks;
@@ -1222,7 +1223,7 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
     const int rows[kBwdPhases] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt,
                                   s.e_loc, s.e_loc, rw, s.W > 1 ? 2 * slices : slices, s.ns,
                                   p.recompute ? s.max_mt : 0, p.recompute && s.Fs ? s.smt : 0};
-    const int cols[kBwdPhases] = {1, groups(cdivb(s.Fs, BN), s.H / BK), groups(cdivb(s.F, BN), s.H / BK),
+    const int cols[kBwdPhases] = {1, dhs_groups(s), dh_groups(s),
                                   groups(nH, cdivb(s.E, BK)), groups(nH, 2 * s.Fs / BK), groups(nH, 2 * s.F / BK),
                                   wgrad_mt[0] * cdivb(cdivb(s.F, BN), wg_size), wgrad_mt[1] * cdivb(nH, wg_size), 1, 1, 1,
                                   (int)rg_groups(s), (int)rgs_groups(s)};
