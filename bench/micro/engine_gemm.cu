@@ -74,7 +74,10 @@
 // behind the newest), fenced them for the async proxy and met at a barrier. The
 // cooperative and ping-pong 128x128 engines, each with TMA A and with gathered A, and the
 // control; every one must give the first's bits. (Written and compiled 2026-12-05 with no
-// device time left: not yet run.)
+// device time left: not yet run.) Beside each cp.async gather, the same rows as one TMA
+// load a row issued by one producer warp (gather-tma: 128 loads of 128 bytes a K block of
+// a 128-row tile; the 128-byte swizzle follows the shared-memory address, so the rows
+// land as a 64-row box would put them).
 // --gather-scaled: the same with each gathered row scaled on the way, bf16(s_i X[rows[i]])
 // with s_i in [0.5, 1) (DG's dy_j = bf16(g dy[t]): a transform, so through the producer's
 // registers, not cp.async); A is then those scaled rows, for the reference and the TMA
@@ -143,6 +146,7 @@ struct Params {
   const bf16* x;        // --gather: A's rows scattered, [G M][K] (row rows[i] holds A's row i)
   const int* rows;      // --gather: [G M]
   const float* scale;   // --gather-scaled: A's row i is bf16(scale[i] X[rows[i]]) ([G M], as DG's bf16(g dy))
+  CUtensorMap xrows;    // --gather-tma: X as [G M][K], boxes of 64 columns x 1 row
   Problem p;
 };
 
@@ -359,6 +363,50 @@ __device__ __forceinline__ void produce_gather(const Params& prm, uint8_t* stage
   for (uint32_t j = i > kLag ? i - kLag : 0; j < i; j++) complete(j);
 }
 
+// --gather-tma's producer (warp 0 of warpgroup 0, lane its lane): A's rows by index as one
+// TMA load each, a box of 64 columns x 1 row of X (xrows: [G M][K], 128-byte swizzle)
+// written at row r's 128 bytes of the stage's A box: the swizzle is a function of the
+// shared-memory address (chunk c of the 128-byte line at address a lands at c ^ (a / 128)
+// % 8), so a row's box at offset r % 64 x 128 lands as row r of a 64-row box would. Lane l
+// looks up rows l + 32 q once a tile; rows past the expert's are not loaded (their
+// products are not stored). Lane 0 sets the stage's bytes (B's boxes and the rows') before
+// the warp's loads; full[s] takes that one arrival, as with TMA A.
+template <class E>
+__device__ __forceinline__ void produce_gather_tma(const Params& prm, uint8_t* stages, uint64_t* full, uint64_t* empty,
+                                                   int lane) {
+  constexpr int kRowsALane = E::TM / 32;
+  const Problem& p = prm.p;
+  uint32_t s = 0, ph = 0;
+  for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
+    int g, m0, n0;
+    tile_origin<E::TM, E::TN>(p, t, g, m0, n0);
+    const int b_boxes = min(E::kBBoxes, (p.N - n0 + 63) / 64), rows_in = min(E::TM, p.M - m0);
+    int xr[kRowsALane];
+#pragma unroll
+    for (int q = 0; q < kRowsALane; q++) {
+      const int r = lane + 32 * q;
+      xr[q] = r < rows_in ? __ldg(prm.rows + (size_t)g * p.M + m0 + r) : -1;
+    }
+    for (int kb = 0; kb < p.num_kb; kb++) {
+      if (!wait_phase(&empty[s], ph ^ 1, 1)) return;  // (every lane: the same barrier, the same answer)
+      uint8_t* const dst = stages + s * E::kStageBytes;
+      if (lane == 0) {
+        mbar_arrive_expect_tx(&full[s], (uint32_t)b_boxes * kBoxBytes + (uint32_t)rows_in * 128);
+#pragma unroll
+        for (int b = 0; b < E::kBBoxes; b++)
+          if (b < b_boxes) tma_load_3d(dst + (E::kABoxes + b) * kBoxBytes, &prm.b, &full[s], kb * BK, n0 + 64 * b, g);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int q = 0; q < kRowsALane; q++) {
+        const int r = lane + 32 * q;
+        if (xr[q] >= 0) tma_load_2d(dst + (r / 64) * kBoxBytes + (r % 64) * 128, &prm.xrows, &full[s], kb * BK, xr[q]);
+      }
+      if (++s == E::kStages) s = 0, ph ^= 1;
+    }
+  }
+}
+
 // The packed bf16 pair of accumulators 4i + 2h, + 1 (row half h, chunk i of 8 columns).
 template <int N>
 __device__ __forceinline__ uint32_t acc_pair(const float (&a)[N], int i, int h) {
@@ -530,8 +578,8 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
   if (lt == 0) bulk_wait_all();  // the stores have read shared memory and are complete
 }
 
-// kGather: A by TMA (0), gathered by cp.async (1, --gather) or through registers, scaled (2,
-// --gather-scaled)
+// kGather: A by TMA (0), gathered by cp.async (1, --gather), through registers, scaled (2,
+// --gather-scaled), or by a TMA load a row (3, --gather-tma)
 template <class E, bool kDh = false, int kGather = 0>
 __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __grid_constant__ Params prm) {
   extern __shared__ uint8_t smem_raw[];
@@ -546,7 +594,7 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
   uint64_t* const epi_full = turn + 2;
   if (threadIdx.x == 0) {
     for (int s = 0; s < E::kStages; s++) {
-      mbar_init(&full[s], kGather ? 2 : 1);          // the producer's expect_tx; the bytes (--gather: and A's)
+      mbar_init(&full[s], kGather == 1 || kGather == 2 ? 2 : 1);  // expect_tx; the bytes (cp.async gathers: and A's)
       mbar_init(&empty[s], (E::kCoop ? 2 : 1) * 4);  // each warp of each consumer that reads it
     }
     mbar_init(&turn[0], 1), mbar_init(&turn[1], 1);
@@ -557,7 +605,11 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dec<kProducerRegs>();
-    if (kGather) produce_gather<E, kGather == 2>(prm, stages, full, empty, threadIdx.x);
+    if (kGather == 3) {
+      if (threadIdx.x < 32) produce_gather_tma<E>(prm, stages, full, empty, threadIdx.x);
+    } else if (kGather) {
+      produce_gather<E, kGather == 2>(prm, stages, full, empty, threadIdx.x);
+    }
     else if (threadIdx.x == 0) produce<E>(prm, stages, full, empty);
   } else {
     regs_inc<kConsumerRegs>();
@@ -868,7 +920,8 @@ static bool check_and_time(const Case& c, const Buffers& b, const char* who, int
 }
 
 // Engine E on case c (check_and_time); kDh: --dh's epilogue (C is d_a); kGather: A's rows
-// gathered from b.X through b.rows by the producer (1: cp.async; 2: scaled by b.scale).
+// gathered from b.X through b.rows by the producer (1: cp.async; 2: scaled by b.scale; 3: a
+// TMA load a row).
 template <class E, bool kDh = false, int kGather = 0>
 static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
   Params prm;
@@ -877,12 +930,17 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
   bf16_map_3d(&prm.a, b.A, c.G, c.M, c.K);
   bf16_map_3d(&prm.b, b.B, c.G, c.N, c.K);
   if (kDh) bf16_map_3d(&prm.gu, b.GU, c.G, c.M, 2 * c.N);
+  if (kGather == 3 && !bf16_map("engine_gemm", &prm.xrows, b.X, c.G * c.M, c.K, 1)) exit(1);
   CK(cudaFuncSetAttribute(engine_gemm_kernel<E, kDh, kGather>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           E::kSmemBytes));
   const int grid = prm.p.num_tiles < g_sms ? prm.p.num_tiles : g_sms;
   char who[64];
   snprintf(who, sizeof who, "%s %dx%d%s", E::name(), E::TM, E::TN,
-           kDh ? " dh" : kGather == 1 ? " gather" : kGather == 2 ? " gather-scaled" : "");
+           kDh                ? " dh"
+           : kGather == 1     ? " gather"
+           : kGather == 2     ? " gather-scaled"
+           : kGather == 3     ? " gather-tma"
+                              : "");
   auto launch = [&](bf16* C) {
     bf16_map_3d(&prm.c, C, c.G, c.M, kDh ? 2 * c.N : c.N);
     engine_gemm_kernel<E, kDh, kGather><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
@@ -1104,11 +1162,19 @@ int main(int argc, char** argv) {
       failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
     } else if (g_gather || g_gather_scaled) {  // each engine with TMA A, then A gathered from X
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
-      if (g_gather) failed += !run_engine<Cooperative, false, 1>(c, b, peer_ms, have_first);
-      else failed += !run_engine<Cooperative, false, 2>(c, b, peer_ms, have_first);
+      if (g_gather) {
+        failed += !run_engine<Cooperative, false, 1>(c, b, peer_ms, have_first);
+        failed += !run_engine<Cooperative, false, 3>(c, b, peer_ms, have_first);
+      } else {
+        failed += !run_engine<Cooperative, false, 2>(c, b, peer_ms, have_first);
+      }
       failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
-      if (g_gather) failed += !run_engine<PingPong128, false, 1>(c, b, peer_ms, have_first);
-      else failed += !run_engine<PingPong128, false, 2>(c, b, peer_ms, have_first);
+      if (g_gather) {
+        failed += !run_engine<PingPong128, false, 1>(c, b, peer_ms, have_first);
+        failed += !run_engine<PingPong128, false, 3>(c, b, peer_ms, have_first);
+      } else {
+        failed += !run_engine<PingPong128, false, 2>(c, b, peer_ms, have_first);
+      }
       failed += !run_tiles<128>(c, b, peer_ms, have_first);
     } else {
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
