@@ -73,17 +73,17 @@
 // once every producer thread has waited for them (cp.async.wait_group, two stages
 // behind the newest), fenced them for the async proxy and met at a barrier. The
 // cooperative and ping-pong 128x128 engines, each with TMA A and with gathered A, and the
-// control; every one must give the first's bits. (Written and compiled 2026-12-05 with no
-// device time left: not yet run.) Beside each cp.async gather, the same rows as one TMA
-// load a row issued by one producer warp (gather-tma: 128 loads of 128 bytes a K block of
-// a 128-row tile; the 128-byte swizzle follows the shared-memory address, so the rows
-// land as a 64-row box would put them).
+// control; every one must give the first's bits. Beside each, gather-arrive: the same
+// copies completing on the ring's barrier (produce_gather_arrive). (One TMA load a row,
+// from one producer warp, ran at 10-24% of cuBLAS: docs/PERF.md, 2026-12-05 fifth session.)
 // --gather-scaled: the same with each gathered row scaled on the way, bf16(s_i X[rows[i]])
 // with s_i in [0.5, 1) (DG's dy_j = bf16(g dy[t]): a transform, so through the producer's
 // registers, not cp.async); A is then those scaled rows, for the reference and the TMA
 // schedules. (Written and compiled 2026-12-05, not yet run.)
 //   make micro && build/micro/engine_gemm [--quick] [--dh | --dh-plain | --gather | --gather-scaled]
-//                                         [--case SUBSTRING]
+//                                         [--in-order] [--case SUBSTRING]
+// --in-order: the gathers' rows in order (X = A): the mechanism's cost apart from the
+// scattered rows' memory access.
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -146,7 +146,6 @@ struct Params {
   const bf16* x;        // --gather: A's rows scattered, [G M][K] (row rows[i] holds A's row i)
   const int* rows;      // --gather: [G M]
   const float* scale;   // --gather-scaled: A's row i is bf16(scale[i] X[rows[i]]) ([G M], as DG's bf16(g dy))
-  CUtensorMap xrows;    // --gather-tma: X as [G M][K], boxes of 64 columns x 1 row
   Problem p;
 };
 
@@ -363,46 +362,51 @@ __device__ __forceinline__ void produce_gather(const Params& prm, uint8_t* stage
   for (uint32_t j = i > kLag ? i - kLag : 0; j < i; j++) complete(j);
 }
 
-// --gather-tma's producer (warp 0 of warpgroup 0, lane its lane): A's rows by index as one
-// TMA load each, a box of 64 columns x 1 row of X (xrows: [G M][K], 128-byte swizzle)
-// written at row r's 128 bytes of the stage's A box: the swizzle is a function of the
-// shared-memory address (chunk c of the 128-byte line at address a lands at c ^ (a / 128)
-// % 8), so a row's box at offset r % 64 x 128 lands as row r of a 64-row box would. Lane l
-// looks up rows l + 32 q once a tile; rows past the expert's are not loaded (their
-// products are not stored). Lane 0 sets the stage's bytes (B's boxes and the rows') before
-// the warp's loads; full[s] takes that one arrival, as with TMA A.
+// --gather's producer with the cp.async completions on the ring's barrier instead
+// (gather-arrive, as QuACK's gather_A; all 128 threads of warpgroup 0, lt its thread): each
+// thread looks up its 8 rows (lt / 8 + 16 q) once a tile, copies its chunks of a position
+// and hands their completion to full[s] (cp.async.mbarrier.arrive.noinc: full[s] expects
+// 1 + 128 arrivals), then goes on to the next position at once: no cp.async group waits,
+// no fence and no barrier on the producer's path. The consumers fence the async proxy
+// after their full wait (the rows came through the generic proxy; wgmma reads them
+// through the async one).
 template <class E>
-__device__ __forceinline__ void produce_gather_tma(const Params& prm, uint8_t* stages, uint64_t* full, uint64_t* empty,
-                                                   int lane) {
-  constexpr int kRowsALane = E::TM / 32;
+__device__ __forceinline__ void produce_gather_arrive(const Params& prm, uint8_t* stages, uint64_t* full,
+                                                      uint64_t* empty, int lt) {
+  constexpr int kChunks = E::TM * 8 / 128;
   const Problem& p = prm.p;
-  uint32_t s = 0, ph = 0;
+  uint32_t i = 0;
   for (int t = blockIdx.x; t < p.num_tiles; t += gridDim.x) {
     int g, m0, n0;
     tile_origin<E::TM, E::TN>(p, t, g, m0, n0);
-    const int b_boxes = min(E::kBBoxes, (p.N - n0 + 63) / 64), rows_in = min(E::TM, p.M - m0);
-    int xr[kRowsALane];
+    const int b_boxes = min(E::kBBoxes, (p.N - n0 + 63) / 64);
+    int xr[kChunks];  // (-1: past the expert's rows)
 #pragma unroll
-    for (int q = 0; q < kRowsALane; q++) {
-      const int r = lane + 32 * q;
-      xr[q] = r < rows_in ? __ldg(prm.rows + (size_t)g * p.M + m0 + r) : -1;
+    for (int q = 0; q < kChunks; q++) {
+      const int m = m0 + lt / 8 + 16 * q;
+      xr[q] = m < p.M ? __ldg(prm.rows + (size_t)g * p.M + m) : -1;
     }
-    for (int kb = 0; kb < p.num_kb; kb++) {
-      if (!wait_phase(&empty[s], ph ^ 1, 1)) return;  // (every lane: the same barrier, the same answer)
+    const int c = lt % 8;
+    for (int kb = 0; kb < p.num_kb; kb++, i++) {
+      const uint32_t s = i % E::kStages, ph = (i / E::kStages) & 1;
+      if (!wait_phase(&empty[s], ph ^ 1, 1)) return;
       uint8_t* const dst = stages + s * E::kStageBytes;
-      if (lane == 0) {
-        mbar_arrive_expect_tx(&full[s], (uint32_t)b_boxes * kBoxBytes + (uint32_t)rows_in * 128);
+      if (lt == 0) {
+        mbar_arrive_expect_tx(&full[s], (uint32_t)b_boxes * kBoxBytes);
 #pragma unroll
         for (int b = 0; b < E::kBBoxes; b++)
           if (b < b_boxes) tma_load_3d(dst + (E::kABoxes + b) * kBoxBytes, &prm.b, &full[s], kb * BK, n0 + 64 * b, g);
       }
-      __syncwarp();
+      const int k = kb * BK + 8 * c;
 #pragma unroll
-      for (int q = 0; q < kRowsALane; q++) {
-        const int r = lane + 32 * q;
-        if (xr[q] >= 0) tma_load_2d(dst + (r / 64) * kBoxBytes + (r % 64) * 128, &prm.xrows, &full[s], kb * BK, xr[q]);
+      for (int q = 0; q < kChunks; q++) {
+        const int r = lt / 8 + 16 * q;
+        const bool in = xr[q] >= 0 && k < p.K;
+        const bf16* src = in ? prm.x + (size_t)xr[q] * p.K + k : prm.x;
+        cp_async_16_fill(smem_addr(dst + (r / 64) * kBoxBytes + (r % 64) * 128 + ((c ^ (r % 8)) * 16)), src,
+                         in ? 16 : 0);
       }
-      if (++s == E::kStages) s = 0, ph ^= 1;
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(&full[s])) : "memory");
     }
   }
 }
@@ -536,7 +540,7 @@ __device__ __forceinline__ void dh_wg_tile(const Params& prm, const float (&acc)
 
 // Consumer w (0 or 1): cooperative, 64 rows of every tile of the CTA; ping-pong, the
 // CTA's tiles i = w, w + 2, ..., its mainloop after the other's (turn[w]: the hand-over).
-template <class E, bool kDh>
+template <class E, bool kDh, bool kFenceA = false>
 __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint8_t* epi, uint64_t* full,
                                         uint64_t* empty, uint64_t* turn, uint64_t* epi_full, int w) {
   const Problem& p = prm.p;
@@ -561,6 +565,7 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
       box_descs<0, 0>(st + (E::kCoop ? w : 0) * kBoxBytes, st + E::kABoxes * kBoxBytes, da, db);
       asm volatile("" : "+l"(da), "+l"(db));
       wait_phase(&full[s], ph, 2);
+      if constexpr (kFenceA) fence_proxy_async_smem();  // (kFenceA: A's rows came by cp.async, unfenced)
       engine_block<E>(acc, da, db);
       // this block's wgmmas stay in flight; the previous block's are done: its stage is free
       // (an arrival a warp: a warp past its wait knows only its own share of the wgmmas)
@@ -579,7 +584,7 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
 }
 
 // kGather: A by TMA (0), gathered by cp.async (1, --gather), through registers, scaled (2,
-// --gather-scaled), or by a TMA load a row (3, --gather-tma)
+// --gather-scaled), or by cp.async completing on the ring's barrier (3, --gather)
 template <class E, bool kDh = false, int kGather = 0>
 __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __grid_constant__ Params prm) {
   extern __shared__ uint8_t smem_raw[];
@@ -594,7 +599,9 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
   uint64_t* const epi_full = turn + 2;
   if (threadIdx.x == 0) {
     for (int s = 0; s < E::kStages; s++) {
-      mbar_init(&full[s], kGather == 1 || kGather == 2 ? 2 : 1);  // expect_tx; the bytes (cp.async gathers: and A's)
+      // thread 0's expect_tx; the bytes; (kGather 1, 2) a second arrival once A's rows are
+      // in, (3) each producer thread's cp.async completions
+      mbar_init(&full[s], kGather == 3 ? 1 + 128 : kGather ? 2 : 1);
       mbar_init(&empty[s], (E::kCoop ? 2 : 1) * 4);  // each warp of each consumer that reads it
     }
     mbar_init(&turn[0], 1), mbar_init(&turn[1], 1);
@@ -606,14 +613,14 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
   if (wg == 0) {
     regs_dec<kProducerRegs>();
     if (kGather == 3) {
-      if (threadIdx.x < 32) produce_gather_tma<E>(prm, stages, full, empty, threadIdx.x);
+      produce_gather_arrive<E>(prm, stages, full, empty, threadIdx.x);
     } else if (kGather) {
       produce_gather<E, kGather == 2>(prm, stages, full, empty, threadIdx.x);
     }
     else if (threadIdx.x == 0) produce<E>(prm, stages, full, empty);
   } else {
     regs_inc<kConsumerRegs>();
-    consume<E, kDh>(prm, stages, epi, full, empty, turn, epi_full, wg - 1);
+    consume<E, kDh, kGather == 3>(prm, stages, epi, full, empty, turn, epi_full, wg - 1);
   }
 }
 
@@ -809,6 +816,7 @@ static bool g_dh = false;  // --dh: dh's GEMM with its SwiGLU backward epilogue 
 static bool g_dh_shapes = false;  // --dh and --dh-plain (dh's shapes, the plain bf16 epilogue: C = dh)
 static bool g_gather = false;     // --gather: A's rows gathered by the producer (cp.async)
 static bool g_gather_scaled = false;  // --gather-scaled: and scaled on the way (through registers)
+static bool g_in_order = false;  // --in-order: the gathers' row table the identity (X = A), not a permutation
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
 // first schedule's output) [G][M][N] bf16; ref [G][M][N] fp32; two result words. --dh:
@@ -920,8 +928,8 @@ static bool check_and_time(const Case& c, const Buffers& b, const char* who, int
 }
 
 // Engine E on case c (check_and_time); kDh: --dh's epilogue (C is d_a); kGather: A's rows
-// gathered from b.X through b.rows by the producer (1: cp.async; 2: scaled by b.scale; 3: a
-// TMA load a row).
+// gathered from b.X through b.rows by the producer (1: cp.async; 2: scaled by b.scale; 3:
+// cp.async completing on the ring's barrier).
 template <class E, bool kDh = false, int kGather = 0>
 static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
   Params prm;
@@ -930,7 +938,6 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
   bf16_map_3d(&prm.a, b.A, c.G, c.M, c.K);
   bf16_map_3d(&prm.b, b.B, c.G, c.N, c.K);
   if (kDh) bf16_map_3d(&prm.gu, b.GU, c.G, c.M, 2 * c.N);
-  if (kGather == 3 && !bf16_map("engine_gemm", &prm.xrows, b.X, c.G * c.M, c.K, 1)) exit(1);
   CK(cudaFuncSetAttribute(engine_gemm_kernel<E, kDh, kGather>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           E::kSmemBytes));
   const int grid = prm.p.num_tiles < g_sms ? prm.p.num_tiles : g_sms;
@@ -939,7 +946,7 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
            kDh                ? " dh"
            : kGather == 1     ? " gather"
            : kGather == 2     ? " gather-scaled"
-           : kGather == 3     ? " gather-tma"
+           : kGather == 3     ? " gather-arrive"
                               : "");
   auto launch = [&](bf16* C) {
     bf16_map_3d(&prm.c, C, c.G, c.M, kDh ? 2 * c.N : c.N);
@@ -1027,11 +1034,13 @@ int main(int argc, char** argv) {
       g_gather = true;
     else if (!strcmp(argv[i], "--gather-scaled"))
       g_gather_scaled = true;
+    else if (!strcmp(argv[i], "--in-order"))
+      g_in_order = true;
     else if (!strcmp(argv[i], "--case") && i + 1 < argc)
       only = argv[++i];
     else
       return fprintf(stderr, "usage: engine_gemm [--quick] [--dh | --dh-plain | --gather | --gather-scaled] "
-                             "[--case SUBSTRING]\n"),
+                             "[--in-order] [--case SUBSTRING]\n"),
              2;
   }
   cudaDeviceProp prop;
@@ -1111,7 +1120,7 @@ int main(int argc, char** argv) {
       std::vector<int> rows(c.G * (size_t)c.M);
       for (size_t i = 0; i < rows.size(); i++) rows[i] = (int)i;
       uint64_t z = 0x9e3779b97f4a7c15ull;  // (a fixed Fisher-Yates shuffle: the same rows every run)
-      for (size_t i = rows.size(); i > 1; i--) {
+      for (size_t i = rows.size(); i > 1 && !g_in_order; i--) {
         z ^= z << 13, z ^= z >> 7, z ^= z << 17;
         std::swap(rows[i - 1], rows[z % i]);
       }
