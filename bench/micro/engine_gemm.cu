@@ -584,7 +584,9 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
 }
 
 // kGather: A by TMA (0), gathered by cp.async (1, --gather), through registers, scaled (2,
-// --gather-scaled), or by cp.async completing on the ring's barrier (3, --gather)
+// --gather-scaled), or by cp.async completing on the ring's barrier (3, --gather; 4: the
+// same without the consumers' proxy fence, a measurement of the fence's cost only: the
+// memory model then does not order the rows before the wgmmas)
 template <class E, bool kDh = false, int kGather = 0>
 __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __grid_constant__ Params prm) {
   extern __shared__ uint8_t smem_raw[];
@@ -601,7 +603,7 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
     for (int s = 0; s < E::kStages; s++) {
       // thread 0's expect_tx; the bytes; (kGather 1, 2) a second arrival once A's rows are
       // in, (3) each producer thread's cp.async completions
-      mbar_init(&full[s], kGather == 3 ? 1 + 128 : kGather ? 2 : 1);
+      mbar_init(&full[s], kGather >= 3 ? 1 + 128 : kGather ? 2 : 1);
       mbar_init(&empty[s], (E::kCoop ? 2 : 1) * 4);  // each warp of each consumer that reads it
     }
     mbar_init(&turn[0], 1), mbar_init(&turn[1], 1);
@@ -612,7 +614,7 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dec<kProducerRegs>();
-    if (kGather == 3) {
+    if (kGather >= 3) {
       produce_gather_arrive<E>(prm, stages, full, empty, threadIdx.x);
     } else if (kGather) {
       produce_gather<E, kGather == 2>(prm, stages, full, empty, threadIdx.x);
@@ -947,6 +949,7 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
            : kGather == 1     ? " gather"
            : kGather == 2     ? " gather-scaled"
            : kGather == 3     ? " gather-arrive"
+           : kGather == 4     ? " gather-arrive-nofence"
                               : "");
   auto launch = [&](bf16* C) {
     bf16_map_3d(&prm.c, C, c.G, c.M, kDh ? 2 * c.N : c.N);
@@ -1174,6 +1177,7 @@ int main(int argc, char** argv) {
       if (g_gather) {
         failed += !run_engine<Cooperative, false, 1>(c, b, peer_ms, have_first);
         failed += !run_engine<Cooperative, false, 3>(c, b, peer_ms, have_first);
+        failed += !run_engine<Cooperative, false, 4>(c, b, peer_ms, have_first);
       } else {
         failed += !run_engine<Cooperative, false, 2>(c, b, peer_ms, have_first);
       }

@@ -859,18 +859,25 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
 // into a binary counter of kSegLevels pending nodes (left node + right, __fadd_rn:
 // tree_add's additions). The last chunk's carry is the segment's node, the tree's node
 // over those leaves, stored to seg_partials[seg]; TREE pushes the nodes at their levels.
-// The pending nodes are in shared memory, each thread its own elements (seg_node): in
+// The pending nodes are in shared memory, each thread its own elements (SegNodes): in
 // registers beside the accumulators the backward spilled 1.4 KB a thread.
-static_assert(kSegLevels == 4 && kStages == 4 && kEpiBytes >= 32 * kThreads * 4, "seg_node's layout");
-// Element q (< 32) of this thread's pending node of level lv: rows of kThreads floats,
-// levels 0-2 in the stages' B boxes 1-3 (24 rows a stage; the narrow tiles load box 0
-// alone), level 3 in sm.epi.
-__device__ __forceinline__ float* seg_node(Smem& sm, int lv, int q) {
-  const int row = lv * 32 + q;
-  float* const base = lv < 3 ? reinterpret_cast<float*>(sm.stage[row / 24] + 3 * kBoxBytes) + row % 24 * kThreads
-                             : reinterpret_cast<float*>(sm.epi) + q * kThreads;
-  return base + tid_here();
-}
+static_assert(kSegLevels == 4 && kStages == 4 && kEpiBytes >= 32 * kThreads * 4, "SegNodes' layout");
+// This thread's pending nodes, 32 elements a level, a row of kThreads floats each: levels
+// 0-2 in the stages' B boxes 1-3 (24 rows a stage; the narrow tiles load box 0 alone),
+// element q of level lv at stage q / 8, row 3 (q % 8) + lv, so that for a q known at
+// compile time an element is one add from its level's row (low + lv kThreads); level 3
+// in sm.epi, row q. (Rows found by (32 lv + q) / 24 cost SEG's epilogue two thirds of
+// thread 0's cycles: docs/PERF.md, 2026-12-05 fifth session.)
+struct SegNodes {
+  float *low, *top;
+  __device__ __forceinline__ explicit SegNodes(Smem& sm)
+      : low(reinterpret_cast<float*>(sm.stage[0] + 3 * kBoxBytes) + tid_here()),
+        top(reinterpret_cast<float*>(sm.epi) + tid_here()) {}
+  __device__ __forceinline__ float* at(int lv, int q) const {  // (lv < 3)
+    return low + (q / 8) * (kStageBytes / 4) + (3 * (q % 8) + lv) * kThreads;
+  }
+  __device__ __forceinline__ float* at3(int q) const { return top + q * kThreads; }
+};
 __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, int g) {
   const Shape& s = p.s;
   const bool router = g < router_groups(s);
@@ -913,6 +920,24 @@ __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, 
         const int c = i % n;
         int z = 0;  // chunk c's partial climbs the levels where c's bits are 1, to level z
         while (z < L && ((c >> z) & 1)) z++;
+        // each element in place, acc = node + acc level by level (tree_add's order: the
+        // left node first), every element of a level at once
+        const SegNodes nodes(sm);
+        for (int lv = 0; lv < min(z, 3); lv++)
+#pragma unroll
+          for (int q = 0; q < 32; q++) acc[q] = __fadd_rn(*nodes.at(lv, q), acc[q]);
+        if (z > 3)
+#pragma unroll
+          for (int q = 0; q < 32; q++) acc[q] = __fadd_rn(*nodes.at3(q), acc[q]);
+        if (z < L) {  // the node waits at level z for its right sibling
+          if (z < 3)
+#pragma unroll
+            for (int q = 0; q < 32; q++) *nodes.at(z, q) = acc[q];
+          else
+#pragma unroll
+            for (int q = 0; q < 32; q++) *nodes.at3(q) = acc[q];
+          return;
+        }
         const int t = t0 + i / n;  // z = L (c = n - 1): the segment's node goes out
         const bool wide = router || t < n13;  // ([rows, H]: d_w_router, d_ws13)
         const int m0 = wide ? t / nH * BM : (t - n13) / nFs * BM, n0 = wide ? t % nH * 64 : (t - n13) % nFs * 64;
@@ -922,17 +947,8 @@ __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, 
         float* const o = router ? out : wide ? out + (e1 - seg_skip(s)) : out + (e1 - seg_skip(s) + 2LL * s.Fs * s.H);
 #pragma unroll
         for (int q = 0; q < 32; q += 2) {  // acc[4i + 2h + x]: row 8h + lane/4, column 8i + 2(lane%4) + x
-          float v[2] = {acc[q], acc[q + 1]};
-          for (int lv = 0; lv < z; lv++)
-#pragma unroll
-            for (int x = 0; x < 2; x++) v[x] = __fadd_rn(*seg_node(sm, lv, q + x), v[x]);
-          if (z < L) {
-#pragma unroll
-            for (int x = 0; x < 2; x++) *seg_node(sm, z, q + x) = v[x];
-            continue;
-          }
           const int r = m0 + wg * 64 + w * 16 + l / 4 + 8 * (q / 2 % 2), col = n0 + 8 * (q / 4) + 2 * (l % 4);
-          if (r < rows && col < cols) *reinterpret_cast<float2*>(o + (int64_t)r * cols + col) = make_float2(v[0], v[1]);
+          if (r < rows && col < cols) *reinterpret_cast<float2*>(o + (int64_t)r * cols + col) = make_float2(acc[q], acc[q + 1]);
         }
       });
   fence_proxy_async_smem();  // (the nodes' generic writes before a next task's TMA loads there)
