@@ -74,12 +74,15 @@
 // behind the newest), fenced them for the async proxy and met at a barrier. The
 // cooperative and ping-pong 128x128 engines, each with TMA A and with gathered A, and the
 // control; every one must give the first's bits. Beside each, gather-arrive: the same
-// copies completing on the ring's barrier (produce_gather_arrive). (One TMA load a row,
-// from one producer warp, ran at 10-24% of cuBLAS: docs/PERF.md, 2026-12-05 fifth session.)
+// copies completing on the ring's barrier (produce_gather_arrive), and for the
+// cooperative engine gather-arrive-nofence (the consumers' proxy fence left out: what
+// the fence costs, a measurement only). Measured (docs/PERF.md, 2026-12-05 fifth
+// session, an H100): gather-arrive 25-50% slower than TMA A, the fence not the cost; one
+// TMA load a row, from one producer warp, ran at 10-24% of cuBLAS.
 // --gather-scaled: the same with each gathered row scaled on the way, bf16(s_i X[rows[i]])
 // with s_i in [0.5, 1) (DG's dy_j = bf16(g dy[t]): a transform, so through the producer's
 // registers, not cp.async); A is then those scaled rows, for the reference and the TMA
-// schedules. (Written and compiled 2026-12-05, not yet run.)
+// schedules. (Measured: 2.8-3.2x TMA A's time.)
 //   make micro && build/micro/engine_gemm [--quick] [--dh | --dh-plain | --gather | --gather-scaled]
 //                                         [--in-order] [--case SUBSTRING]
 // --in-order: the gathers' rows in order (X = A): the mechanism's cost apart from the
