@@ -617,11 +617,8 @@ __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     regs_dec<kProducerRegs>();
-    if (kGather >= 3) {
-      produce_gather_arrive<E>(prm, stages, full, empty, threadIdx.x);
-    } else if (kGather) {
-      produce_gather<E, kGather == 2>(prm, stages, full, empty, threadIdx.x);
-    }
+    if (kGather >= 3) produce_gather_arrive<E>(prm, stages, full, empty, threadIdx.x);
+    else if (kGather) produce_gather<E, kGather == 2>(prm, stages, full, empty, threadIdx.x);
     else if (threadIdx.x == 0) produce<E>(prm, stages, full, empty);
   } else {
     regs_inc<kConsumerRegs>();
