@@ -284,6 +284,22 @@ __device__ __forceinline__ uint4 scaled_chunk(uint4 v, float s) {
   return make_uint4(scaled_pair(v.x, s), scaled_pair(v.y, s), scaled_pair(v.z, s), scaled_pair(v.w, s));
 }
 
+// A gather producer's thread 0: stage dst's B boxes by TMA, full's expect_tx for their
+// bytes alone (A's rows come by cp.async or through registers).
+template <class E>
+__device__ __forceinline__ void load_b_boxes(const Params& prm, uint8_t* dst, uint64_t* full, int b_boxes, int kb,
+                                             int n0, int g) {
+  mbar_arrive_expect_tx(full, (uint32_t)b_boxes * kBoxBytes);
+#pragma unroll
+  for (int b = 0; b < E::kBBoxes; b++)
+    if (b < b_boxes) tma_load_3d(dst + (E::kABoxes + b) * kBoxBytes, &prm.b, full, kb * BK, n0 + 64 * b, g);
+}
+// Where 16-byte chunk c of A's row r goes in stage dst: box r / 64, row r % 64, chunk
+// c ^ r % 8 of the row (the 128-byte swizzle TMA would have applied).
+__device__ __forceinline__ uint32_t gathered_chunk(const uint8_t* dst, int r, int c) {
+  return smem_addr(dst + (r / 64) * kBoxBytes + (r % 64) * 128 + ((c ^ (r % 8)) * 16));
+}
+
 // --gather's producer (all 128 threads of warpgroup 0, lt its thread): the ring as
 // produce's, A's rows copied by index (E::TM rows x 8 chunks a K block: chunk j = lt + 128
 // q is row j / 8, chunk j % 8, at chunk j % 8 ^ row % 8 of its 128-byte row in the
@@ -319,22 +335,16 @@ __device__ __forceinline__ void produce_gather(const Params& prm, uint8_t* stage
       // barrier 3 and the launch ends)
       const bool ok = wait_phase(&empty[s], ph ^ 1, 1);
       uint8_t* const dst = stages + s * E::kStageBytes;
-      if (lt == 0 && ok) {
-        mbar_arrive_expect_tx(&full[s], (uint32_t)b_boxes * kBoxBytes);
-#pragma unroll
-        for (int b = 0; b < E::kBBoxes; b++)
-          if (b < b_boxes) tma_load_3d(dst + (E::kABoxes + b) * kBoxBytes, &prm.b, &full[s], kb * BK, n0 + 64 * b, g);
-      }
+      if (lt == 0 && ok) load_b_boxes<E>(prm, dst, &full[s], b_boxes, kb, n0, g);
       const int c = lt % 8, k = kb * BK + 8 * c;
-      // chunk q: row r = lt / 8 + 16 q, at chunk c ^ r % 8 of its row in the swizzled box
-      auto chunk_at = [&](int r) { return smem_addr(dst + (r / 64) * kBoxBytes + (r % 64) * 128 + ((c ^ (r % 8)) * 16)); };
+      // chunk q: row r = lt / 8 + 16 q (gathered_chunk)
       if constexpr (!kScaled) {
 #pragma unroll 4
         for (int q = 0; q < kChunks; q++) {
           const int r = lt / 8 + 16 * q, m = m0 + r;
           const bool in = m < p.M && k < p.K;
           const bf16* src = in ? prm.x + (size_t)__ldg(prm.rows + (size_t)g * p.M + m) * p.K + k : prm.x;
-          if (ok) cp_async_16_fill(chunk_at(r), src, in ? 16 : 0);
+          if (ok) cp_async_16_fill(gathered_chunk(dst, r, c), src, in ? 16 : 0);
         }
         cp_async_commit();
         if (i >= kLag) {
@@ -355,7 +365,7 @@ __device__ __forceinline__ void produce_gather(const Params& prm, uint8_t* stage
           }
 #pragma unroll
           for (int u = 0; u < kBatch; u++)
-            if (ok) st_shared_v4(chunk_at(lt / 8 + 16 * (q0 + u)), scaled_chunk(v[u], sc[u]));
+            if (ok) st_shared_v4(gathered_chunk(dst, lt / 8 + 16 * (q0 + u), c), scaled_chunk(v[u], sc[u]));
         }
         complete(i);
       }
@@ -394,20 +404,14 @@ __device__ __forceinline__ void produce_gather_arrive(const Params& prm, uint8_t
       const uint32_t s = i % E::kStages, ph = (i / E::kStages) & 1;
       if (!wait_phase(&empty[s], ph ^ 1, 1)) return;
       uint8_t* const dst = stages + s * E::kStageBytes;
-      if (lt == 0) {
-        mbar_arrive_expect_tx(&full[s], (uint32_t)b_boxes * kBoxBytes);
-#pragma unroll
-        for (int b = 0; b < E::kBBoxes; b++)
-          if (b < b_boxes) tma_load_3d(dst + (E::kABoxes + b) * kBoxBytes, &prm.b, &full[s], kb * BK, n0 + 64 * b, g);
-      }
+      if (lt == 0) load_b_boxes<E>(prm, dst, &full[s], b_boxes, kb, n0, g);
       const int k = kb * BK + 8 * c;
 #pragma unroll
       for (int q = 0; q < kChunks; q++) {
         const int r = lt / 8 + 16 * q;
         const bool in = xr[q] >= 0 && k < p.K;
         const bf16* src = in ? prm.x + (size_t)xr[q] * p.K + k : prm.x;
-        cp_async_16_fill(smem_addr(dst + (r / 64) * kBoxBytes + (r % 64) * 128 + ((c ^ (r % 8)) * 16)), src,
-                         in ? 16 : 0);
+        cp_async_16_fill(gathered_chunk(dst, r, c), src, in ? 16 : 0);
       }
       asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(&full[s])) : "memory");
     }
