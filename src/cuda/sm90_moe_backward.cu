@@ -159,20 +159,22 @@ static __device__ __noinline__ bool saved_tables_ok(const BwdParams& p) {
 // A token's slots in the router backward, lane j holding slot j (K <= 32): its expert
 // (0 if the saved index is out of range: raised, *bad set), d_g times route_scale, and
 // the warp's S = sum_j s_j and dot = sum_j dgn_j s_j / S over the slots in order (g_j =
-// route_scale s_j / S). sw: the token's scores [E] in the warp's scratch.
+// route_scale s_j / S). sw: the token's scores [E] in the warp's scratch; e: the lane's
+// saved expert index (loaded by the caller before the scores, so that its load and the
+// logits' are in flight together); dg: the lane's slot's d_g (DG's own warp_sum).
 struct TokenSlots {
   int e;
   float dgn, S, dot;
 };
-__device__ __forceinline__ TokenSlots token_slots(const BwdParams& p, const float* sw, int t, bool& bad) {
+__device__ __forceinline__ TokenSlots token_slots(const BwdParams& p, const float* sw, int e, float dg, bool& bad) {
   const int E = p.s.E, K = p.s.K, lane = threadIdx.x % 32;
   TokenSlots ts;
-  ts.e = lane < K ? p.sv.idx[(int64_t)t * K + lane] : 0;
+  ts.e = lane < K ? e : 0;
   if ((uint32_t)ts.e >= (uint32_t)E) {  // (sw's index)
     ts.e = 0, bad = true;
     raise_error(p.st, MOK_STATUS_INVALID_SAVED);
   }
-  ts.dgn = lane < K ? __fmul_rn(p.dg[(int64_t)t * K + lane], p.s.route_scale) : 0.f;
+  ts.dgn = lane < K ? __fmul_rn(dg, p.s.route_scale) : 0.f;
   __syncwarp();  // (sw's scores written)
   ts.S = 0.f, ts.dot = 0.f;
   for (int j = 0; j < K; j++) ts.S = __fadd_rn(ts.S, sw[__shfl_sync(~0u, ts.e, j)]);
@@ -184,113 +186,107 @@ __device__ __forceinline__ TokenSlots token_slots(const BwdParams& p, const floa
   return ts;
 }
 
-// The router backward of tokens t0 + warp, t0 + warp + 8, ... < t1 (a warp a token, lane
-// holding experts lane + 32 i, i < NR: E <= 32 NR): dlogits from the saved logits, the
-// slots' d_g and the losses' terms. Returns whether a saved expert index was out of range
-// (raised). The caller has acquired sm.epi, where warp_scratch is.
+// The router backward of token t, in one warp (lane holding experts lane + 32 i, i < NR:
+// E <= 32 NR): dlogits from the saved logits, the slots' d_g (lane j: slot j's, dg) and
+// the losses' terms. A saved expert index out of range is raised and sets bad. The
+// caller has acquired sm.epi, where warp_scratch is.
 template <int NR>
-__device__ __forceinline__ bool router_backward(Smem& sm, const BwdParams& p, int t0, int t1) {
+__device__ __forceinline__ void router_token(Smem& sm, const BwdParams& p, int t, float dg, bool& bad) {
   const Shape& s = p.s;
   const int E = s.E, K = s.K, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
   const float T_all = (float)p.sv.header[4], TK = T_all * (float)K;  // (the tokens of every rank)
-  bool bad = false;
-  for (int t = t0 + warp; t < t1; t += kThreads / 32) {
-    float sc[NR], pz[NR], ds[NR];
-    const float lse = token_scores<NR>(p.sv.logits + (int64_t)t * s.Ep, E, s.score, pz, sc);
+  const int saved_e = lane < K ? p.sv.idx[(int64_t)t * K + lane] : 0;
+  float sc[NR], pz[NR], ds[NR];
+  const float lse = token_scores<NR>(p.sv.logits + (int64_t)t * s.Ep, E, s.score, pz, sc);
 #pragma unroll
-    for (int i = 0; i < NR; i++) {
-      const int e = lane + 32 * i;
-      ds[i] = 0.f;
-      if (e < E && s.aux_coef != 0.f)  // d aux / d s[t, e] = d_aux alpha E f_e / T
-        ds[i] = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),
-                                    __fdiv_rn((float)p.sv.counts[e], TK)), T_all);
-    }
-    float* sw = sm.warp_scratch[warp];  // (shares sm.epi: the epi_acquire above)
-#pragma unroll
-    for (int i = 0; i < NR; i++)
-      if (lane + 32 * i < E) sw[lane + 32 * i] = sc[i];
-    const TokenSlots ts = token_slots(p, sw, t, bad);
-    const int my_e = ts.e;
-    const float my_dgn = ts.dgn, S = ts.S, dot = ts.dot;
-    for (int j = 0; j < K; j++) {
-      const int e = __shfl_sync(~0u, my_e, j);
-      const float dgn = __shfl_sync(~0u, my_dgn, j);
-      const float d = s.normalize ? __fdiv_rn(__fsub_rn(dgn, dot), S) : dgn;
-#pragma unroll
-      for (int i = 0; i < NR; i++)
-        if (lane + 32 * i == e) ds[i] = __fadd_rn(ds[i], d);
-    }
-    float dl[NR];
-    if (s.score == MOK_SCORE_SOFTMAX) {
-      float sd = 0.f;
-#pragma unroll
-      for (int i = 0; i < NR; i++) sd = __fadd_rn(sd, __fmul_rn(ds[i], sc[i]));
-      sd = warp_sum(sd);
-#pragma unroll
-      for (int i = 0; i < NR; i++) dl[i] = __fmul_rn(sc[i], __fsub_rn(ds[i], sd));
-    } else {
-#pragma unroll
-      for (int i = 0; i < NR; i++) dl[i] = __fmul_rn(__fmul_rn(ds[i], sc[i]), __fsub_rn(1.f, sc[i]));
-    }
-    if (s.z_coef != 0.f) {  // d/dl of beta mean_t lse^2 = beta 2 lse softmax(l) / T
-      const float zc = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_z, s.z_coef), 2.f), lse), T_all);
-#pragma unroll
-      for (int i = 0; i < NR; i++) dl[i] = __fadd_rn(dl[i], __fmul_rn(zc, pz[i]));
-    }
-#pragma unroll
-    for (int i = 0; i < NR; i++)
-      if (lane + 32 * i < E) p.dlogits[(int64_t)t * s.Ep + lane + 32 * i] = to_bf(dl[i]);
+  for (int i = 0; i < NR; i++) {
+    const int e = lane + 32 * i;
+    ds[i] = 0.f;
+    if (e < E && s.aux_coef != 0.f)  // d aux / d s[t, e] = d_aux alpha E f_e / T
+      ds[i] = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),
+                                  __fdiv_rn((float)p.sv.counts[e], TK)), T_all);
   }
-  return bad;
+  float* sw = sm.warp_scratch[warp];  // (shares sm.epi: the caller's epi_acquire)
+#pragma unroll
+  for (int i = 0; i < NR; i++)
+    if (lane + 32 * i < E) sw[lane + 32 * i] = sc[i];
+  const TokenSlots ts = token_slots(p, sw, saved_e, dg, bad);
+  const int my_e = ts.e;
+  const float my_dgn = ts.dgn, S = ts.S, dot = ts.dot;
+  for (int j = 0; j < K; j++) {
+    const int e = __shfl_sync(~0u, my_e, j);
+    const float dgn = __shfl_sync(~0u, my_dgn, j);
+    const float d = s.normalize ? __fdiv_rn(__fsub_rn(dgn, dot), S) : dgn;
+#pragma unroll
+    for (int i = 0; i < NR; i++)
+      if (lane + 32 * i == e) ds[i] = __fadd_rn(ds[i], d);
+  }
+  float dl[NR];
+  if (s.score == MOK_SCORE_SOFTMAX) {
+    float sd = 0.f;
+#pragma unroll
+    for (int i = 0; i < NR; i++) sd = __fadd_rn(sd, __fmul_rn(ds[i], sc[i]));
+    sd = warp_sum(sd);
+#pragma unroll
+    for (int i = 0; i < NR; i++) dl[i] = __fmul_rn(sc[i], __fsub_rn(ds[i], sd));
+  } else {
+#pragma unroll
+    for (int i = 0; i < NR; i++) dl[i] = __fmul_rn(__fmul_rn(ds[i], sc[i]), __fsub_rn(1.f, sc[i]));
+  }
+  if (s.z_coef != 0.f) {  // d/dl of beta mean_t lse^2 = beta 2 lse softmax(l) / T
+    const float zc = __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_z, s.z_coef), 2.f), lse), T_all);
+#pragma unroll
+    for (int i = 0; i < NR; i++) dl[i] = __fadd_rn(dl[i], __fmul_rn(zc, pz[i]));
+  }
+#pragma unroll
+  for (int i = 0; i < NR; i++)
+    if (lane + 32 * i < E) p.dlogits[(int64_t)t * s.Ep + lane + 32 * i] = to_bf(dl[i]);
 }
-// router_backward for any E (up to kMaxRouterExperts; used past 256), holding no
+// router_token for any E (up to kMaxRouterExperts; used past 256), holding no
 // per-expert arrays (32 of each would not fit beside the DG task's registers): the
 // scores, then ds, live in the warp's scratch row, a probability or score is computed
 // again from its logit where it is needed (router_prob / router_score: the same bits),
-// and every sum runs in router_backward's order (a lane's experts in increasing e, then
-// the butterfly), so E <= 256 would give router_backward<8>'s bits too.
-__device__ __forceinline__ bool router_backward_wide(Smem& sm, const BwdParams& p, int t0, int t1) {
+// and every sum runs in router_token's order (a lane's experts in increasing e, then
+// the butterfly), so E <= 256 would give router_token<8>'s bits too.
+__device__ __forceinline__ void router_token_wide(Smem& sm, const BwdParams& p, int t, float dg, bool& bad) {
   const Shape& s = p.s;
   const int E = s.E, K = s.K, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float d_aux = p.d_aux ? *p.d_aux : 1.f, d_z = p.d_z ? *p.d_z : 1.f;
   const float T_all = (float)p.sv.header[4], TK = T_all * (float)K;  // (the tokens of every rank)
   float* sw = sm.warp_scratch[warp];  // (shares sm.epi: the caller's epi_acquire)
-  bool bad = false;
-  for (int t = t0 + warp; t < t1; t += kThreads / 32) {
-    const float* lg = p.sv.logits + (int64_t)t * s.Ep;
-    float m, sum;
-    const float lse = token_softmax_sums(lg, E, m, sum);
-    for (int e = lane; e < E; e += 32) sw[e] = router_score(lg[e], router_prob(lg[e], m, sum), s.score);
-    const TokenSlots ts = token_slots(p, sw, t, bad);
-    const int my_e = ts.e;
-    const float my_dgn = ts.dgn, S = ts.S, dot = ts.dot;
-    // ds = the aux term, plus slot j's d at its expert (a token's experts are distinct:
-    // one addition each, as in router_backward; a corrupt repeat is raised above or only
-    // races within this row)
-    for (int e = lane; e < E; e += 32)
-      sw[e] = s.aux_coef != 0.f ? __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),
-                                                      __fdiv_rn((float)p.sv.counts[e], TK)), T_all)
-                                : 0.f;
-    __syncwarp();
-    if (lane < K) sw[my_e] = __fadd_rn(sw[my_e], s.normalize ? __fdiv_rn(__fsub_rn(my_dgn, dot), S) : my_dgn);
-    __syncwarp();
-    float sd = 0.f;
-    if (s.score == MOK_SCORE_SOFTMAX) {
-      for (int e = lane; e < E; e += 32) sd = __fadd_rn(sd, __fmul_rn(sw[e], router_prob(lg[e], m, sum)));
-      sd = warp_sum(sd);
-    }
-    const float zc = s.z_coef != 0.f ? __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_z, s.z_coef), 2.f), lse), T_all) : 0.f;
-    for (int e = lane; e < E; e += 32) {
-      const float pz = router_prob(lg[e], m, sum), sc = router_score(lg[e], pz, s.score);
-      float dl = s.score == MOK_SCORE_SOFTMAX ? __fmul_rn(sc, __fsub_rn(sw[e], sd))
-                                              : __fmul_rn(__fmul_rn(sw[e], sc), __fsub_rn(1.f, sc));
-      if (s.z_coef != 0.f) dl = __fadd_rn(dl, __fmul_rn(zc, pz));
-      p.dlogits[(int64_t)t * s.Ep + e] = to_bf(dl);
-    }
-    __syncwarp();  // (the next token's scores overwrite sw)
+  const int saved_e = lane < K ? p.sv.idx[(int64_t)t * K + lane] : 0;
+  const float* lg = p.sv.logits + (int64_t)t * s.Ep;
+  float m, sum;
+  const float lse = token_softmax_sums(lg, E, m, sum);
+  for (int e = lane; e < E; e += 32) sw[e] = router_score(lg[e], router_prob(lg[e], m, sum), s.score);
+  const TokenSlots ts = token_slots(p, sw, saved_e, dg, bad);
+  const int my_e = ts.e;
+  const float my_dgn = ts.dgn, S = ts.S, dot = ts.dot;
+  // ds = the aux term, plus slot j's d at its expert (a token's experts are distinct:
+  // one addition each, as in router_token; a corrupt repeat is raised above or only
+  // races within this row)
+  for (int e = lane; e < E; e += 32)
+    sw[e] = s.aux_coef != 0.f ? __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_aux, s.aux_coef), (float)E),
+                                                    __fdiv_rn((float)p.sv.counts[e], TK)), T_all)
+                              : 0.f;
+  __syncwarp();
+  if (lane < K) sw[my_e] = __fadd_rn(sw[my_e], s.normalize ? __fdiv_rn(__fsub_rn(my_dgn, dot), S) : my_dgn);
+  __syncwarp();
+  float sd = 0.f;
+  if (s.score == MOK_SCORE_SOFTMAX) {
+    for (int e = lane; e < E; e += 32) sd = __fadd_rn(sd, __fmul_rn(sw[e], router_prob(lg[e], m, sum)));
+    sd = warp_sum(sd);
   }
-  return bad;
+  const float zc = s.z_coef != 0.f ? __fdiv_rn(__fmul_rn(__fmul_rn(__fmul_rn(d_z, s.z_coef), 2.f), lse), T_all) : 0.f;
+  for (int e = lane; e < E; e += 32) {
+    const float pz = router_prob(lg[e], m, sum), sc = router_score(lg[e], pz, s.score);
+    float dl = s.score == MOK_SCORE_SOFTMAX ? __fmul_rn(sc, __fsub_rn(sw[e], sd))
+                                            : __fmul_rn(__fmul_rn(sw[e], sc), __fsub_rn(1.f, sc));
+    if (s.z_coef != 0.f) dl = __fadd_rn(dl, __fmul_rn(zc, pz));
+    p.dlogits[(int64_t)t * s.Ep + e] = to_bf(dl);
+  }
+  __syncwarp();  // (the next token's scores overwrite sw)
 }
 
 // ---- DG: d_g, dy_j, router backward ----
@@ -352,21 +348,28 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   }
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), K = s.K, H = s.H, E = s.E;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int i0 = t0 * K, nv = H / 8, rounds = cdivb(nv, 32 * kDgInFlight);
+  const int nv = H / 8, rounds = cdivb(nv, 32 * kDgInFlight);
   const uint32_t ring = smem_addr(sm.stage) + (warp * kDgRing * 2 * kDgInFlight * 32 + lane) * 16;
+  if (s.fused) epi_acquire(sm);  // warp_scratch shares sm.epi with a previous task's TMA stores
   MOK_STALL_FROM(kStallDgRows);
-  // The warp's slots are i0 + warp + kWarps n (n < per), taken 32 at a time: lane l
-  // loads slot n = b + l's token, row and weight once, and the warp reads them by shuffle.
+  // The warp's tokens are t0 + warp + kWarps n, and its slots m < per those tokens' slots
+  // in order (token_of(m), slot m % K), taken 32 at a time: lane l loads slot m = b + l's
+  // row and weight once, and the warp reads them by shuffle. Once a token's last slot is
+  // summed, the warp runs the token's router backward while its ring's next units (the
+  // next token's rows) are in flight: the router's chain of dependent loads (logits, then
+  // scores through the scratch) under the rows' streaming, not after it.
   constexpr int kWarps = kThreads / 32;
-  const int per = ((t1 - t0) * K - warp + kWarps - 1) / kWarps;
+  const int per = max(t1 - t0 - warp + kWarps - 1, 0) / kWarps * K;
+  auto token_of = [&](int m) { return t0 + warp + kWarps * (m / K); };
   bool bad = false;  // a slot's row or expert out of range (the saved buffer's checks): raised, and no signal
+  float tok_dg = 0.f;  // lane j: d_g of slot j of the warp's current token (K <= 32)
   for (int b = 0; b < per; b += 32) {
     const int nb = min(32, per - b), units = nb * rounds;
     int my_t = 0, my_pos = 0, my_owner = 0;
     float my_g = 0.f;
     if (lane < nb) {
-      const int i = i0 + warp + kWarps * (b + lane);
-      my_t = i / K, my_pos = p.sv.pos[i], my_g = p.sv.g[i];
+      const int m = b + lane, i = token_of(m) * K + m % K;
+      my_t = token_of(m), my_pos = p.sv.pos[i], my_g = p.sv.g[i];
       const int e = s.W > 1 ? p.sv.idx[i] : 0;  // (W = 1: every expert is this rank's)
       my_owner = e / s.e_loc;
       if ((uint32_t)my_pos >= (uint32_t)p.capacity || (uint32_t)e >= (uint32_t)E) {  // (its unit moves nothing)
@@ -389,7 +392,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
       const int k = u / rounds, t = __shfl_sync(~0u, my_t, k), pos = __shfl_sync(~0u, my_pos, k),
                 owner = __shfl_sync(~0u, my_owner, k);
       x.g = __shfl_sync(~0u, my_g, k);
-      x.i = i0 + warp + kWarps * (b + k);
+      x.i = t * K + (b + k) % K;
       const int64_t row = max(pos, 0);  // (pos -1: a slot rejected above, whose chunks all lie past nv)
       x.dy = reinterpret_cast<const uint4*>(p.dy + (int64_t)t * H);
       x.o = reinterpret_cast<const uint4*>(owner == s.rank ? p.peer_o_rows.rows[owner] + row * H
@@ -435,21 +438,25 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
         x.dst[x.v0 + 32 * c] = out;
       }
       if (u % rounds == rounds - 1) {  // the slot's last round
+        const int m = b + u / rounds;
         part = warp_sum(part);
         if (lane == 0) p.dg[x.i] = part;  // (replay: DXSUM copies it to d_topk_weight, an output)
+        if (lane == m % K) tok_dg = part;
         part = 0.f;
+        if (s.fused && m % K == K - 1) {  // the token's last slot
+          MOK_STALL_ADD(kStallDgRows);
+          MOK_STALL_FROM(kStallDgRouter);
+          if (E <= 256) router_token<8>(sm, p, token_of(m), tok_dg, bad);
+          else router_token_wide(sm, p, token_of(m), tok_dg, bad);
+          MOK_STALL_ADD(kStallDgRouter);
+          MOK_STALL_FROM(kStallDgRows);
+        }
       }
     }
   }
   if (s.shared_gate) shared_gate_backward(p, t0, t1);
   MOK_STALL_ADD(kStallDgRows);
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
-  MOK_STALL_FROM(kStallDgRouter);
-  if (s.fused) {
-    epi_acquire(sm);  // warp_scratch shares sm.epi with a previous task's TMA stores
-    bad |= E <= 256 ? router_backward<8>(sm, p, t0, t1) : router_backward_wide(sm, p, t0, t1);
-  }
-  MOK_STALL_ADD(kStallDgRouter);
   // a slot rejected: no signal, so that no task after DG (every writer of an output waits
   // for all of DG) runs; they see the error and leave the step
   if (__syncthreads_or(bad)) return;
