@@ -53,7 +53,7 @@
 #   ab            mok alone (bench_moe.py --mok-only, uniform routing; SKEWED=1: skewed
 #                 too), REF's libraries
 #                 (builds of other commits or flags, carried; a space-separated list) and
-#                 this one, alternating, ROUNDS times:
+#                 this one, alternating, ROUNDS times (even rounds in the reverse order):
 #                 variants compared in one call, at the same temperature; each line ends
 #                 with a digest of mok's outputs' bits (equal: the builds agree bit for bit)
 #                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default;
@@ -180,7 +180,12 @@ for part in "$@"; do
     ab)
       REF=${REF:-build-ref/libmok.so}
       for round in $(seq "${ROUNDS:-2}"); do
-        for lib in $REF build/libmok.so; do
+        # odd rounds REF's libraries first, even rounds this one first, so that an even
+        # ROUNDS puts each first equally often (an order effect of up to about 1% could
+        # not be told from a build's: docs/PERF.md, sixth 2026-12-05 session)
+        libs="$REF build/libmok.so"
+        [ $((round % 2)) -eq 0 ] && libs="build/libmok.so $REF"
+        for lib in $libs; do
           echo "== ab round $round: $lib"
           # a build with its own bench/ and python/ (build_refs.sh's tree.tar) runs them:
           # another commit's binding may not load this one's library, nor this one its
