@@ -94,20 +94,22 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // when the tile stores at most 64 (bytes its idle warpgroup leaves unread).
 constexpr int kArBlocks = 4;
 constexpr int kBSlotBytes = 4 * kBoxBytes;
-// MOK_SERPENTINE (an experiment's build; docs/PERF.md, sixth 2026-12-05 session): a run's
-// odd tiles (not A-resident, 128 x 256) take their K blocks in decreasing order, so that
-// a tile's first blocks of A are the ones its predecessor in the run read last, likely
-// still in L2 (a run's tiles share A; on qwen3.5 a quarter of the GEMMs' DRAM reads were
-// A read again by a run's later tiles). The order stays fixed by the shape (a tile's
-// place in its run is its column tile's place in its group), so D1-D4 hold; the bits
-// are not the default build's.
+// MOK_SERPENTINE (an experiment's build; docs/PERF.md, sixth 2026-12-05 session): in
+// gemm_group's runs (kRevOdd) the odd tiles take their K blocks in decreasing order, so
+// that a tile's first blocks of A are the ones its predecessor in the run read last,
+// likely still in L2 (a run's tiles share A; on qwen3.5 a quarter of the GEMMs' DRAM
+// reads were A read again by a run's later tiles). The order stays fixed by the shape
+// (a tile's place in its run is its column tile's place in its group, group_size of the
+// shape's K), so D1-D4 hold; the bits are not the default build's. Not the weight
+// gradients' runs: their group size follows T (wgrad_group), and so would their bits.
 #ifdef MOK_SERPENTINE
 constexpr bool kSerpentine = true;
 #else
 constexpr bool kSerpentine = false;
 #endif
 static_assert(kArBlocks * 2 * kBoxBytes + kStages * kBSlotBytes <= kStages * kStageBytes, "A-resident layout");
-template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, class Setup, class Epi>
+template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, bool kRevOdd = false,
+          class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   static_assert(!(PAIRED && AR), "A-resident runs are unpaired");
   static_assert(NB == 4 || (NB == 1 && !PAIRED && !AR), "narrow tiles are unpaired, not A-resident");
@@ -171,7 +173,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     mbar_arrive_expect_tx(&full[s], AR ? kBSlotBytes : (skip_b ? 0 : NB * kBoxBytes) + a_boxes * kBoxBytes);
     uint8_t* dst = sm.stage[s];
     uint8_t* const b_dst = AR ? stage_at(s) : dst + 2 * kBoxBytes;  // B's first box (AR: A is resident)
-    const int k = (kSerpentine && !AR && NB == 4 && (c.tile & 1) ? c.num_kb - 1 - kb : kb) * BK;
+    const int k = (kRevOdd && !AR && NB == 4 && (c.tile & 1) ? c.num_kb - 1 - kb : kb) * BK;
     if (!AR && kTall) {
       load_tall(dst, A.map, &full[s], TA, A.pos[0], A.k0 + k);
     } else if (!AR) {
@@ -281,7 +283,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         // past k_valid_last are zeros) skips its k16 steps past them. Each count is its
         // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
         // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
-        const bool reversed = kSerpentine && !AR && NB == 4 && (tile & 1);  // (MOK_SERPENTINE: the last block first)
+        const bool reversed = kRevOdd && !AR && NB == 4 && (tile & 1);  // (MOK_SERPENTINE: the last block first)
         const int k_steps = kb == (reversed ? 0 : num_kb - 1) ? (k_valid_last + 15) / 16 : BK / 16;
         const int keep = NB == 4 || kb > 0;
         if (k_steps == 4) mma_block<TA, TB, 4>(acc, da, db, keep);
@@ -402,7 +404,7 @@ __host__ __device__ constexpr int groups(int n, int num_kb) { return (n + group_
 template <int TA, int TB, bool PAIRED = false, int kBoxRows = 64, class Setup, class Epi>
 __device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, Setup setup, Epi epi) {
   const int size = group_size(num_kb);
-  gemm_tiles<TA, TB, PAIRED, false, 4, kBoxRows>(
+  gemm_tiles<TA, TB, PAIRED, false, 4, kBoxRows, kSerpentine>(
       sm, min(size, n - g * size),
       [&](int t, Operand& A, Operand& B, int& nk, int& kv) {
         setup(g * size + t, A, B);
