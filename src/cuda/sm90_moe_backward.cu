@@ -368,8 +368,8 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
     int my_t = 0, my_pos = 0, my_owner = 0;
     float my_g = 0.f;
     if (lane < nb) {
-      const int m = b + lane, i = token_of(m) * K + m % K;
-      my_t = token_of(m), my_pos = p.sv.pos[i], my_g = p.sv.g[i];
+      const int m = b + lane, t = token_of(m), i = t * K + m % K;
+      my_t = t, my_pos = p.sv.pos[i], my_g = p.sv.g[i];
       const int e = s.W > 1 ? p.sv.idx[i] : 0;  // (W = 1: every expert is this rank's)
       my_owner = e / s.e_loc;
       if ((uint32_t)my_pos >= (uint32_t)p.capacity || (uint32_t)e >= (uint32_t)E) {  // (its unit moves nothing)

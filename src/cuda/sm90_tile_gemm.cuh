@@ -114,6 +114,8 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
   static_assert(!(PAIRED && AR), "A-resident runs are unpaired");
   static_assert(NB == 4 || (NB == 1 && !PAIRED && !AR), "narrow tiles are unpaired, not A-resident");
   static_assert(kBoxRows == 64 || (kBoxRows == 128 && NB == 4), "boxes of 64 rows, or 128 for whole tiles");
+  static_assert(!kRevOdd || (!AR && NB == 4), "reversed K order: 128 x 256 tiles whose A streams");
+  auto reversed = [](int tile) { return kRevOdd && (tile & 1); };  // (MOK_SERPENTINE: the last K block first)
   constexpr bool kTall = kBoxRows == 128;  // (one load a 128-row or 128-column half)
   // one tall load of an operand's half at mn (or row) position pos, K row k
   auto load_tall = [&](void* dst, const CUtensorMap* map, uint64_t* bar, bool mn_major, int pos, int k) {
@@ -173,7 +175,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     mbar_arrive_expect_tx(&full[s], AR ? kBSlotBytes : (skip_b ? 0 : NB * kBoxBytes) + a_boxes * kBoxBytes);
     uint8_t* dst = sm.stage[s];
     uint8_t* const b_dst = AR ? stage_at(s) : dst + 2 * kBoxBytes;  // B's first box (AR: A is resident)
-    const int k = (kRevOdd && !AR && NB == 4 && (c.tile & 1) ? c.num_kb - 1 - kb : kb) * BK;
+    const int k = (reversed(c.tile) ? c.num_kb - 1 - kb : kb) * BK;
     if (!AR && kTall) {
       load_tall(dst, A.map, &full[s], TA, A.pos[0], A.k0 + k);
     } else if (!AR) {
@@ -283,8 +285,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         // past k_valid_last are zeros) skips its k16 steps past them. Each count is its
         // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
         // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
-        const bool reversed = kRevOdd && !AR && NB == 4 && (tile & 1);  // (MOK_SERPENTINE: the last block first)
-        const int k_steps = kb == (reversed ? 0 : num_kb - 1) ? (k_valid_last + 15) / 16 : BK / 16;
+        const int k_steps = kb == (reversed(tile) ? 0 : num_kb - 1) ? (k_valid_last + 15) / 16 : BK / 16;
         const int keep = NB == 4 || kb > 0;
         if (k_steps == 4) mma_block<TA, TB, 4>(acc, da, db, keep);
         else if (k_steps == 3) mma_block<TA, TB, 3>(acc, da, db, keep);
