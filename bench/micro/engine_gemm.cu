@@ -87,6 +87,18 @@
 //                                         [--in-order] [--case SUBSTRING]
 // --in-order: the gathers' rows in order (X = A): the mechanism's cost apart from the
 // scattered rows' memory access.
+// --wgrad: the weight gradients of small experts (docs/PERF.md, seventh 2026-12-05
+// session): C[g] = A[g] B[g]^T with K the expert's rows (M = 2F or H, N = H or F, K = T K /
+// E at most 4 blocks of 64: deepseek-v3's 256, kimi-k2's 168 of about 171), as the
+// megakernel's WG2 / WG13 tasks run them: both operands MN-major (the rows of d_a and
+// x_rows are k), through 3-D chunk maps as the backward's ([cols / 64][rows][64], 64 x 64 x
+// 2 boxes), each expert's k rows padded with zeros to a multiple of 64 (the megakernel's
+// maps cut at the expert's end read zeros there), a CTA's tasks (expert, m-tile, group
+// of wgrad_group's column tiles) one A-resident run each. Schedules: gemm_tiles AR (the
+// control: today's tasks), gemm_tiles_pp (the same runs with the warpgroups taking turns,
+// MOK_PINGPONG_WGRAD's), which must give the control's bits; then the engines on the
+// K-major copies (the same products).
+//   make micro && build/micro/engine_gemm --wgrad [--case SUBSTRING]
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -98,6 +110,9 @@
 #include <vector>
 
 #include "micro_host.h"
+#ifndef MOK_PINGPONG_WGRAD
+#define MOK_PINGPONG_WGRAD  // (--wgrad's gemm_tiles_pp: its barriers set up by kernel_smem)
+#endif
 #include "cuda/sm90_epilogues.cuh"
 
 using namespace mok;
@@ -168,26 +183,6 @@ __device__ __forceinline__ void regs_inc() {
 // The 128 threads of a consumer warpgroup (named barrier id: 1 + its index).
 __device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
-// D[64 x 128] += A[64 x 16] B[16 x 128], both K-major through 128-byte-swizzle
-// descriptors: d[4i + 2h + x] is row lane / 4 + 8h of the warp's 16, column
-// 8i + 2 (lane % 4) + x, i < 16 (ptx.cuh's m64n256k16 layout, half as wide).
-#define ENGINE_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define ENGINE_D16(i) ENGINE_D4(i), ENGINE_D4(i + 4), ENGINE_D4(i + 8), ENGINE_D4(i + 12)
-__device__ __forceinline__ void wgmma_m64n128k16_kk(float (&d)[64], uint64_t da, uint64_t db) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, 0;\n}"
-      : ENGINE_D16(0), ENGINE_D16(16), ENGINE_D16(32), ENGINE_D16(48)
-      : "l"(da), "l"(db), "r"(1));
-}
-#undef ENGINE_D16
-#undef ENGINE_D4
-
 // A wait for the phase of parity `parity` of bar. False past kWaitNs (g_timeout set: a
 // hang) or once another wait has timed out: the launch has failed, and its threads go
 // on without waiting so that it ends. (A consumer goes on in any case: an early exit
@@ -232,7 +227,7 @@ __device__ __forceinline__ void engine_block(float (&acc)[E::kRowBlocks][E::WN /
     for (int ks = 0; ks < BK / 16; ks++)
 #pragma unroll
       for (int rb = 0; rb < E::kRowBlocks; rb++)
-        wgmma_m64n128k16_kk(acc[rb], da + rb * (kBoxBytes / 16) + ks * (32 / 16), db + ks * (32 / 16));
+        wgmma_m64n128k16<0, 0>(acc[rb], da + rb * (kBoxBytes / 16) + ks * (32 / 16), db + ks * (32 / 16), 1);
     wgmma_commit();
   }
 }
@@ -673,6 +668,60 @@ __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_co
   if (threadIdx.x == 0) bulk_wait_all();
 }
 
+// --wgrad: the weight-gradient tasks of case (G, M, N, K) (wgrad_task's A-resident runs):
+// task (expert g, column group cg, m-tile mt), mt fastest (the CTAs at work at once share
+// the expert's B), each a run of the group's column tiles over A = the expert's rows m-tile
+// mt. a, b: chunk maps of the MN-major At [G][kpad][M], Bt [G][kpad][N] (k rows past K
+// zeros); c: store maps of C [G M, N]. kPP: gemm_tiles_pp, else gemm_tiles AR.
+struct WgradParams {
+  CUtensorMap a, b;
+  StoreMap c;
+  bf16* c_base;
+  int kpad;
+  Problem p;
+};
+__host__ __device__ constexpr int micro_wgrad_group(int num_kb) {  // wgrad_group's (the backward's)
+  return num_kb < 1 ? 32 : (128 / num_kb < 1 ? 1 : (128 / num_kb > 32 ? 32 : 128 / num_kb));
+}
+template <bool kPP>
+__global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_constant__ WgradParams prm) {
+  Smem& sm = kernel_smem(0);
+  const Problem& p = prm.p;
+  const int size = micro_wgrad_group(p.num_kb), groups = (p.tiles_n + size - 1) / size;
+  const int tasks = p.G * groups * p.tiles_m, kv = p.K - (p.num_kb - 1) * BK;
+  for (int task = blockIdx.x; task < tasks; task += gridDim.x) {
+    const int mt = task % p.tiles_m, cg = task / p.tiles_m % groups, g = task / p.tiles_m / groups;
+    const int n0 = cg * size, n = min(size, p.tiles_n - n0), map_row = g * p.M + mt * BM;
+    auto setup = [&](int t, Operand& A, Operand& B, int& nk, int& v) {
+      A = rows128(&prm.a, mt * BM, g * prm.kpad);
+      B = wide(&prm.b, (n0 + t) * BN, g * prm.kpad);
+      nk = p.num_kb, v = kv;
+    };
+    if constexpr (kPP) {
+      gemm_tiles_pp<1, 1, 128>(sm, n, setup, [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* buf) {
+        store_half_tma(acc, wg, w, l, buf, &prm.c, map_row, min(BM, p.M - mt * BM), (n0 + t) * BN + 128 * wg, p.N);
+      });
+    } else {
+      gemm_tiles<1, 1, false, true, 4, 128>(sm, n, setup,
+                                            [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+                                              store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN,
+                                                                     p.N, prm.c_base + (size_t)g * p.M * p.N, p.N,
+                                                                     &prm.c, map_row, spare);
+                                            });
+    }
+  }
+  if (threadIdx.x % 128 == 0) bulk_wait_all();  // (both warpgroups' first threads store under kPP)
+}
+
+// --wgrad: At[g][k][m] = A[g][m][k] for k < K, zeros for K <= k < kpad (an MN-major copy).
+__global__ void transpose_pad_kernel(const bf16* A, bf16* At, int G, int M, int K, int kpad) {
+  const size_t n = (size_t)G * kpad * M;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const int m = (int)(i % M), k = (int)(i / M % kpad), g = (int)(i / M / kpad);
+    At[i] = k < K ? A[((size_t)g * M + m) * K + k] : to_bf(0.f);
+  }
+}
+
 // ---- reference, checks, inputs ----
 
 // ref[g][m][n] = sum over k in increasing order of A[g][m][k] B[g][n][k] (fp32 fma), one
@@ -823,6 +872,7 @@ static bool g_dh_shapes = false;  // --dh and --dh-plain (dh's shapes, the plain
 static bool g_gather = false;     // --gather: A's rows gathered by the producer (cp.async)
 static bool g_gather_scaled = false;  // --gather-scaled: and scaled on the way (through registers)
 static bool g_in_order = false;  // --in-order: the gathers' row table the identity (X = A), not a permutation
+static bool g_wgrad = false;     // --wgrad: small experts' weight gradients (MN-major, A resident)
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
 // first schedule's output) [G][M][N] bf16; ref [G][M][N] fp32; two result words. --dh:
@@ -830,6 +880,7 @@ static bool g_in_order = false;  // --in-order: the gathers' row table the ident
 // output) dh's [G][M][N].
 struct Buffers {
   bf16 *A, *B, *C, *C2, *C0, *GU, *C_dh, *X;
+  bf16 *At, *Bt;  // --wgrad: MN-major copies [G][kpad][M], [G][kpad][N] (transpose_pad_kernel)
   int* rows;     // --gather: X's row of A's row i (X [G M][K])
   float* scale;  // --gather-scaled: A's row i = bf16(scale[i] X[rows[i]])
   float *ref, *ref_dh;
@@ -1008,6 +1059,44 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
                         [&] { tiles_gemm_kernel<kBoxRows, kDh><<<grid, kThreads, smem>>>(prm); });
 }
 
+// --wgrad: wgrad_tiles_kernel<kPP> on case c (check_and_time).
+template <bool kPP>
+static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
+  const char* who = kPP ? "gemm_tiles_pp (turns)" : "gemm_tiles AR";
+  if (c.M % 64 || c.N % 64) {
+    printf("  %-24s not run: M or N %% 64 != 0 (the CUDA backend's rule for H and F)\n", who);
+    return true;
+  }
+  WgradParams prm;
+  prm.p = tiled(c, BM, BN);
+  prm.kpad = prm.p.num_kb * BK;
+  if (prm.p.num_kb > kArBlocks) {
+    printf("  %-24s not run: K over %d blocks (A resident)\n", who, kArBlocks);
+    return true;
+  }
+  auto chunk_map = [&](CUtensorMap* map, const bf16* base, int cols) {  // make_chunk_map's
+    const cuuint64_t dims[3] = {64, (cuuint64_t)c.G * prm.kpad, (cuuint64_t)cols / 64};
+    const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, 128};
+    const cuuint32_t box[3] = {64, 64, 2};
+    if (!encode_3d(map, base, dims, strides, box))
+      fprintf(stderr, "engine_gemm: cuTensorMapEncodeTiled failed (chunk map, %d columns)\n", cols), exit(1);
+  };
+  chunk_map(&prm.a, b.At, c.M);
+  chunk_map(&prm.b, b.Bt, c.N);
+  const int size = micro_wgrad_group(prm.p.num_kb);
+  const int tasks = c.G * ((prm.p.tiles_n + size - 1) / size) * prm.p.tiles_m;
+  const int grid = tasks < g_sms ? tasks : g_sms;
+  const int smem = (int)sizeof(Smem) + 1024;
+  CK(cudaFuncSetAttribute(wgrad_tiles_kernel<kPP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  auto launch = [&](bf16* C) {
+    store_maps(&prm.c, C, c.G * c.M, c.N);
+    prm.c_base = C;
+    wgrad_tiles_kernel<kPP><<<grid, kThreads, smem>>>(prm);
+  };
+  return check_and_time(c, b, who, kPP ? kPpSlots : kStages, cublas_ms, have_first, launch, [] { return false; },
+                        [&] { wgrad_tiles_kernel<kPP><<<grid, kThreads, smem>>>(prm); });
+}
+
 // C = A B^T for every expert: cuBLAS is column-major, so it computes C^T (N x M, ld N) =
 // B (N x K: op T of the K x N column-major view, ld K) x A^T (K x M column-major, ld K).
 static void cublas_gemm(cublasHandle_t h, const Case& c, const Buffers& b, bf16* C) {
@@ -1043,10 +1132,12 @@ int main(int argc, char** argv) {
       g_gather_scaled = true;
     else if (!strcmp(argv[i], "--in-order"))
       g_in_order = true;
+    else if (!strcmp(argv[i], "--wgrad"))
+      g_wgrad = true;
     else if (!strcmp(argv[i], "--case") && i + 1 < argc)
       only = argv[++i];
     else
-      return fprintf(stderr, "usage: engine_gemm [--quick] [--dh | --dh-plain | --gather | --gather-scaled] "
+      return fprintf(stderr, "usage: engine_gemm [--quick] [--dh | --dh-plain | --gather | --gather-scaled | --wgrad] "
                              "[--in-order] [--case SUBSTRING]\n"),
              2;
   }
@@ -1067,7 +1158,22 @@ int main(int argc, char** argv) {
                           {"mixtral-8x7b", 8192, 4096, 14336, 8, 2},
                           {"deepseek-v3", 8192, 7168, 2048, 256, 8}};
   std::vector<Case> cases;
-  if (g_dh_shapes) {  // dh = dy_rows w2[e]: M = T K / E, N = F, K = H (tails: N a multiple of 64)
+  if (g_wgrad) {  // dW13 (M 2F, N H) and dW2 (M H, N F) of 64 experts, K = an expert's rows
+    cases.push_back({"tails wgrad", 3, 320, 704, 200});  // (a last K block of 8 rows, a half past N)
+    const struct {
+      const char* name;
+      int H, F, rows;
+    } small[] = {{"deepseek-v3", 7168, 2048, 256}, {"kimi-k2", 7168, 2048, 168}};
+    for (const auto& l : small) {
+      if (quick) break;
+      Case w13{}, w2{};
+      snprintf(w13.name, sizeof w13.name, "%s dW13", l.name);
+      snprintf(w2.name, sizeof w2.name, "%s dW2", l.name);
+      w13.G = w2.G = 64, w13.K = w2.K = l.rows;
+      w13.M = 2 * l.F, w13.N = l.H, w2.M = l.H, w2.N = l.F;
+      cases.push_back(w13), cases.push_back(w2);
+    }
+  } else if (g_dh_shapes) {  // dh = dy_rows w2[e]: M = T K / E, N = F, K = H (tails: N a multiple of 64)
     cases.push_back({"tails dh", 3, 300, 960, 1000});
     for (const Layer& l : layers) {
       if (quick) break;
@@ -1079,7 +1185,7 @@ int main(int argc, char** argv) {
   } else {
     cases.push_back({"tails", 3, 300, 904, 1000});
   }
-  if (!quick && !g_dh_shapes) {
+  if (!quick && !g_dh_shapes && !g_wgrad) {
     for (const Layer& l : layers) {
       const int M = l.T * l.K / l.E;
       Case up{}, down{};
@@ -1147,6 +1253,14 @@ int main(int argc, char** argv) {
       }
       CK(cudaGetLastError());
     }
+    if (g_wgrad) {  // the MN-major copies, k padded with zeros to whole K blocks
+      const int kpad = (c.K + BK - 1) / BK * BK;
+      CK(cudaMalloc(&b.At, (size_t)c.G * kpad * c.M * 2));
+      CK(cudaMalloc(&b.Bt, (size_t)c.G * kpad * c.N * 2));
+      transpose_pad_kernel<<<g_sms * 8, 256>>>(b.A, b.At, c.G, c.M, c.K, kpad);
+      transpose_pad_kernel<<<g_sms * 8, 256>>>(b.B, b.Bt, c.G, c.N, c.K, kpad);
+      CK(cudaGetLastError());
+    }
     if (g_dh) {  // the reference dh, then d_a from it and gate|up
       CK(cudaMalloc(&b.GU, b.nc * 2));
       CK(cudaMalloc(&b.C_dh, ndh * 2));
@@ -1176,6 +1290,11 @@ int main(int argc, char** argv) {
       failed += !run_engine<Cooperative, true>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128, true>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
+    } else if (g_wgrad) {  // the control first: gemm_tiles_pp must give its bits
+      failed += !run_wgrad<false>(c, b, peer_ms, have_first);
+      failed += !run_wgrad<true>(c, b, peer_ms, have_first);
+      failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
+      failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
     } else if (g_gather || g_gather_scaled) {  // each engine with TMA A, then A gathered from X
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
       if (g_gather) {
@@ -1212,6 +1331,10 @@ int main(int argc, char** argv) {
       CK(cudaFree(b.GU));
       CK(cudaFree(b.C_dh));
       CK(cudaFree(b.ref_dh));
+    }
+    if (g_wgrad) {
+      CK(cudaFree(b.At));
+      CK(cudaFree(b.Bt));
     }
     if (g_gather || g_gather_scaled) {
       CK(cudaFree(b.rows));
