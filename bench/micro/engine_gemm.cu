@@ -89,15 +89,16 @@
 // scattered rows' memory access.
 // --wgrad: the weight gradients of small experts (docs/PERF.md, seventh 2026-12-05
 // session): C[g] = A[g] B[g]^T with K the expert's rows (M = 2F or H, N = H or F, K = T K /
-// E at most 4 blocks of 64: deepseek-v3's 256, kimi-k2's 168 of about 171), as the
+// E: deepseek-v3's 256, kimi-k2's 168 of about 171, qwen3.5's 320), as the
 // megakernel's WG2 / WG13 tasks run them: both operands MN-major (the rows of d_a and
 // x_rows are k), through 3-D chunk maps as the backward's ([cols / 64][rows][64], 64 x 64 x
 // 2 boxes), each expert's k rows padded with zeros to a multiple of 64 (the megakernel's
 // maps cut at the expert's end read zeros there), a CTA's tasks (expert, m-tile, group
-// of wgrad_group's column tiles) one A-resident run each. Schedules: gemm_tiles AR (the
-// control: today's tasks), gemm_tiles_pp (the same runs with the warpgroups taking turns,
-// MOK_PINGPONG_WGRAD's), which must give the control's bits; then the engines on the
-// K-major copies (the same products).
+// of wgrad_group's column tiles) one run each. Schedules: gemm_tiles with A resident (the
+// control: today's tasks of at most 4 K blocks; past that streamed and unpaired, where
+// the backward pairs them), gemm_tiles_pp (A resident, the warpgroups taking turns:
+// MOK_PINGPONG_WGRAD's, up to 6 K blocks), which must give the control's bits; then the
+// engines on the K-major copies (the same products).
 //   make micro && build/micro/engine_gemm --wgrad [--case SUBSTRING]
 #include <cublas_v2.h>
 
@@ -697,17 +698,18 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_c
       B = wide(&prm.b, (n0 + t) * BN, g * prm.kpad);
       nk = p.num_kb, v = kv;
     };
+    auto store = [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+      store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, prm.c_base + (size_t)g * p.M * p.N,
+                             p.N, &prm.c, map_row, spare);
+    };
     if constexpr (kPP) {
       gemm_tiles_pp<1, 1, 128>(sm, n, setup, [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* buf) {
         store_half_tma(acc, wg, w, l, buf, &prm.c, map_row, min(BM, p.M - mt * BM), (n0 + t) * BN + 128 * wg, p.N);
       });
-    } else {
-      gemm_tiles<1, 1, false, true, 4, 128>(sm, n, setup,
-                                            [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-                                              store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN,
-                                                                     p.N, prm.c_base + (size_t)g * p.M * p.N, p.N,
-                                                                     &prm.c, map_row, spare);
-                                            });
+    } else if (p.num_kb <= kArBlocks) {
+      gemm_tiles<1, 1, false, true, 4, 128>(sm, n, setup, store);
+    } else {  // (the backward pairs such tasks; unpaired here)
+      gemm_tiles<1, 1, false, false, 4, 128>(sm, n, setup, store);
     }
   }
   if (threadIdx.x % 128 == 0) bulk_wait_all();  // (both warpgroups' first threads store under kPP)
@@ -1062,7 +1064,8 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
 // --wgrad: wgrad_tiles_kernel<kPP> on case c (check_and_time).
 template <bool kPP>
 static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
-  const char* who = kPP ? "gemm_tiles_pp (turns)" : "gemm_tiles AR";
+  const int num_kb = (c.K + BK - 1) / BK;
+  const char* who = kPP ? "gemm_tiles_pp (turns)" : num_kb <= kArBlocks ? "gemm_tiles AR" : "gemm_tiles streamed";
   if (c.M % 64 || c.N % 64) {
     printf("  %-24s not run: M or N %% 64 != 0 (the CUDA backend's rule for H and F)\n", who);
     return true;
@@ -1070,8 +1073,8 @@ static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& h
   WgradParams prm;
   prm.p = tiled(c, BM, BN);
   prm.kpad = prm.p.num_kb * BK;
-  if (prm.p.num_kb > kArBlocks) {
-    printf("  %-24s not run: K over %d blocks (A resident)\n", who, kArBlocks);
+  if (kPP && prm.p.num_kb > kPpArBlocks) {
+    printf("  %-24s not run: K over %d blocks (A resident)\n", who, kPpArBlocks);
     return true;
   }
   auto chunk_map = [&](CUtensorMap* map, const bf16* base, int cols) {  // make_chunk_map's
@@ -1093,7 +1096,8 @@ static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& h
     prm.c_base = C;
     wgrad_tiles_kernel<kPP><<<grid, kThreads, smem>>>(prm);
   };
-  return check_and_time(c, b, who, kPP ? kPpSlots : kStages, cublas_ms, have_first, launch, [] { return false; },
+  return check_and_time(c, b, who, kPP ? pp_slots(prm.p.num_kb) : kStages, cublas_ms, have_first, launch,
+                        [] { return false; },
                         [&] { wgrad_tiles_kernel<kPP><<<grid, kThreads, smem>>>(prm); });
 }
 
@@ -1160,10 +1164,11 @@ int main(int argc, char** argv) {
   std::vector<Case> cases;
   if (g_wgrad) {  // dW13 (M 2F, N H) and dW2 (M H, N F) of 64 experts, K = an expert's rows
     cases.push_back({"tails wgrad", 3, 320, 704, 200});  // (a last K block of 8 rows, a half past N)
+    cases.push_back({"tails wgrad 6 blocks", 3, 192, 576, 360});  // (4 slots; a last block of 40 rows)
     const struct {
       const char* name;
       int H, F, rows;
-    } small[] = {{"deepseek-v3", 7168, 2048, 256}, {"kimi-k2", 7168, 2048, 168}};
+    } small[] = {{"deepseek-v3", 7168, 2048, 256}, {"kimi-k2", 7168, 2048, 168}, {"qwen3.5", 4096, 1024, 320}};
     for (const auto& l : small) {
       if (quick) break;
       Case w13{}, w2{};

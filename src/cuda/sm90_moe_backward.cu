@@ -769,7 +769,12 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   // of B a K block, the L2 bytes a CTA of a pair (16 of A, 16 of B), without a pair's
   // lockstep. Larger ones pair. (pair_agree is still called, as both CTAs of a cluster
   // must; a key of -1 makes both run alone.)
-  const bool paired = pair_agree(sm, pairable, ok, pair_key(nk > kArBlocks, e, g));
+  // MOK_PINGPONG_WGRAD builds run an expert of at most kPpArBlocks K blocks (bf16
+  // gradients through TMA stores) with A resident and the warpgroups taking turns
+  // (gemm_tiles_pp), unpaired too. (Every CTA of a cluster decides alike: the same
+  // config and knobs.)
+  const bool pp = kPingPongWgrad && nk > 0 && nk <= kPpArBlocks && !p.wgrad_fp32 && !(sm.knobs & 8);
+  const bool paired = pair_agree(sm, pairable, ok, pair_key(nk > kArBlocks && !pp, e, g));
   if (!ok) return;
   const int valid_last = n - (nk - 1) * BK;  // rows of the last K block
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
@@ -785,7 +790,6 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   // dw2[e] [H, F] = dy_rows^T h_rows, or dw13[e] [2F, H] = d_a^T x_rows
   char* out = which == 2 ? (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize
                          : (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize;
-  const int num_tiles = min(size, cdivb(cols, BN) - n0);
   auto setup = [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
     A = rows128(maps, mt * BM, 0);
     B = wide(maps + 1, (n0 + t) * BN, 0);
@@ -793,22 +797,16 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   };
   auto run = [&](auto P, auto R) {  // gemm_tiles' PAIRED and AR
     gemm_tiles<1, 1, decltype(P)::value, decltype(R)::value, 4, kBwdBoxRows>(
-        sm, num_tiles, setup,
+        sm, min(size, cdivb(cols, BN) - n0), setup,
         [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           store_wgrad(sm, p, acc, wg, w, l, mt * BM, rows, (n0 + t) * BN, cols, out,
                       which == 2 ? &p.st_dw2 : &p.st_dw13, e * rows + mt * BM, spare);
         });
   };
-  // an expert of at most kArBlocks K blocks (deepseek-v3: 4 on average): every tile of
-  // the task has the same A, kept resident while B streams (32 KB a block, not 48);
-  // MOK_PINGPONG_WGRAD builds run those tiles with the warpgroups taking turns (bf16
-  // gradients through TMA stores; an output tile's rows, H or 2F past mt * BM, are a
-  // multiple of 64)
-  const bool ar = nk > 0 && nk <= kArBlocks;
   if constexpr (kPingPongWgrad) {
-    if (ar && !p.wgrad_fp32 && !(sm.knobs & 8)) {  // (ar: never paired, pair_key -1)
+    if (pp) {  // (an output tile's rows, H or 2F past mt * BM, are a multiple of 64)
       const StoreMap* st = which == 2 ? &p.st_dw2 : &p.st_dw13;
-      gemm_tiles_pp<1, 1, kBwdBoxRows>(sm, num_tiles, setup,
+      gemm_tiles_pp<1, 1, kBwdBoxRows>(sm, min(size, cdivb(cols, BN) - n0), setup,
                                        [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* buf) {
                                          if (sm.knobs & 2) return;
                                          store_half_tma(acc, wg, w, l, buf, st, e * rows + mt * BM,
@@ -817,8 +815,10 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
       return;
     }
   }
+  // an expert of at most kArBlocks K blocks (deepseek-v3: 4 on average): every tile of
+  // the task has the same A, kept resident while B streams (32 KB a block, not 48)
   if (paired) run(Flag<true>(), Flag<false>());
-  else if (ar) run(Flag<false>(), Flag<true>());
+  else if (nk > 0 && nk <= kArBlocks) run(Flag<false>(), Flag<true>());
   else run(Flag<false>(), Flag<false>());
 }
 

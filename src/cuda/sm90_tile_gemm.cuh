@@ -342,37 +342,45 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
 }
 
 // ---- ping-pong A-resident runs (MOK_PINGPONG_WGRAD builds: small experts' weight gradients) ----
-// gemm_tiles' AR runs (every tile has the same A of at most kArBlocks K blocks, loaded
-// once) with the warpgroups taking turns instead of sharing each tile: warpgroup w
-// computes columns [128 w, 128 w + 128) of every 128 x 256 tile of the run, all 128 rows
-// (two m64n128k16 a k16 step: rows 0-63 into acc[0, 64), rows 64-127 into acc[64, 128)).
-// The turns follow the run's halves, h = 2 tile + w: a warpgroup passes the turn (named
-// barrier kTurnBar + the other's index) once its half's last wgmmas are issued, then
-// drains them and runs its epilogue while the other multiplies. The tensor core then
-// does not wait for an epilogue, as it does in gemm_tiles after every tile: at 4 K blocks
-// a tile (deepseek-v3's experts) the epilogue was a fifth of thread 0's weight-gradient
-// cycles (docs/PERF.md, 2026-11-30 fifth session).
-// B streams in kPpSlots slots of 16 KB (a half's 128 columns of one K block) after A's
-// 64 KB: K block j of the run (half j / num_kb, block j % num_kb) goes through slot
-// (sm.pp_it + j) % kPpSlots. Thread 0 loads the first kPpSlots - 1 blocks; then the turn
-// holder's first thread loads block j + kPpSlots - 1 when it takes block j, so the loads
-// go in the run's order and one thread at a time issues them (the turn's barrier orders
-// the two).
+// A run whose tiles all have the same A of at most kPpArBlocks K blocks (a weight-gradient
+// task of an expert of at most 384 rows), A loaded once, with the warpgroups taking turns
+// instead of sharing each tile: warpgroup w computes columns [128 w, 128 w + 128) of every
+// 128 x 256 tile of the run, all 128 rows (two m64n128k16 a k16 step: rows 0-63 into
+// acc[0, 64), rows 64-127 into acc[64, 128)). The turns follow the run's halves, h = 2
+// tile + w: a warpgroup passes the turn (named barrier kTurnBar + the other's index) once
+// its half's last wgmmas are issued, then drains them and runs its epilogue while the
+// other multiplies. The tensor core then does not wait for an epilogue, as it does in
+// gemm_tiles after every tile: at 4 K blocks a tile (deepseek-v3's experts) the epilogue
+// was a fifth of thread 0's weight-gradient cycles (docs/PERF.md, 2026-11-30 fifth
+// session).
+// Shared memory (the ring's 192 KB): A's num_kb blocks of 16 KB, then pp_slots(num_kb)
+// slots of 16 KB for B (a half's 128 columns of one K block), then warpgroup 1's 32 KB
+// epilogue buffer (warpgroup 0's is sm.epi). K block j of the run (half j / num_kb, block
+// j % num_kb) goes through slot j % S, its (j / S)-th use in the run; the slots' use
+// parities carry over between runs in sm.pp_phase. Thread 0 loads the first S - 1
+// blocks; then the turn holder's first thread loads block j + S - 1 when it takes block
+// j, so the loads go in the run's order and one thread at a time issues them (the turn's
+// barrier orders the two).
 // Each output is gemm_tiles' sum: one fp32 accumulator over the K blocks in increasing
 // order, up to 4 k16 steps a block (the last block's steps past k_valid_last skipped),
-// each a wgmma. That the tensor core sums a column of m64n128k16 as m64n256k16 does, the
-// GPU tests' bits are to confirm (m64n64k16's were the same: docs/PERF.md, `narrow`).
+// each a wgmma; the tensor core sums a column of m64n128k16 as of m64n256k16 (engine_gemm
+// --dh: ping-pong 128x128 gave gemm_tiles' bits).
 // setup(tile, A, B, num_kb, k_valid_last) as gemm_tiles' (B's boxes pos[2 w], pos[2 w + 1]
-// are warpgroup w's; num_kb the same for every tile, at most kArBlocks);
+// are warpgroup w's; num_kb the same for every tile, at most kPpArBlocks);
 // epi(tile, acc, wg, warp, lane, buf): warpgroup wg's half of the tile, acc[64 m + 4 i +
 // 2 h + x] its row 64 m + 16 warp + lane / 4 + 8 h, column 8 i + 2 (lane % 4) + x (i < 16);
-// buf the warpgroup's own 32 KB buffer (sm.epi, or the ring's last 32 KB), which the
-// warpgroup's earlier stores may still be reading (store_half_tma waits for them).
-constexpr int kPpSlotBytes = 2 * kBoxBytes;
+// buf the warpgroup's own 32 KB buffer, which the warpgroup's earlier stores may still be
+// reading (store_half_tma waits for them).
+constexpr int kPpArBlocks = 6;
+constexpr int kPpSlotBytes = 2 * kBoxBytes;                      // (also one K block of A)
+constexpr int kPpRingBytes = kStages * kStageBytes - kEpiBytes;  // A and the slots; warpgroup 1's buffer after
 constexpr int kTurnBar = 1;  // named barriers 1, 2: warpgroup 0's, 1's turn (256 threads)
 constexpr int kEpiBar = 3;   // named barriers 3, 4: warpgroup 0's, 1's epilogue (128 threads)
-static_assert(kArBlocks * 2 * kBoxBytes + kPpSlots * kPpSlotBytes + kEpiBytes <= kStages * kStageBytes,
-              "ping-pong layout: A, the B slots and warpgroup 1's epilogue buffer in the ring");
+// B's slots beside num_kb K blocks of A: what the ring leaves, at most kPpMaxSlots
+__host__ __device__ constexpr int pp_slots(int num_kb) {
+  return kPpRingBytes / kPpSlotBytes - num_kb < kPpMaxSlots ? kPpRingBytes / kPpSlotBytes - num_kb : kPpMaxSlots;
+}
+static_assert(pp_slots(kPpArBlocks) >= 4 && pp_slots(4) == 6, "ping-pong layout: A and its B slots in the ring");
 
 // A K block's first kSteps k16 steps of a ping-pong warpgroup's 128 x 128 tile, as one
 // wgmma group: rows 0-63 (A box da0), then rows 64-127 (da1), each step, against B's
@@ -398,18 +406,20 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
   // a slot's release: an arrival a warp, each after its own wgmma wait (a warp past its
   // wait knows only its own share of the warpgroup's wgmmas to be done)
   const bool lane0 = tid % 32 == 0;
-  uint8_t* const ring = sm.stage[0];
-  uint8_t* const slots = ring + kArBlocks * 2 * kBoxBytes;
-  const uint32_t it0 = sm.pp_it;
   Operand A0, B0;  // (tile 0's: A is every tile's)
   int nk, kv;
   setup(0, A0, B0, nk, kv);
+  const uint32_t S = pp_slots(nk), phase0 = sm.pp_phase;
+  uint8_t* const ring = sm.stage[0];
+  uint8_t* const slots = ring + nk * kPpSlotBytes;
   const uint32_t total = num_tiles > 0 ? 2u * num_tiles * nk : 0u;  // the run's K blocks
+  // K block j's slot, and the parity of its full barrier's phase for this use
+  auto parity = [&](uint32_t j) { return ((phase0 >> (j % S)) ^ (j / S)) & 1; };
   // K block j of the run into its slot, once the slot's last reader released it
   auto load = [&](uint32_t j) {
     if (j >= total) return;
-    const uint32_t pos = it0 + j, s = pos % kPpSlots;
-    while (!mbar_try_wait(&sm.pp_empty[s], ((pos / kPpSlots) & 1) ^ 1)) {
+    const uint32_t s = j % S;
+    while (!mbar_try_wait(&sm.pp_empty[s], parity(j) ^ 1)) {
     }
     const int h = (int)(j / nk), k = (int)(j % nk) * BK;
     Operand A, B;
@@ -434,9 +444,9 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
   if (tid == 0 && total > 0) {
     release_stages_from_stores(sm);  // (A and the slots overlap stages earlier stores may read)
     const Operand A = A0;
-    mbar_arrive_expect_tx(&sm.a_full, nk * 2 * kBoxBytes);
+    mbar_arrive_expect_tx(&sm.a_full, nk * kPpSlotBytes);
     for (int kb = 0; kb < nk; kb++) {
-      uint8_t* dst = ring + kb * 2 * kBoxBytes;
+      uint8_t* dst = ring + kb * kPpSlotBytes;
       if (kTall && TA) {
         tma_load_3d(dst, A.map, &sm.a_full, 0, A.k0 + kb * BK, A.pos[0] / 64);
       } else if (kTall) {
@@ -449,27 +459,27 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
         }
       }
     }
-    for (uint32_t j = 0; j < kPpSlots - 1; j++) load(j);
+    for (uint32_t j = 0; j + 1 < S; j++) load(j);
   }
   if (total > 0) {
     const uint32_t aph = sm.a_phase;
     while (!mbar_try_wait(&sm.a_full, aph)) {
     }
   }
-  uint8_t* const buf = wg == 0 ? sm.epi : slots + kPpSlots * kPpSlotBytes;
+  uint8_t* const buf = wg == 0 ? sm.epi : ring + kPpRingBytes;
   for (int h = wg; h < 2 * num_tiles; h += 2) {
     float acc[kAcc];
 #pragma unroll
     for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
     if (h > 0) named_bar_sync(kTurnBar + wg, 256);  // the other warpgroup issued half h - 1
     for (int kb = 0; kb < nk; kb++) {
-      const uint32_t j = (uint32_t)(h * nk + kb), pos = it0 + j, s = pos % kPpSlots;
+      const uint32_t j = (uint32_t)(h * nk + kb), s = j % S;
       // descriptors before the wait (gemm_tiles' reason: the first wgmma issues as the data lands)
-      uint64_t da0 = smem_desc(ring + (kb * 2) * kBoxBytes, TA ? kBoxBytes : 16, 1024);
-      uint64_t da1 = smem_desc(ring + (kb * 2 + 1) * kBoxBytes, TA ? kBoxBytes : 16, 1024);
+      uint64_t da0 = smem_desc(ring + kb * kPpSlotBytes, TA ? kBoxBytes : 16, 1024);
+      uint64_t da1 = smem_desc(ring + kb * kPpSlotBytes + kBoxBytes, TA ? kBoxBytes : 16, 1024);
       uint64_t db = smem_desc(slots + s * kPpSlotBytes, TB ? kBoxBytes : 16, 1024);
       asm volatile("" : "+l"(da0), "+l"(da1), "+l"(db));
-      while (!mbar_try_wait(&sm.pp_full[s], (pos / kPpSlots) & 1)) {
+      while (!mbar_try_wait(&sm.pp_full[s], parity(j))) {
       }
       // (each count its own unconditional wgmma group, as in gemm_tiles: C7520)
       const int k_steps = kb == nk - 1 ? (kv + 15) / 16 : BK / 16;
@@ -478,19 +488,23 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
       else if (k_steps == 2) mma_block_pp<TA, TB, 2>(acc, da0, da1, db);
       else mma_block_pp<TA, TB, 1>(acc, da0, da1, db);
       wgmma_wait<1>();
-      if (kb > 0 && lane0) mbar_arrive(&sm.pp_empty[(pos - 1) % kPpSlots]);
-      if (first) load(j + kPpSlots - 1);
+      if (kb > 0 && lane0) mbar_arrive(&sm.pp_empty[(j - 1) % S]);
+      if (first) load(j + S - 1);
     }
     if (h + 1 < 2 * num_tiles) named_bar_arrive(kTurnBar + (wg ^ 1), 256);  // half h + 1's turn
     wgmma_wait<0>();
-    if (lane0) mbar_arrive(&sm.pp_empty[(it0 + (uint32_t)(h * nk + nk - 1)) % kPpSlots]);
+    if (lane0) mbar_arrive(&sm.pp_empty[(uint32_t)(h * nk + nk - 1) % S]);
     const int et = tid_here();
     epi(h / 2, acc, et / 128, (et % 128) / 32, et % 32, buf);
   }
   // warpgroup 1's buffer is ring memory, which the next run may load into
   if (tid == 128) bulk_wait_read();
   __syncthreads();
-  if (tid == 0 && total > 0) sm.pp_it = it0 + total, sm.a_phase ^= 1;
+  if (tid == 0 && total > 0) {
+    uint32_t phase = phase0;
+    for (uint32_t s = 0; s < S && s < total; s++) phase ^= (((total - 1 - s) / S + 1) & 1) << s;  // slot s's uses
+    sm.pp_phase = phase, sm.a_phase ^= 1;
+  }
   __syncthreads();
 }
 
