@@ -806,12 +806,13 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   if constexpr (kPingPongWgrad) {
     if (pp) {  // (an output tile's rows, H or 2F past mt * BM, are a multiple of 64)
       const StoreMap* st = which == 2 ? &p.st_dw2 : &p.st_dw13;
-      gemm_tiles_pp<1, 1, kBwdBoxRows>(sm, min(size, cdivb(cols, BN) - n0), setup,
-                                       [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* buf) {
-                                         if (sm.knobs & 2) return;
-                                         store_half_tma(acc, wg, w, l, buf, st, e * rows + mt * BM,
-                                                        min(BM, rows - mt * BM), (n0 + t) * BN + 128 * wg, cols);
-                                       });
+      gemm_tiles_pp<1, 1, kBwdBoxRows, true>(
+          sm, min(size, cdivb(cols, BN) - n0), setup,
+          [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* buf) {
+            if (sm.knobs & 2) return;
+            store_half_tma(acc, wg, w, l, buf, st, e * rows + mt * BM, min(BM, rows - mt * BM),
+                           (n0 + t) * BN + 128 * wg, cols);
+          });
       return;
     }
   }

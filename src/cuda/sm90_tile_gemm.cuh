@@ -366,7 +366,8 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
 // each a wgmma; the tensor core sums a column of m64n128k16 as of m64n256k16 (engine_gemm
 // --dh: ping-pong 128x128 gave gemm_tiles' bits).
 // setup(tile, A, B, num_kb, k_valid_last) as gemm_tiles' (B's boxes pos[2 w], pos[2 w + 1]
-// are warpgroup w's; num_kb the same for every tile, at most kPpArBlocks);
+// are warpgroup w's; num_kb and B's map the same for every tile, num_kb at most
+// kPpArBlocks; kFreshB: B's map was made in global memory for this run, cut_maps');
 // epi(tile, acc, wg, warp, lane, buf): warpgroup wg's half of the tile, acc[64 m + 4 i +
 // 2 h + x] its row 64 m + 16 warp + lane / 4 + 8 h, column 8 i + 2 (lane % 4) + x (i < 16);
 // buf the warpgroup's own 32 KB buffer, which the warpgroup's earlier stores may still be
@@ -397,7 +398,7 @@ __device__ __forceinline__ void mma_block_pp(float (&acc)[kAcc], uint64_t da0, u
   wgmma_commit();
 }
 
-template <int TA, int TB, int kBoxRows = 64, class Setup, class Epi>
+template <int TA, int TB, int kBoxRows = 64, bool kFreshB = false, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   static_assert(kBoxRows == 64 || kBoxRows == 128, "boxes of 64 rows, or 128");
   constexpr bool kTall = kBoxRows == 128;
@@ -465,6 +466,10 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
     const uint32_t aph = sm.a_phase;
     while (!mbar_try_wait(&sm.a_full, aph)) {
     }
+    // warpgroup 1's first thread loads B too: kFreshB, through a map in global memory
+    // made for this task (cut_maps: only thread 0 acquired it), which A's blocks, loaded
+    // by thread 0 after it acquired the map, order before this
+    if (kFreshB && tid == 128) tensormap_acquire(B0.map);
   }
   uint8_t* const buf = wg == 0 ? sm.epi : ring + kPpRingBytes;
   for (int h = wg; h < 2 * num_tiles; h += 2) {
