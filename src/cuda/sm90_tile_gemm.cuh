@@ -382,6 +382,29 @@ __host__ __device__ constexpr int pp_slots(int num_kb) {
   return kPpRingBytes / kPpSlotBytes - num_kb < kPpMaxSlots ? kPpRingBytes / kPpSlotBytes - num_kb : kPpMaxSlots;
 }
 static_assert(pp_slots(kPpArBlocks) >= 4 && pp_slots(4) == 6, "ping-pong layout: A and its B slots in the ring");
+// K block j of a run through S slots waits on slot j % S for the full phase of parity
+// pp_parity (its (j / S)-th use in the run, after the uses whose parity phase0's bit
+// j % S carries); pp_phase_after: those bits after a run of `total` blocks.
+__host__ __device__ constexpr uint32_t pp_parity(uint32_t phase0, uint32_t S, uint32_t j) {
+  return ((phase0 >> (j % S)) ^ (j / S)) & 1u;
+}
+__host__ __device__ constexpr uint32_t pp_phase_after(uint32_t phase0, uint32_t S, uint32_t total) {
+  for (uint32_t s = 0; s < S && s < total; s++) phase0 ^= (((total - 1 - s) / S + 1) & 1u) << s;  // slot s's uses
+  return phase0;
+}
+// Checked against a count of each slot's uses over runs of every slot count and several
+// lengths in turn: every block's parity is its slot's uses so far, mod 2.
+constexpr bool pp_parities_agree() {
+  uint32_t uses[kPpMaxSlots] = {}, phase = 0;
+  for (uint32_t run = 0; run < 40; run++) {
+    const uint32_t S = pp_slots(1 + run % kPpArBlocks), total = (run * 7) % 23;
+    for (uint32_t j = 0; j < total; j++)
+      if (pp_parity(phase, S, j) != (uses[j % S]++ & 1u)) return false;
+    phase = pp_phase_after(phase, S, total);
+  }
+  return true;
+}
+static_assert(pp_parities_agree(), "gemm_tiles_pp's slot parities");
 
 // A K block's first kSteps k16 steps of a ping-pong warpgroup's 128 x 128 tile, as one
 // wgmma group: rows 0-63 (A box da0), then rows 64-127 (da1), each step, against B's
@@ -414,8 +437,7 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
   uint8_t* const ring = sm.stage[0];
   uint8_t* const slots = ring + nk * kPpSlotBytes;
   const uint32_t total = num_tiles > 0 ? 2u * num_tiles * nk : 0u;  // the run's K blocks
-  // K block j's slot, and the parity of its full barrier's phase for this use
-  auto parity = [&](uint32_t j) { return ((phase0 >> (j % S)) ^ (j / S)) & 1; };
+  auto parity = [&](uint32_t j) { return pp_parity(phase0, S, j); };  // (K block j's slot is j % S)
   // K block j of the run into its slot, once the slot's last reader released it
   auto load = [&](uint32_t j) {
     if (j >= total) return;
@@ -505,11 +527,7 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
   // warpgroup 1's buffer is ring memory, which the next run may load into
   if (tid == 128) bulk_wait_read();
   __syncthreads();
-  if (tid == 0 && total > 0) {
-    uint32_t phase = phase0;
-    for (uint32_t s = 0; s < S && s < total; s++) phase ^= (((total - 1 - s) / S + 1) & 1) << s;  // slot s's uses
-    sm.pp_phase = phase, sm.a_phase ^= 1;
-  }
+  if (tid == 0 && total > 0) sm.pp_phase = pp_phase_after(phase0, S, total), sm.a_phase ^= 1;
   __syncthreads();
 }
 
