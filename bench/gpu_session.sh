@@ -58,8 +58,9 @@
 #                 with a digest of mok's outputs' bits (equal: the builds agree bit for bit)
 #                 (REF=build-ref/libmok.so by default; ROUNDS=2 by default;
 #                 bench/build_refs.sh builds other commits' libraries here)
-#   stalls        a MOK_STALL_PROFILE build (build-stall/: thread 0's cycles in each wait
-#                 of the GEMM tasks, by kind) traced per shape, beside the plain trace's rates
+#   stalls        a MOK_STALL_PROFILE build (build-stall/, or STALL_DIR's: thread 0's cycles in
+#                 each wait of the GEMM tasks, by kind) traced per shape, beside the plain
+#                 trace's rates
 #   peer-cycles   the peer's six grouped GEMMs per shape under ncu, FLOPs per SM cycle
 #                 (bench/peer_cycles.py; compare with trace's "% of peak per cycle")
 #   block-cycles  SM cycles a K block of each GEMM kind at several token counts, for the
@@ -285,13 +286,16 @@ for part in "$@"; do
       echo "repeat ${CASE:-gpu.racecheck}: $ok passed, $failed failed, $hung hung"
       ;;
     stalls)
-      # (NVFLAGS from the environment: the Makefile appends its own flags to it)
-      if [ -z "${PREBUILT:-}" ] || [ ! -f build-stall/libmok.so ]; then
-        NVFLAGS="-O3 -DMOK_STALL_PROFILE" LOCAL_MEM_OK=1 make -j"$(nproc)" BUILD=build-stall \
-          build-stall/libmok.so \
+      # (NVFLAGS from the environment: the Makefile appends its own flags to it.) STALL_DIR:
+      # a stall build carried under another name (e.g. build-pp-stall: with
+      # -DMOK_PINGPONG_WGRAD too), used as it came
+      dir=${STALL_DIR:-build-stall}
+      if [ -z "${PREBUILT:-}" ] || [ ! -f "$dir/libmok.so" ]; then
+        NVFLAGS="-O3 -DMOK_STALL_PROFILE" LOCAL_MEM_OK=1 make -j"$(nproc)" BUILD="$dir" \
+          "$dir/libmok.so" \
           > "$OUT/build-stall.log" 2>&1 || { tail -30 "$OUT/build-stall.log"; exit 1; }
       fi
-      MOK_LIBRARY="$PWD/build-stall/libmok.so" trace_shapes stalls
+      MOK_LIBRARY="$PWD/$dir/libmok.so" trace_shapes stalls
       ;;
     peer-cycles)
       for s in ${SHAPES//,/ }; do

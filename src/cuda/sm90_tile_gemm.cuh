@@ -442,8 +442,10 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
   auto load = [&](uint32_t j) {
     if (j >= total) return;
     const uint32_t s = j % S;
+    MOK_STALL_FROM(kStallEmpty);
     while (!mbar_try_wait(&sm.pp_empty[s], parity(j) ^ 1)) {
     }
+    MOK_STALL_ADD(kStallEmpty);
     const int h = (int)(j / nk), k = (int)(j % nk) * BK;
     Operand A, B;
     int nk_, kv_;
@@ -498,7 +500,9 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
     float acc[kAcc];
 #pragma unroll
     for (int i = 0; i < kAcc; i++) acc[i] = 0.f;
+    MOK_STALL_FROM(kStallSpare);  // (MOK_STALL_PROFILE: the turn's wait, as "spare")
     if (h > 0) named_bar_sync(kTurnBar + wg, 256);  // the other warpgroup issued half h - 1
+    MOK_STALL_ADD(kStallSpare);
     for (int kb = 0; kb < nk; kb++) {
       const uint32_t j = (uint32_t)(h * nk + kb), s = j % S;
       // descriptors before the wait (gemm_tiles' reason: the first wgmma issues as the data lands)
@@ -506,23 +510,31 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
       uint64_t da1 = smem_desc(ring + kb * kPpSlotBytes + kBoxBytes, TA ? kBoxBytes : 16, 1024);
       uint64_t db = smem_desc(slots + s * kPpSlotBytes, TB ? kBoxBytes : 16, 1024);
       asm volatile("" : "+l"(da0), "+l"(da1), "+l"(db));
+      MOK_STALL_FROM(kStallFull);
       while (!mbar_try_wait(&sm.pp_full[s], parity(j))) {
       }
+      MOK_STALL_ADD(kStallFull);
       // (each count its own unconditional wgmma group, as in gemm_tiles: C7520)
       const int k_steps = kb == nk - 1 ? (kv + 15) / 16 : BK / 16;
       if (k_steps == 4) mma_block_pp<TA, TB, 4>(acc, da0, da1, db);
       else if (k_steps == 3) mma_block_pp<TA, TB, 3>(acc, da0, da1, db);
       else if (k_steps == 2) mma_block_pp<TA, TB, 2>(acc, da0, da1, db);
       else mma_block_pp<TA, TB, 1>(acc, da0, da1, db);
+      MOK_STALL_FROM(kStallMma);
       wgmma_wait<1>();
+      MOK_STALL_ADD(kStallMma);
       if (kb > 0 && lane0) mbar_arrive(&sm.pp_empty[(j - 1) % S]);
       if (first) load(j + S - 1);
     }
     if (h + 1 < 2 * num_tiles) named_bar_arrive(kTurnBar + (wg ^ 1), 256);  // half h + 1's turn
+    MOK_STALL_FROM(kStallDrain);
     wgmma_wait<0>();
+    MOK_STALL_ADD(kStallDrain);
     if (lane0) mbar_arrive(&sm.pp_empty[(uint32_t)(h * nk + nk - 1) % S]);
     const int et = tid_here();
+    MOK_STALL_FROM(kStallEpilogue);
     epi(h / 2, acc, et / 128, (et % 128) / 32, et % 32, buf);
+    MOK_STALL_ADD(kStallEpilogue);
   }
   // warpgroup 1's buffer is ring memory, which the next run may load into
   if (tid == 128) bulk_wait_read();
