@@ -181,8 +181,6 @@ template <int kRegs>
 __device__ __forceinline__ void regs_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
 }
-// The 128 threads of a consumer warpgroup (named barrier id: 1 + its index).
-__device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
 // A wait for the phase of parity `parity` of bar. False past kWaitNs (g_timeout set: a
 // hang) or once another wait has timed out: the launch has failed, and its threads go
@@ -317,7 +315,7 @@ __device__ __forceinline__ void produce_gather(const Params& prm, uint8_t* stage
   const Problem& p = prm.p;
   auto complete = [&](uint32_t j) {  // position j's copies have landed (this thread's: waited for)
     fence_proxy_async_smem();
-    asm volatile("bar.sync 3, 128;" ::: "memory");
+    named_bar_sync(3, 128);
     if (lt == 0) mbar_arrive(&full[j % E::kStages]);
   };
   uint32_t i = 0;  // ring position: K block kb of the CTA's n-th tile
@@ -437,7 +435,7 @@ __device__ __forceinline__ void store_wg_tile(const Params& prm, const float (&a
 #pragma unroll
   for (int r = 0; r < E::kRounds; r++) {
     if (lt == 0) bulk_wait_read<0>();  // the stores of buf's previous round have read it
-    warpgroup_sync(1 + w);
+    named_bar_sync(1 + w, 128);
 #pragma unroll
     for (int rb = 0; rb < E::kRowBlocks; rb++)
 #pragma unroll
@@ -449,7 +447,7 @@ __device__ __forceinline__ void store_wg_tile(const Params& prm, const float (&a
                       acc_pair(acc[rb], i, 1), acc_pair(acc[rb], i + 1, 0), acc_pair(acc[rb], i + 1, 1));
         }
     fence_proxy_async_smem();
-    warpgroup_sync(1 + w);
+    named_bar_sync(1 + w, 128);
     if (lt == 0) {
 #pragma unroll
       for (int rb = 0; rb < E::kRowBlocks; rb++)
@@ -526,7 +524,7 @@ __device__ __forceinline__ void dh_wg_tile(const Params& prm, const float (&acc)
         }
       fence_proxy_async_smem();
     }
-    warpgroup_sync(1 + w);  // (also: every thread past the wait before lt 0 arms the slot again)
+    named_bar_sync(1 + w, 128);  // (also: every thread past the wait before lt 0 arms the slot again)
     if (lt == 0) {
       if (n < p.N) {
         tma_store_3d(&prm.c, dst, n, m0 + 64 * rb, g);
@@ -681,14 +679,11 @@ struct WgradParams {
   int kpad;
   Problem p;
 };
-__host__ __device__ constexpr int micro_wgrad_group(int num_kb) {  // wgrad_group's (the backward's)
-  return num_kb < 1 ? 32 : (128 / num_kb < 1 ? 1 : (128 / num_kb > 32 ? 32 : 128 / num_kb));
-}
 template <bool kPP>
 __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_constant__ WgradParams prm) {
   Smem& sm = kernel_smem(0);
   const Problem& p = prm.p;
-  const int size = micro_wgrad_group(p.num_kb), groups = (p.tiles_n + size - 1) / size;
+  const int size = wgrad_group_of(p.num_kb), groups = (p.tiles_n + size - 1) / size;
   const int tasks = p.G * groups * p.tiles_m, kv = p.K - (p.num_kb - 1) * BK;
   for (int task = blockIdx.x; task < tasks; task += gridDim.x) {
     const int mt = task % p.tiles_m, cg = task / p.tiles_m % groups, g = task / p.tiles_m / groups;
@@ -1086,7 +1081,7 @@ static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& h
   };
   chunk_map(&prm.a, b.At, c.M);
   chunk_map(&prm.b, b.Bt, c.N);
-  const int size = micro_wgrad_group(prm.p.num_kb);
+  const int size = wgrad_group_of(prm.p.num_kb);
   const int tasks = c.G * ((prm.p.tiles_n + size - 1) / size) * prm.p.tiles_m;
   const int grid = tasks < g_sms ? tasks : g_sms;
   const int smem = (int)sizeof(Smem) + 1024;

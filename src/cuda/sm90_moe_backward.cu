@@ -661,8 +661,7 @@ __device__ __forceinline__ void dx_task(Smem& sm, const BwdParams& p, int mt, in
 // (mixtral: 132 x 512 KB). In band order (kBand row tiles a column group) the CTAs
 // running at once share fewer slices.
 __device__ __forceinline__ int wgrad_group(const Shape& s) {
-  const int nk = max(1, cdivb(cdivb(s.T * s.K, s.E), BK));  // mean K blocks a tile
-  return min(32, max(1, 128 / nk));
+  return wgrad_group_of(max(1, cdivb(cdivb(s.T * s.K, s.E), BK)));  // (the mean K blocks a tile)
 }
 
 // Zeros into rows [r0, r0 + nr) x columns [c0, c0 + nc) of a bf16 matrix (ld columns a

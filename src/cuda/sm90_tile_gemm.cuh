@@ -108,6 +108,37 @@ constexpr bool kSerpentine = true;
 constexpr bool kSerpentine = false;
 #endif
 static_assert(kArBlocks * 2 * kBoxBytes + kStages * kBSlotBytes <= kStages * kStageBytes, "A-resident layout");
+// One K block (K row k) of an operand's 128 rows or mn columns from p0 (its 64 x 64 boxes
+// at p0 and p1, p0 + 64 unless the caller says otherwise) into dst (16 KB: the two
+// boxes in turn), completing on bar: one tall load (kTall: 64 x 128 boxes, or 3-D chunk
+// pairs when MN-major) or two 64 x 64 boxes.
+template <bool kTall>
+__device__ __forceinline__ void load_pair(void* dst, const CUtensorMap* map, uint64_t* bar, bool mn_major, int p0,
+                                          int p1, int k) {
+  if (kTall) {
+    if (mn_major) tma_load_3d(dst, map, bar, 0, k, p0 / 64);
+    else tma_load_2d(dst, map, bar, k, p0);
+    return;
+  }
+#pragma unroll
+  for (int b = 0; b < 2; b++) {
+    uint8_t* const d = static_cast<uint8_t*>(dst) + b * kBoxBytes;
+    if (mn_major) tma_load_2d(d, map, bar, b ? p1 : p0, k);
+    else tma_load_2d(d, map, bar, k, b ? p1 : p0);
+  }
+}
+// f(KSteps<n>()) for a K block's n = k_steps k16 steps (1-4), each count its own
+// instance: a wgmma under a condition inside a group makes ptxas serialise every wgmma
+// of the kernel (C7520), so every group's wgmmas are unconditional.
+template <int N> struct KSteps {
+  static constexpr int value = N;
+};
+template <class F> __device__ __forceinline__ void with_k_steps(int k_steps, F f) {
+  if (k_steps == 4) f(KSteps<4>());
+  else if (k_steps == 3) f(KSteps<3>());
+  else if (k_steps == 2) f(KSteps<2>());
+  else f(KSteps<1>());
+}
 template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, bool kRevOdd = false,
           class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
@@ -116,12 +147,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
   static_assert(kBoxRows == 64 || (kBoxRows == 128 && NB == 4), "boxes of 64 rows, or 128 for whole tiles");
   static_assert(!kRevOdd || (!AR && NB == 4), "reversed K order: 128 x 256 tiles whose A streams");
   auto reversed = [](int tile) { return kRevOdd && (tile & 1); };  // (MOK_SERPENTINE: the last K block first)
-  constexpr bool kTall = kBoxRows == 128;  // (one load a 128-row or 128-column half)
-  // one tall load of an operand's half at mn (or row) position pos, K row k
-  auto load_tall = [&](void* dst, const CUtensorMap* map, uint64_t* bar, bool mn_major, int pos, int k) {
-    if (mn_major) tma_load_3d(dst, map, bar, 0, k, pos / 64);
-    else tma_load_2d(dst, map, bar, k, pos);
-  };
+  constexpr bool kTall = kBoxRows == 128;  // (one load a 128-row or 128-column half: load_pair)
   constexpr int kTileAcc = NB * 32;
   const int tid = threadIdx.x, wg = tid / 128;
   uint8_t* const ring = sm.stage[0];
@@ -177,7 +203,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     uint8_t* const b_dst = AR ? stage_at(s) : dst + 2 * kBoxBytes;  // B's first box (AR: A is resident)
     const int k = (reversed(c.tile) ? c.num_kb - 1 - kb : kb) * BK;
     if (!AR && kTall) {
-      load_tall(dst, A.map, &full[s], TA, A.pos[0], A.k0 + k);
+      load_pair<true>(dst, A.map, &full[s], TA, A.pos[0], A.pos[1], A.k0 + k);
     } else if (!AR) {
 #pragma unroll
       for (int b = 0; b < 2; b++) {
@@ -203,8 +229,8 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     } else if (kTall) {
       const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
       if (!skip_b) {
-        load_tall(b_dst, B.map, &full[s], TB, B.pos[0], B.k0 + kb_b);
-        load_tall(b_dst + 2 * kBoxBytes, B.map, &full[s], TB, B.pos[2], B.k0 + kb_b);
+        load_pair<true>(b_dst, B.map, &full[s], TB, B.pos[0], B.pos[1], B.k0 + kb_b);
+        load_pair<true>(b_dst + 2 * kBoxBytes, B.map, &full[s], TB, B.pos[2], B.pos[3], B.k0 + kb_b);
       }
     } else {
       const int kb_b = knobs & 32 ? 0 : k;  // MOK_KNOBS 32: every K block of B is the first
@@ -226,16 +252,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       const Operand A = c.A;
       mbar_arrive_expect_tx(&sm.a_full, c.num_kb * 2 * kBoxBytes);
       for (int kb = 0; kb < c.num_kb; kb++) {
-        uint8_t* dst = ring + kb * 2 * kBoxBytes;
-        if constexpr (kTall) {
-          load_tall(dst, A.map, &sm.a_full, TA, A.pos[0], A.k0 + kb * BK);
-        } else {
-#pragma unroll
-          for (int b = 0; b < 2; b++) {
-            if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.a_full, A.pos[b], A.k0 + kb * BK);
-            else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.a_full, A.k0 + kb * BK, A.pos[b]);
-          }
-        }
+        load_pair<kTall>(ring + kb * 2 * kBoxBytes, A.map, &sm.a_full, TA, A.pos[0], A.pos[1], A.k0 + kb * BK);
       }
     }
     settle();
@@ -282,15 +299,10 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         }
         MOK_STALL_ADD(kStallFull);
         // the last block of a tile whose operands end early (k_valid_last < 64; its rows
-        // past k_valid_last are zeros) skips its k16 steps past them. Each count is its
-        // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
-        // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
+        // past k_valid_last are zeros) skips its k16 steps past them (with_k_steps)
         const int k_steps = kb == (reversed(tile) ? 0 : num_kb - 1) ? (k_valid_last + 15) / 16 : BK / 16;
         const int keep = NB == 4 || kb > 0;
-        if (k_steps == 4) mma_block<TA, TB, 4>(acc, da, db, keep);
-        else if (k_steps == 3) mma_block<TA, TB, 3>(acc, da, db, keep);
-        else if (k_steps == 2) mma_block<TA, TB, 2>(acc, da, db, keep);
-        else mma_block<TA, TB, 1>(acc, da, db, keep);
+        with_k_steps(k_steps, [&](auto n) { mma_block<TA, TB, decltype(n)::value>(acc, da, db, keep); });
         // keep this block's wgmmas in flight; the previous block's are done: free its
         // stage, then (thread 0) refill the ring kStages - 1 blocks ahead
         MOK_STALL_FROM(kStallMma);
@@ -451,39 +463,15 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
     int nk_, kv_;
     setup(h / 2, A, B, nk_, kv_);
     const bool hi = h & 1;  // (no run-time index into pos: local memory)
-    const int p0 = hi ? B.pos[2] : B.pos[0], p1 = hi ? B.pos[3] : B.pos[1];
-    uint8_t* const dst = slots + s * kPpSlotBytes;
     mbar_arrive_expect_tx(&sm.pp_full[s], kPpSlotBytes);
-    if (kTall && TB) {
-      tma_load_3d(dst, B.map, &sm.pp_full[s], 0, B.k0 + k, p0 / 64);
-    } else if (kTall) {
-      tma_load_2d(dst, B.map, &sm.pp_full[s], B.k0 + k, p0);
-    } else if (TB) {
-      tma_load_2d(dst, B.map, &sm.pp_full[s], p0, B.k0 + k);
-      tma_load_2d(dst + kBoxBytes, B.map, &sm.pp_full[s], p1, B.k0 + k);
-    } else {
-      tma_load_2d(dst, B.map, &sm.pp_full[s], B.k0 + k, p0);
-      tma_load_2d(dst + kBoxBytes, B.map, &sm.pp_full[s], B.k0 + k, p1);
-    }
+    load_pair<kTall>(slots + s * kPpSlotBytes, B.map, &sm.pp_full[s], TB, hi ? B.pos[2] : B.pos[0],
+                     hi ? B.pos[3] : B.pos[1], B.k0 + k);
   };
   if (tid == 0 && total > 0) {
     release_stages_from_stores(sm);  // (A and the slots overlap stages earlier stores may read)
-    const Operand A = A0;
     mbar_arrive_expect_tx(&sm.a_full, nk * kPpSlotBytes);
-    for (int kb = 0; kb < nk; kb++) {
-      uint8_t* dst = ring + kb * kPpSlotBytes;
-      if (kTall && TA) {
-        tma_load_3d(dst, A.map, &sm.a_full, 0, A.k0 + kb * BK, A.pos[0] / 64);
-      } else if (kTall) {
-        tma_load_2d(dst, A.map, &sm.a_full, A.k0 + kb * BK, A.pos[0]);
-      } else {
-#pragma unroll
-        for (int b = 0; b < 2; b++) {
-          if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &sm.a_full, A.pos[b], A.k0 + kb * BK);
-          else tma_load_2d(dst + b * kBoxBytes, A.map, &sm.a_full, A.k0 + kb * BK, A.pos[b]);
-        }
-      }
-    }
+    for (int kb = 0; kb < nk; kb++)
+      load_pair<kTall>(ring + kb * kPpSlotBytes, A0.map, &sm.a_full, TA, A0.pos[0], A0.pos[1], A0.k0 + kb * BK);
     for (uint32_t j = 0; j + 1 < S; j++) load(j);
   }
   if (total > 0) {
@@ -514,12 +502,8 @@ __device__ __forceinline__ void gemm_tiles_pp(Smem& sm, int num_tiles, Setup set
       while (!mbar_try_wait(&sm.pp_full[s], parity(j))) {
       }
       MOK_STALL_ADD(kStallFull);
-      // (each count its own unconditional wgmma group, as in gemm_tiles: C7520)
-      const int k_steps = kb == nk - 1 ? (kv + 15) / 16 : BK / 16;
-      if (k_steps == 4) mma_block_pp<TA, TB, 4>(acc, da0, da1, db);
-      else if (k_steps == 3) mma_block_pp<TA, TB, 3>(acc, da0, da1, db);
-      else if (k_steps == 2) mma_block_pp<TA, TB, 2>(acc, da0, da1, db);
-      else mma_block_pp<TA, TB, 1>(acc, da0, da1, db);
+      with_k_steps(kb == nk - 1 ? (kv + 15) / 16 : BK / 16,
+                   [&](auto n) { mma_block_pp<TA, TB, decltype(n)::value>(acc, da0, da1, db); });
       MOK_STALL_FROM(kStallMma);
       wgmma_wait<1>();
       MOK_STALL_ADD(kStallMma);
@@ -601,6 +585,12 @@ __host__ __device__ constexpr int group_size(int num_kb) {
   return num_kb >= kGroupKb ? 1 : (kGroupKb / (num_kb > 0 ? num_kb : 1) < 8 ? kGroupKb / (num_kb > 0 ? num_kb : 1) : 8);
 }
 __host__ __device__ constexpr int groups(int n, int num_kb) { return (n + group_size(num_kb) - 1) / group_size(num_kb); }
+// A weight-gradient task's column tiles (wgrad_group in the backward) from the mean K
+// blocks a tile: about 128 K blocks of work, at most 32 tiles.
+__host__ __device__ constexpr int wgrad_group_of(int mean_kb) {  // (mean_kb >= 1)
+  const int tiles = 128 / mean_kb > 1 ? 128 / mean_kb : 1;
+  return tiles < 32 ? tiles : 32;
+}
 
 // Group g of the n column tiles: setup(nt, A, B) and epi(nt, acc, wg, warp, lane, spare)
 // per column tile nt; every tile runs num_kb K blocks.
