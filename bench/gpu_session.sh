@@ -287,8 +287,8 @@ for part in "$@"; do
       ;;
     stalls)
       # (NVFLAGS from the environment: the Makefile appends its own flags to it.) STALL_DIR:
-      # a stall build carried under another name (e.g. build-pp-stall: with
-      # -DMOK_PINGPONG_WGRAD too), used as it came
+      # a stall build carried under another name (e.g. with an experiment's flag too),
+      # used as it came
       dir=${STALL_DIR:-build-stall}
       if [ -z "${PREBUILT:-}" ] || [ ! -f "$dir/libmok.so" ]; then
         NVFLAGS="-O3 -DMOK_STALL_PROFILE" LOCAL_MEM_OK=1 make -j"$(nproc)" BUILD="$dir" \

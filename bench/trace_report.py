@@ -28,8 +28,7 @@ RECOMPUTE = ["rg", "rgs"]  # the backward's gate|up recompute (cfg.gate_up), aft
 RETURN = ["return"]  # the forward's o rows back to their ranks (W > 1), after those
 NAMES = FWD + BWD + ["wait(fwd)", "wait(bwd)"] + RECOMPUTE + RETURN
 # gpu_params.h's kStall* in order; epi-* are parts of "epilogue"; mma: each block's wgmma_wait<1>
-# (the tensor core running the previous block); in ping-pong runs (gemm_tiles_pp) "spare" is
-# warpgroup 0's wait for its turn
+# (the tensor core running the previous block)
 STALLS = ["full", "empty", "spare", "drain", "epilogue", "epi-stores", "epi-barriers", "epi-issue", "signal", "epi-loads",
           "mma", "route-topk", "route-counts", "route-stats",
           "prefix-sums", "prefix-walk", "dg-rows", "dg-router"]

@@ -96,9 +96,9 @@
 // maps cut at the expert's end read zeros there), a CTA's tasks (expert, m-tile, group
 // of wgrad_group's column tiles) one run each. Schedules: gemm_tiles with A resident (the
 // control: today's tasks of at most 4 K blocks; past that streamed and unpaired, where
-// the backward pairs them), gemm_tiles_pp (A resident, the warpgroups taking turns:
-// MOK_PINGPONG_WGRAD's, up to 6 K blocks), which must give the control's bits; then the
-// engines on the K-major copies (the same products).
+// the backward pairs them); then the engines on the K-major copies (the same products),
+// which must give its bits. (The eighth 2026-12-05 session measured a ping-pong form of
+// gemm_tiles here, warpgroups taking turns over a resident A: slower; docs/PERF.md.)
 //   make micro && build/micro/engine_gemm --wgrad [--case SUBSTRING]
 #include <cublas_v2.h>
 
@@ -111,9 +111,6 @@
 #include <vector>
 
 #include "micro_host.h"
-#ifndef MOK_PINGPONG_WGRAD
-#define MOK_PINGPONG_WGRAD  // (--wgrad's gemm_tiles_pp: its barriers set up by kernel_smem)
-#endif
 #include "cuda/sm90_epilogues.cuh"
 
 using namespace mok;
@@ -671,7 +668,7 @@ __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_co
 // task (expert g, column group cg, m-tile mt), mt fastest (the CTAs at work at once share
 // the expert's B), each a run of the group's column tiles over A = the expert's rows m-tile
 // mt. a, b: chunk maps of the MN-major At [G][kpad][M], Bt [G][kpad][N] (k rows past K
-// zeros); c: store maps of C [G M, N]. kPP: gemm_tiles_pp, else gemm_tiles AR.
+// zeros); c: store maps of C [G M, N].
 struct WgradParams {
   CUtensorMap a, b;
   StoreMap c;
@@ -679,7 +676,6 @@ struct WgradParams {
   int kpad;
   Problem p;
 };
-template <bool kPP>
 __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_constant__ WgradParams prm) {
   Smem& sm = kernel_smem(0);
   const Problem& p = prm.p;
@@ -697,17 +693,13 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_c
       store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, prm.c_base + (size_t)g * p.M * p.N,
                              p.N, &prm.c, map_row, spare);
     };
-    if constexpr (kPP) {
-      gemm_tiles_pp<1, 1, 128>(sm, n, setup, [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* buf) {
-        store_half_tma(acc, wg, w, l, buf, &prm.c, map_row, min(BM, p.M - mt * BM), (n0 + t) * BN + 128 * wg, p.N);
-      });
-    } else if (p.num_kb <= kArBlocks) {
+    if (p.num_kb <= kArBlocks) {
       gemm_tiles<1, 1, false, true, 4, 128>(sm, n, setup, store);
     } else {  // (the backward pairs such tasks; unpaired here)
       gemm_tiles<1, 1, false, false, 4, 128>(sm, n, setup, store);
     }
   }
-  if (threadIdx.x % 128 == 0) bulk_wait_all();  // (both warpgroups' first threads store under kPP)
+  if (threadIdx.x == 0) bulk_wait_all();
 }
 
 // --wgrad: At[g][k][m] = A[g][m][k] for k < K, zeros for K <= k < kpad (an MN-major copy).
@@ -1056,11 +1048,10 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
                         [&] { tiles_gemm_kernel<kBoxRows, kDh><<<grid, kThreads, smem>>>(prm); });
 }
 
-// --wgrad: wgrad_tiles_kernel<kPP> on case c (check_and_time).
-template <bool kPP>
+// --wgrad: wgrad_tiles_kernel on case c (check_and_time).
 static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
   const int num_kb = (c.K + BK - 1) / BK;
-  const char* who = kPP ? "gemm_tiles_pp (turns)" : num_kb <= kArBlocks ? "gemm_tiles AR" : "gemm_tiles streamed";
+  const char* who = num_kb <= kArBlocks ? "gemm_tiles AR" : "gemm_tiles streamed";
   if (c.M % 64 || c.N % 64) {
     printf("  %-24s not run: M or N %% 64 != 0 (the CUDA backend's rule for H and F)\n", who);
     return true;
@@ -1068,10 +1059,6 @@ static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& h
   WgradParams prm;
   prm.p = tiled(c, BM, BN);
   prm.kpad = prm.p.num_kb * BK;
-  if (kPP && prm.p.num_kb > kPpArBlocks) {
-    printf("  %-24s not run: K over %d blocks (A resident)\n", who, kPpArBlocks);
-    return true;
-  }
   auto chunk_map = [&](CUtensorMap* map, const bf16* base, int cols) {  // make_chunk_map's
     const cuuint64_t dims[3] = {64, (cuuint64_t)c.G * prm.kpad, (cuuint64_t)cols / 64};
     const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, 128};
@@ -1085,15 +1072,15 @@ static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& h
   const int tasks = c.G * ((prm.p.tiles_n + size - 1) / size) * prm.p.tiles_m;
   const int grid = tasks < g_sms ? tasks : g_sms;
   const int smem = (int)sizeof(Smem) + 1024;
-  CK(cudaFuncSetAttribute(wgrad_tiles_kernel<kPP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CK(cudaFuncSetAttribute(wgrad_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   auto launch = [&](bf16* C) {
     store_maps(&prm.c, C, c.G * c.M, c.N);
     prm.c_base = C;
-    wgrad_tiles_kernel<kPP><<<grid, kThreads, smem>>>(prm);
+    wgrad_tiles_kernel<<<grid, kThreads, smem>>>(prm);
   };
-  return check_and_time(c, b, who, kPP ? pp_slots(prm.p.num_kb) : kStages, cublas_ms, have_first, launch,
+  return check_and_time(c, b, who, kStages, cublas_ms, have_first, launch,
                         [] { return false; },
-                        [&] { wgrad_tiles_kernel<kPP><<<grid, kThreads, smem>>>(prm); });
+                        [&] { wgrad_tiles_kernel<<<grid, kThreads, smem>>>(prm); });
 }
 
 // C = A B^T for every expert: cuBLAS is column-major, so it computes C^T (N x M, ld N) =
@@ -1159,7 +1146,7 @@ int main(int argc, char** argv) {
   std::vector<Case> cases;
   if (g_wgrad) {  // dW13 (M 2F, N H) and dW2 (M H, N F) of 64 experts, K = an expert's rows
     cases.push_back({"tails wgrad", 3, 320, 704, 200});  // (a last K block of 8 rows, a half past N)
-    cases.push_back({"tails wgrad 6 blocks", 3, 192, 576, 360});  // (4 slots; a last block of 40 rows)
+    cases.push_back({"tails wgrad 6 blocks", 3, 192, 576, 360});  // (streamed; a last block of 40 rows)
     const struct {
       const char* name;
       int H, F, rows;
@@ -1290,9 +1277,8 @@ int main(int argc, char** argv) {
       failed += !run_engine<Cooperative, true>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128, true>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
-    } else if (g_wgrad) {  // the control first: gemm_tiles_pp must give its bits
-      failed += !run_wgrad<false>(c, b, peer_ms, have_first);
-      failed += !run_wgrad<true>(c, b, peer_ms, have_first);
+    } else if (g_wgrad) {  // the control first
+      failed += !run_wgrad(c, b, peer_ms, have_first);
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
     } else if (g_gather || g_gather_scaled) {  // each engine with TMA A, then A gathered from X

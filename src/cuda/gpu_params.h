@@ -77,8 +77,7 @@ constexpr uint32_t kKnobOnlyWgrad = 64, kKnobOnlyDx = 128, kKnobOnlyDg = 256, kK
 // In GEMM tasks, waiting:
 // - for a stage's data (full barrier: load latency or bandwidth);
 // - for a stage to empty before refilling it (the other warpgroup behind);
-// - for the epilogue's stores to read the spare stage before refilling it (in ping-pong
-//   runs, gemm_tiles_pp, which has no spare: warpgroup 0's wait for its turn);
+// - for the epilogue's stores to read the spare stage before refilling it;
 // - for the last wgmmas of a tile (drain).
 // Then the epilogue, whole (thread 0's view), and three parts of it: waiting for
 // earlier TMA stores to read sm.epi, the epilogues' CTA barriers, issuing the TMA

@@ -188,38 +188,6 @@ __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc
   }
 }
 
-// A ping-pong warpgroup's 128 x 128 bf16 tile (gemm_tiles_pp's epi): its rows [0, rows)
-// (rows a multiple of kStoreRows) x columns [c0, ncols) of st's tensor, the tile's row 0
-// at its row map_row, through the warpgroup's own buffer buf (two 128 x 64 boxes) and
-// TMA stores issued by its first thread, in that thread's bulk group. Only this
-// warpgroup meets (named barrier kEpiBar + wg): the other one is multiplying.
-__device__ __forceinline__ void store_half_tma(const float (&acc)[kAcc], int wg, int w, int l, uint8_t* buf,
-                                               const StoreMap* st, int map_row, int rows, int c0, int ncols) {
-  const bool first = tid_here() % 128 == 0;
-  if (first) bulk_wait_read();  // this warpgroup's previous stores have read buf
-  named_bar_sync(kEpiBar + wg, 128);
-  const uint32_t b = smem_addr(buf);
-#pragma unroll
-  for (int m = 0; m < 2; m++)  // rows 64 m.. (epi_stmatrix_boxes' warpgroup argument: the row half)
-    epi_stmatrix_boxes<2>(b, m, w, l, 0, [&](int i, int h) {
-      return pack_bf16x2(acc[64 * m + 4 * i + 2 * h], acc[64 * m + 4 * i + 2 * h + 1]);
-    });
-  fence_proxy_async_smem();
-  named_bar_sync(kEpiBar + wg, 128);
-  if (first) {
-    if (rows == BM && st->has_pair) {  // both boxes in one store (the map clips columns past ncols)
-      tma_store_3d(&st->pair, buf, 0, map_row, c0 / 64);
-    } else {
-      const CUtensorMap* map = rows == BM ? &st->full : &st->part;
-      const int height = rows == BM ? BM : kStoreRows;
-      for (int r = 0; r < rows; r += height)
-        for (int x = 0; x < 2; x++)
-          if (c0 + 64 * x < ncols) tma_store_2d(map, buf + x * kBox + r * 128, c0 + 64 * x, map_row + r);
-    }
-    bulk_commit();
-  }
-}
-
 // Writes rows [row0, row_end) x columns [c0, ncols) of out (ld elements a row) from the
 // 128 x 256 accumulator tile whose first column is c0: bf16 written, fp32 written, or
 // fp32 added (one add per element: out = out + acc). ncols and c0 multiples of 8.

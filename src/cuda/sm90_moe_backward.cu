@@ -768,12 +768,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   // of B a K block, the L2 bytes a CTA of a pair (16 of A, 16 of B), without a pair's
   // lockstep. Larger ones pair. (pair_agree is still called, as both CTAs of a cluster
   // must; a key of -1 makes both run alone.)
-  // MOK_PINGPONG_WGRAD builds run an expert of at most kPpArBlocks K blocks (bf16
-  // gradients through TMA stores) with A resident and the warpgroups taking turns
-  // (gemm_tiles_pp), unpaired too. (Every CTA of a cluster decides alike: the same
-  // config and knobs.)
-  const bool pp = kPingPongWgrad && nk > 0 && nk <= kPpArBlocks && !p.wgrad_fp32 && !(sm.knobs & 8);
-  const bool paired = pair_agree(sm, pairable, ok, pair_key(nk > kArBlocks && !pp, e, g));
+  const bool paired = pair_agree(sm, pairable, ok, pair_key(nk > kArBlocks, e, g));
   if (!ok) return;
   const int valid_last = n - (nk - 1) * BK;  // rows of the last K block
   const size_t esize = p.wgrad_fp32 ? 4 : 2;
@@ -802,19 +797,6 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
                       which == 2 ? &p.st_dw2 : &p.st_dw13, e * rows + mt * BM, spare);
         });
   };
-  if constexpr (kPingPongWgrad) {
-    if (pp) {  // (an output tile's rows, H or 2F past mt * BM, are a multiple of 64)
-      const StoreMap* st = which == 2 ? &p.st_dw2 : &p.st_dw13;
-      gemm_tiles_pp<1, 1, kBwdBoxRows, true>(
-          sm, min(size, cdivb(cols, BN) - n0), setup,
-          [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* buf) {
-            if (sm.knobs & 2) return;
-            store_half_tma(acc, wg, w, l, buf, st, e * rows + mt * BM, min(BM, rows - mt * BM),
-                           (n0 + t) * BN + 128 * wg, cols);
-          });
-      return;
-    }
-  }
   // an expert of at most kArBlocks K blocks (deepseek-v3: 4 on average): every tile of
   // the task has the same A, kept resident while B streams (32 KB a block, not 48)
   if (paired) run(Flag<true>(), Flag<false>());

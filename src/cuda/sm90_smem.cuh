@@ -21,14 +21,6 @@ constexpr int kStages = 4;
 constexpr int kBoxBytes = 64 * 64 * 2;
 constexpr int kStageBytes = 6 * kBoxBytes;  // A boxes 0-1, then B boxes 0-3
 constexpr int kEpiBytes = 32 * 1024;       // the epilogue buffer: two 128 x 64 bf16 boxes
-// Ping-pong weight-gradient runs (gemm_tiles_pp), an experiment's build flag
-// (MOK_PINGPONG_WGRAD; docs/PERF.md, seventh 2026-12-05 session): off by default.
-#ifdef MOK_PINGPONG_WGRAD
-constexpr bool kPingPongWgrad = true;
-#else
-constexpr bool kPingPongWgrad = false;
-#endif
-constexpr int kPpMaxSlots = 8;  // gemm_tiles_pp's B slots at most (16 KB: 128 columns x 64 k)
 // The router's experts at most (MOK_MAX_EXPERTS): a warp per token, 32 a lane (token_scores)
 constexpr int kMaxRouterExperts = 1024;
 
@@ -102,14 +94,6 @@ struct alignas(1024) Smem {
   uint32_t stall[kStallKinds];       // MOK_STALL_PROFILE builds: thread 0's waits (kStall*)
   uint32_t stall_from[kStallKinds];  // and the start of the span in progress, per kind
   uint32_t knobs;       // MOK_KNOBS (gpu_params.h)
-  // Ping-pong runs (gemm_tiles_pp): B's slots after the resident A, each with a full
-  // barrier (its TMA bytes) and an empty one (the consuming warpgroup's four warps), and
-  // bit s: the parity of slot s's uses so far (a run's slot count follows its K blocks).
-  // (Last in Smem: the fields above keep their offsets, so builds without ping-pong keep
-  // their code.)
-  uint64_t pp_full[kPpMaxSlots];
-  uint64_t pp_empty[kPpMaxSlots];
-  uint32_t pp_phase;
 };
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
 static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
@@ -151,13 +135,6 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
     sm.round = 0;
     sm.load.spare_slot = -1;
     sm.knobs = knobs;
-    if (kPingPongWgrad) {
-      for (int s = 0; s < kPpMaxSlots; s++) {
-        mbar_init(&sm.pp_full[s], 1);
-        mbar_init(&sm.pp_empty[s], 4);  // each warp of the consuming warpgroup
-      }
-      sm.pp_phase = 0;
-    }
     sm.cluster = (int)cluster_nctarank();
     sm.rank = (int)cluster_ctarank();
     fence_mbar_init();

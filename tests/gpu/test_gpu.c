@@ -74,9 +74,8 @@ static const gpu_shape_t shapes[] = {
     // skewed routing: 4 experts of 8192 rows, 4 empty ones whose zero gradients span
     // two column groups (2 tiles, then 1 of 64 columns) and a last row tile of 64 rows
     {"skewed_groups", 8192, 576, 576, 8, 4, 0, FUSED, SIGMOID, 1, 1, BF16, 1.f, 0.f, 1e-3f, -1, 4, 0, 0, 0, 0, 0.f, 0, 0},
-    // about 350 rows an expert: weight-gradient tasks of 5 to 7 K blocks (MOK_PINGPONG_WGRAD
-    // builds: ping-pong runs with 5 and 4 B slots beside paired ones), H = 192: a last
-    // row tile of 64 rows
+    // about 350 rows an expert: weight-gradient tasks of 5 to 7 K blocks (paired, past
+    // the A-resident runs' 4), H = 192: a last row tile of 64 rows
     {"rows_350", 700, 192, 128, 4, 2, 0, FUSED, SOFTMAX, 1, 0, BF16, 1.f, 1e-2f, 1e-3f, -1, 0, 0, 0, 0, 0, 0.f, 0, 0},
 };
 
