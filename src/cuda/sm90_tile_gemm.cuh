@@ -115,16 +115,16 @@ static_assert(kArBlocks * 2 * kBoxBytes + kStages * kBSlotBytes <= kStages * kSt
 template <bool kTall>
 __device__ __forceinline__ void load_pair(void* dst, const CUtensorMap* map, uint64_t* bar, bool mn_major, int p0,
                                           int p1, int k) {
-  if (kTall) {
+  if constexpr (kTall) {
     if (mn_major) tma_load_3d(dst, map, bar, 0, k, p0 / 64);
     else tma_load_2d(dst, map, bar, k, p0);
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int b = 0; b < 2; b++) {
-    uint8_t* const d = static_cast<uint8_t*>(dst) + b * kBoxBytes;
-    if (mn_major) tma_load_2d(d, map, bar, b ? p1 : p0, k);
-    else tma_load_2d(d, map, bar, k, b ? p1 : p0);
+    for (int b = 0; b < 2; b++) {
+      uint8_t* const d = static_cast<uint8_t*>(dst) + b * kBoxBytes;
+      if (mn_major) tma_load_2d(d, map, bar, b ? p1 : p0, k);
+      else tma_load_2d(d, map, bar, k, b ? p1 : p0);
+    }
   }
 }
 // f(KSteps<n>()) for a K block's n = k_steps k16 steps (1-4), each count its own
