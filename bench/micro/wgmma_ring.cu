@@ -226,25 +226,6 @@ __global__ void __launch_bounds__(kThreads, 1) ring(const uint8_t* src, float* s
   if (tid == 0) cycles[blockIdx.x] = t1 - t0;
 }
 
-// D[64 x 128] (+)= A[64 x 16] * B[16 x 128]: the first half of ptx.cuh's
-// wgmma_m64n256k16 tile (64 accumulators a thread, d[4i + 2h + x] as there, i < 16).
-#define MOK_F8(i)                                                                                \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-      "+f"(d[i + 6]), "+f"(d[i + 7])
-template <int TA, int TB>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
-      "%62, %63}, %64, %65, p, 1, 1, %67, %68;\n}"
-      : MOK_F8(0), MOK_F8(8), MOK_F8(16), MOK_F8(24), MOK_F8(32), MOK_F8(40), MOK_F8(48), MOK_F8(56)
-      : "l"(da), "l"(db), "r"(accumulate), "n"(TA), "n"(TB));
-}
-#undef MOK_F8
-
 // The tensor rate of m64n128k16 (both warpgroups, A box wg and B boxes 2-3 of a stage,
 // both from shared memory, no loads): a 128 x 128 tile reads A from shared memory once
 // per 128 columns instead of 256, 24 KB a MFLOP against 20: whether shared memory's
