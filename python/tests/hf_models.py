@@ -244,7 +244,7 @@ def compare(eager, model, inputs, output_router_logits=True, tol=TOL):
 
 
 def rel_err(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return float((a - b).norm() / b.norm()) if b.norm() > 0 else float((a - b).norm())
 
 
