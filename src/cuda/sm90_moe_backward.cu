@@ -784,14 +784,14 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   // dw2[e] [H, F] = dy_rows^T h_rows, or dw13[e] [2F, H] = d_a^T x_rows
   char* out = which == 2 ? (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize
                          : (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize;
-  auto setup = [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
-    A = rows128(maps, mt * BM, 0);
-    B = wide(maps + 1, (n0 + t) * BN, 0);
-    num_kb = nk, kv = valid_last;
-  };
   auto run = [&](auto P, auto R) {  // gemm_tiles' PAIRED and AR
     gemm_tiles<1, 1, decltype(P)::value, decltype(R)::value, 4, kBwdBoxRows>(
-        sm, min(size, cdivb(cols, BN) - n0), setup,
+        sm, min(size, cdivb(cols, BN) - n0),
+        [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
+          A = rows128(maps, mt * BM, 0);
+          B = wide(maps + 1, (n0 + t) * BN, 0);
+          num_kb = nk, kv = valid_last;
+        },
         [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           store_wgrad(sm, p, acc, wg, w, l, mt * BM, rows, (n0 + t) * BN, cols, out,
                       which == 2 ? &p.st_dw2 : &p.st_dw13, e * rows + mt * BM, spare);

@@ -127,18 +127,6 @@ __device__ __forceinline__ void load_pair(void* dst, const CUtensorMap* map, uin
     }
   }
 }
-// f(KSteps<n>()) for a K block's n = k_steps k16 steps (1-4), each count its own
-// instance: a wgmma under a condition inside a group makes ptxas serialise every wgmma
-// of the kernel (C7520), so every group's wgmmas are unconditional.
-template <int N> struct KSteps {
-  static constexpr int value = N;
-};
-template <class F> __device__ __forceinline__ void with_k_steps(int k_steps, F f) {
-  if (k_steps == 4) f(KSteps<4>());
-  else if (k_steps == 3) f(KSteps<3>());
-  else if (k_steps == 2) f(KSteps<2>());
-  else f(KSteps<1>());
-}
 template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, bool kRevOdd = false,
           class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
@@ -299,10 +287,15 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         }
         MOK_STALL_ADD(kStallFull);
         // the last block of a tile whose operands end early (k_valid_last < 64; its rows
-        // past k_valid_last are zeros) skips its k16 steps past them (with_k_steps)
+        // past k_valid_last are zeros) skips its k16 steps past them. Each count is its
+        // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
+        // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
         const int k_steps = kb == (reversed(tile) ? 0 : num_kb - 1) ? (k_valid_last + 15) / 16 : BK / 16;
         const int keep = NB == 4 || kb > 0;
-        with_k_steps(k_steps, [&](auto n) { mma_block<TA, TB, decltype(n)::value>(acc, da, db, keep); });
+        if (k_steps == 4) mma_block<TA, TB, 4>(acc, da, db, keep);
+        else if (k_steps == 3) mma_block<TA, TB, 3>(acc, da, db, keep);
+        else if (k_steps == 2) mma_block<TA, TB, 2>(acc, da, db, keep);
+        else mma_block<TA, TB, 1>(acc, da, db, keep);
         // keep this block's wgmmas in flight; the previous block's are done: free its
         // stage, then (thread 0) refill the ring kStages - 1 blocks ahead
         MOK_STALL_FROM(kStallMma);
