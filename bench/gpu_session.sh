@@ -72,6 +72,10 @@
 #                 "plain": no flags, the plain cases), each run's output in
 #                 $OUT/engine<i>.txt, bounded by ENGINE_LIMIT s (default 240; a hung wait
 #                 reports itself after 2 s)
+#   engine-ncu    ncu over engine_gemm's kernels on one case (ENGINE_NCU_ARGS, default
+#                 "--wgrad --case deepseek-v3 dW13"; ENGINE_NCU_KERNELS, default the --wgrad
+#                 control and the first engine it runs): the tensor pipe's share, L2 and
+#                 DRAM, and warp stalls per SASS instruction (bench/ncu_sass_report.py)
 #   phase-ncu     ncu over the backward running only its weight gradients (MOK_KNOBS 64),
 #                 then only dx (128) (PHASE_KNOBS: another list, e.g. 256 = DG alone), for
 #                 the first shape of SHAPES: the tensor pipe's
@@ -365,8 +369,39 @@ for part in "$@"; do
         i=$((i + 1))
       done
       ;;
+    engine-ncu)
+      # each kernel of ENGINE_NCU_KERNELS (regexes, space-separated; default: the --wgrad
+      # control and the first engine it runs) under ncu on one case of engine_gemm
+      # (ENGINE_NCU_ARGS, default "--wgrad --case deepseek-v3 dW13"; "--case" takes the rest
+      # of the line), its third launch (past the two checked ones): rates, then warp-state
+      # sampling per SASS instruction ($OUT/ncu-engine-<i>-sass.csv.gz, bench/ncu_sass_report.py)
+      make build/micro/engine_gemm > "$OUT/build-engine.log" 2>&1 || { tail -20 "$OUT/build-engine.log"; exit 1; }
+      ncu_args=${ENGINE_NCU_ARGS:---wgrad --case deepseek-v3 dW13}
+      flags=${ncu_args%%--case *} case_name=""
+      [ "$flags" != "$ncu_args" ] && case_name=${ncu_args#*--case }
+      M=gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+      M=$M,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+      i=0
+      for k in ${ENGINE_NCU_KERNELS:-wgrad_tiles_kernel engine_gemm_kernel}; do
+        echo "== ncu $k: engine_gemm $flags${case_name:+--case $case_name}"
+        na=(--clock-control none --kernel-name "regex:$k" --launch-skip 2 --launch-count 1)
+        # shellcheck disable=SC2086  # (the flags split on purpose)
+        timeout "${ENGINE_LIMIT:-240}" $NCU "${na[@]}" --csv --metrics "$M" build/micro/engine_gemm $flags \
+          ${case_name:+--case "$case_name"} > "$OUT/ncu-engine-$i.csv" 2> "$OUT/ncu-engine-$i.err"
+        grep -E "\"$k" "$OUT/ncu-engine-$i.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}'
+        # shellcheck disable=SC2086
+        timeout "${ENGINE_LIMIT:-240}" $NCU "${na[@]}" --section WarpStateStats --section SourceCounters \
+          -o "$OUT/ncu-engine-$i" build/micro/engine_gemm $flags ${case_name:+--case "$case_name"} \
+          > "$OUT/ncu-engine-$i-src.log" 2>&1
+        $NCU -i "$OUT/ncu-engine-$i.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-engine-$i-sass.csv" 2>&1
+        python3 bench/ncu_sass_report.py "$OUT/ncu-engine-$i-sass.csv" 2>&1 | head -30
+        rm -f "$OUT/ncu-engine-$i.ncu-rep"
+        gzip -f "$OUT/ncu-engine-$i-sass.csv"
+        i=$((i + 1))
+      done
+      ;;
     *)
-      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, variants, comm, stalls, ab, peer-cycles, block-cycles, micro, engine, phase-ncu, dram)"
+      echo "gpu_session.sh: unknown part '$part' (test, trace, kernel-times, bench, variants, comm, stalls, ab, peer-cycles, block-cycles, micro, engine, engine-ncu, phase-ncu, dram)"
       exit 2
       ;;
   esac

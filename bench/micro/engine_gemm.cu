@@ -128,9 +128,12 @@ enum { kCooperative, kPingPong };
 
 // One engine: the schedule and a consumer warpgroup's own tile, WM x WN (64 x 256 or
 // 128 x 128); everything else follows from them and from shared memory's size.
-template <int kSched, int WM_, int WN_>
+template <int kSched, int WM_, int WN_, bool kMN_ = false>
 struct Engine {
   static constexpr bool kCoop = kSched == kCooperative;
+  // kMN (--wgrad): both operands MN-major through the backward's chunk maps (At, Bt: the
+  // control's data and loads), a K block of A one 3-D load of 2 chunks, of B two
+  static constexpr bool kMN = kMN_;
   static constexpr int WM = WM_, WN = WN_;
   static constexpr int kRowBlocks = WM / 64;               // m64 wgmmas a k16 step
   static constexpr int TM = kCoop ? 2 * WM : WM, TN = WN;  // a tile of the tile order
@@ -146,11 +149,13 @@ struct Engine {
   static_assert(kStages >= 3 && (2 * kStages + 2 + 4) * 8 <= kBarBytes, "the ring and its barriers (+ dh's 4)");
   static constexpr int kDhSlots = kEpiBytes / (2 * kBoxBytes);  // dh quarters (gate + up boxes) a buffer holds
   static_assert(kSmemBytes <= kSmemOptin, "shared memory");
-  static const char* name() { return kCoop ? "cooperative" : "ping-pong"; }
+  static_assert(!kMN || (kCoop && WN == 256), "MN-major operands: the cooperative 128 x 256 engine");
+  static const char* name() { return kMN ? "cooperative MN-major" : kCoop ? "cooperative" : "ping-pong"; }
 };
 using Cooperative = Engine<kCooperative, 64, 256>;
 using PingPong128 = Engine<kPingPong, 128, 128>;
 using PingPong64 = Engine<kPingPong, 64, 256>;
+using CooperativeMN = Engine<kCooperative, 64, 256, true>;
 
 struct Problem {
   int G, M, N, K;
@@ -162,6 +167,8 @@ struct Params {
   const bf16* x;        // --gather: A's rows scattered, [G M][K] (row rows[i] holds A's row i)
   const int* rows;      // --gather: [G M]
   const float* scale;   // --gather-scaled: A's row i is bf16(scale[i] X[rows[i]]) ([G M], as DG's bf16(g dy))
+  int kpad;             // E::kMN: k rows an expert in the chunk maps a and b ([G kpad] rows)
+  uint32_t knobs;       // --knobs (2: no epilogue, a measurement: C is not written)
   Problem p;
 };
 
@@ -216,7 +223,7 @@ __device__ __forceinline__ void tile_origin(const Problem& p, int t, int& g, int
 template <class E>
 __device__ __forceinline__ void engine_block(float (&acc)[E::kRowBlocks][E::WN / 2], uint64_t da, uint64_t db) {
   if constexpr (E::WN == 256) {
-    mma_block<0, 0, BK / 16>(acc[0], da, db);
+    mma_block<E::kMN, E::kMN, BK / 16>(acc[0], da, db);
   } else {
     wgmma_fence();
 #pragma unroll
@@ -239,17 +246,25 @@ __device__ __forceinline__ void produce(const Params& prm, uint8_t* stages, uint
     int g, m0, n0;
     tile_origin<E::TM, E::TN>(p, t, g, m0, n0);
     const int a_boxes = min(E::kABoxes, (p.M - m0 + 63) / 64), b_boxes = min(E::kBBoxes, (p.N - n0 + 63) / 64);
-    const uint32_t bytes = (uint32_t)(a_boxes + b_boxes) * kBoxBytes;
+    // (kMN: whole 2-chunk loads, their chunks past M or N zeros, counted all the same)
+    const uint32_t bytes = (E::kMN ? E::kABoxes + E::kBBoxes : a_boxes + b_boxes) * (uint32_t)kBoxBytes;
     for (int kb = 0; kb < p.num_kb; kb++) {
       if (!wait_phase(&empty[s], ph ^ 1, 1)) return;  // (a fresh barrier's previous phase counts as done)
       mbar_arrive_expect_tx(&full[s], bytes);
       uint8_t* const dst = stages + s * E::kStageBytes;
+      if constexpr (E::kMN) {  // chunk maps [cols / 64][G kpad][64]: 2 chunks (128 columns) a load
+        const int k = g * prm.kpad + kb * BK;
+        tma_load_3d(dst, &prm.a, &full[s], 0, k, m0 / 64);
+        tma_load_3d(dst + 2 * kBoxBytes, &prm.b, &full[s], 0, k, n0 / 64);
+        tma_load_3d(dst + 4 * kBoxBytes, &prm.b, &full[s], 0, k, n0 / 64 + 2);
+      } else {
 #pragma unroll
-      for (int b = 0; b < E::kABoxes; b++)
-        if (b < a_boxes) tma_load_3d(dst + b * kBoxBytes, &prm.a, &full[s], kb * BK, m0 + 64 * b, g);
+        for (int b = 0; b < E::kABoxes; b++)
+          if (b < a_boxes) tma_load_3d(dst + b * kBoxBytes, &prm.a, &full[s], kb * BK, m0 + 64 * b, g);
 #pragma unroll
-      for (int b = 0; b < E::kBBoxes; b++)
-        if (b < b_boxes) tma_load_3d(dst + (E::kABoxes + b) * kBoxBytes, &prm.b, &full[s], kb * BK, n0 + 64 * b, g);
+        for (int b = 0; b < E::kBBoxes; b++)
+          if (b < b_boxes) tma_load_3d(dst + (E::kABoxes + b) * kBoxBytes, &prm.b, &full[s], kb * BK, n0 + 64 * b, g);
+      }
       if (++s == E::kStages) s = 0, ph ^= 1;
     }
   }
@@ -560,7 +575,7 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
       // the descriptors before the wait (pinned there), so the first wgmma issues as the data lands
       const uint8_t* const st = stages + s * E::kStageBytes;
       uint64_t da, db;
-      box_descs<0, 0>(st + (E::kCoop ? w : 0) * kBoxBytes, st + E::kABoxes * kBoxBytes, da, db);
+      box_descs<E::kMN, E::kMN>(st + (E::kCoop ? w : 0) * kBoxBytes, st + E::kABoxes * kBoxBytes, da, db);
       asm volatile("" : "+l"(da), "+l"(db));
       wait_phase(&full[s], ph, 2);
       if constexpr (kFenceA) fence_proxy_async_smem();  // (kFenceA: A's rows came by cp.async, unfenced)
@@ -575,6 +590,7 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
     if (!E::kCoop && lt == 0) mbar_arrive(&turn[w ^ 1]);  // every wgmma of the tile issued
     wgmma_wait<0>();
     if (lt % 32 == 0) mbar_arrive(&empty[prev]);
+    if (prm.knobs & 2) continue;  // (--knobs 2: no epilogue; a run-time flag, so the wgmmas stay)
     if constexpr (kDh) dh_wg_tile<E>(prm, acc, buf, epi_full + 2 * w, t, w, lt);
     else store_wg_tile<E>(prm, acc, buf, t, w, lt);
   }
@@ -629,11 +645,12 @@ struct TilesParams {
   StoreMap c;        // [G M, N] (make_store_map's three maps); --dh: d_a, [G M][2][N] (gate_up_map's)
   CUtensorMap gu;    // --dh: gate|up, [G M][2][N], 64 x 1 x 128 boxes (the backward's m_arows_gu)
   bf16* c_base;
+  uint32_t knobs;  // --knobs: MOK_KNOBS' measurement bits (gpu_params.h; 2: no epilogue)
   Problem p;
 };
 template <int kBoxRows, bool kDh = false>
 __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_constant__ TilesParams prm) {
-  Smem& sm = kernel_smem(0);
+  Smem& sm = kernel_smem(prm.knobs);
   const Problem& p = prm.p;
   const int mine = ((int)(p.num_tiles - blockIdx.x) + (int)gridDim.x - 1) / (int)gridDim.x;
   const int size = group_size(p.num_kb);
@@ -674,10 +691,11 @@ struct WgradParams {
   StoreMap c;
   bf16* c_base;
   int kpad;
+  uint32_t knobs;  // --knobs, as TilesParams'
   Problem p;
 };
 __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_constant__ WgradParams prm) {
-  Smem& sm = kernel_smem(0);
+  Smem& sm = kernel_smem(prm.knobs);
   const Problem& p = prm.p;
   const int size = wgrad_group_of(p.num_kb), groups = (p.tiles_n + size - 1) / size;
   const int tasks = p.G * groups * p.tiles_m, kv = p.K - (p.num_kb - 1) * BK;
@@ -856,12 +874,23 @@ struct Case {
   int G, M, N, K;
   double flops() const { return 2.0 * G * M * N * K; }
 };
+
+// --wgrad: a chunk map (make_chunk_map's) of an MN-major copy [rows][cols] (rows: G kpad).
+static void chunk_map(CUtensorMap* map, const bf16* base, int rows, int cols) {
+  const cuuint64_t dims[3] = {64, (cuuint64_t)rows, (cuuint64_t)cols / 64};
+  const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, 128};
+  const cuuint32_t box[3] = {64, 64, 2};
+  if (!encode_3d(map, base, dims, strides, box))
+    fprintf(stderr, "engine_gemm: cuTensorMapEncodeTiled failed (chunk map, %d columns)\n", cols), exit(1);
+}
+
 static bool g_dh = false;  // --dh: dh's GEMM with its SwiGLU backward epilogue (C = d_a, [G][M][2N])
 static bool g_dh_shapes = false;  // --dh and --dh-plain (dh's shapes, the plain bf16 epilogue: C = dh)
 static bool g_gather = false;     // --gather: A's rows gathered by the producer (cp.async)
 static bool g_gather_scaled = false;  // --gather-scaled: and scaled on the way (through registers)
 static bool g_in_order = false;  // --in-order: the gathers' row table the identity (X = A), not a permutation
 static bool g_wgrad = false;     // --wgrad: small experts' weight gradients (MN-major, A resident)
+static uint32_t g_knobs = 0;     // --knobs N: MOK_KNOBS' bits for every schedule (2: no epilogue), nothing checked
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
 // first schedule's output) [G][M][N] bf16; ref [G][M][N] fp32; two result words. --dh:
@@ -947,6 +976,15 @@ static Problem tiled(const Case& c, int TM, int TN) {
 template <class Launch, class Failed, class Timed>
 static bool check_and_time(const Case& c, const Buffers& b, const char* who, int stages, double cublas_ms,
                            bool& have_first, Launch launch, Failed failed, Timed timed) {
+  if (g_knobs) {  // (a measurement aid: the output is not the product, nothing to check)
+    const double ms = launch_ms(timed);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    if (failed()) return false;
+    printf("  %-24s %2d stages %8.3f ms %7.1f TFLOP/s %6.3fx cuBLAS  (--knobs %u: not checked)\n", who, stages, ms,
+           c.flops() / ms * 1e-9, cublas_ms / ms, g_knobs);
+    return true;
+  }
   bool ok = true;
   for (int run = 0; run < 2 && ok; run++) {
     bf16* const C = run ? b.C2 : b.C;
@@ -981,8 +1019,19 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
   Params prm;
   prm.x = b.X, prm.rows = b.rows, prm.scale = b.scale;
   prm.p = tiled(c, E::TM, E::TN);
-  bf16_map_3d(&prm.a, b.A, c.G, c.M, c.K);
-  bf16_map_3d(&prm.b, b.B, c.G, c.N, c.K);
+  prm.knobs = g_knobs;
+  prm.kpad = prm.p.num_kb * BK;
+  if (E::kMN) {  // (the control's MN-major copies and maps)
+    if (c.M % 64 || c.N % 64) {
+      printf("  %-24s not run: M or N %% 64 != 0 (chunk maps)\n", E::name());
+      return true;
+    }
+    chunk_map(&prm.a, b.At, c.G * prm.kpad, c.M);
+    chunk_map(&prm.b, b.Bt, c.G * prm.kpad, c.N);
+  } else {
+    bf16_map_3d(&prm.a, b.A, c.G, c.M, c.K);
+    bf16_map_3d(&prm.b, b.B, c.G, c.N, c.K);
+  }
   if (kDh) bf16_map_3d(&prm.gu, b.GU, c.G, c.M, 2 * c.N);
   CK(cudaFuncSetAttribute(engine_gemm_kernel<E, kDh, kGather>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                           E::kSmemBytes));
@@ -1026,6 +1075,7 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
   }
   TilesParams prm;
   prm.p = tiled(c, BM, BN);
+  prm.knobs = g_knobs;
   if (!bf16_map("engine_gemm", &prm.a, b.A, c.G * c.M, c.K, kBoxRows) ||
       !bf16_map("engine_gemm", &prm.b, b.B, c.G * c.N, c.K, kBoxRows))
     exit(1);
@@ -1059,15 +1109,9 @@ static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& h
   WgradParams prm;
   prm.p = tiled(c, BM, BN);
   prm.kpad = prm.p.num_kb * BK;
-  auto chunk_map = [&](CUtensorMap* map, const bf16* base, int cols) {  // make_chunk_map's
-    const cuuint64_t dims[3] = {64, (cuuint64_t)c.G * prm.kpad, (cuuint64_t)cols / 64};
-    const cuuint64_t strides[2] = {(cuuint64_t)cols * 2, 128};
-    const cuuint32_t box[3] = {64, 64, 2};
-    if (!encode_3d(map, base, dims, strides, box))
-      fprintf(stderr, "engine_gemm: cuTensorMapEncodeTiled failed (chunk map, %d columns)\n", cols), exit(1);
-  };
-  chunk_map(&prm.a, b.At, c.M);
-  chunk_map(&prm.b, b.Bt, c.N);
+  prm.knobs = g_knobs;
+  chunk_map(&prm.a, b.At, c.G * prm.kpad, c.M);
+  chunk_map(&prm.b, b.Bt, c.G * prm.kpad, c.N);
   const int size = wgrad_group_of(prm.p.num_kb);
   const int tasks = c.G * ((prm.p.tiles_n + size - 1) / size) * prm.p.tiles_m;
   const int grid = tasks < g_sms ? tasks : g_sms;
@@ -1122,9 +1166,11 @@ int main(int argc, char** argv) {
       g_wgrad = true;
     else if (!strcmp(argv[i], "--case") && i + 1 < argc)
       only = argv[++i];
+    else if (!strcmp(argv[i], "--knobs") && i + 1 < argc)
+      g_knobs = (uint32_t)strtoul(argv[++i], nullptr, 0);
     else
       return fprintf(stderr, "usage: engine_gemm [--quick] [--dh | --dh-plain | --gather | --gather-scaled | --wgrad] "
-                             "[--in-order] [--case SUBSTRING]\n"),
+                             "[--in-order] [--case SUBSTRING] [--knobs N]\n"),
              2;
   }
   cudaDeviceProp prop;
@@ -1279,6 +1325,7 @@ int main(int argc, char** argv) {
       failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
     } else if (g_wgrad) {  // the control first
       failed += !run_wgrad(c, b, peer_ms, have_first);
+      failed += !run_engine<CooperativeMN>(c, b, peer_ms, have_first);
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
     } else if (g_gather || g_gather_scaled) {  // each engine with TMA A, then A gathered from X
