@@ -391,8 +391,11 @@ for part in "$@"; do
         grep -E "\"$k" "$OUT/ncu-engine-$i.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}'
         # shellcheck disable=SC2086
         timeout "${ENGINE_LIMIT:-240}" $NCU "${na[@]}" --section WarpStateStats --section SourceCounters \
-          -o "$OUT/ncu-engine-$i" build/micro/engine_gemm $flags ${case_name:+--case "$case_name"} \
-          > "$OUT/ncu-engine-$i-src.log" 2>&1
+          --section SpeedOfLight --section MemoryWorkloadAnalysis -o "$OUT/ncu-engine-$i" build/micro/engine_gemm \
+          $flags ${case_name:+--case "$case_name"} > "$OUT/ncu-engine-$i-src.log" 2>&1
+        $NCU -i "$OUT/ncu-engine-$i.ncu-rep" --page details --csv > "$OUT/ncu-engine-$i-details.csv" 2>&1
+        grep -i -E "throughput|shared|stall|warp cycles" "$OUT/ncu-engine-$i-details.csv" |
+          awk -F'","' '{print $(NF-2), $(NF-1), $NF}' | head -30
         $NCU -i "$OUT/ncu-engine-$i.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-engine-$i-sass.csv" 2>&1
         python3 bench/ncu_sass_report.py "$OUT/ncu-engine-$i-sass.csv" 2>&1 | head -30
         rm -f "$OUT/ncu-engine-$i.ncu-rep"

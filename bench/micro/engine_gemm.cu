@@ -96,10 +96,14 @@
 // maps cut at the expert's end read zeros there), a CTA's tasks (expert, m-tile, group
 // of wgrad_group's column tiles) one run each. Schedules: gemm_tiles with A resident (the
 // control: today's tasks of at most 4 K blocks; past that streamed and unpaired, where
-// the backward pairs them); then the engines on the K-major copies (the same products),
-// which must give its bits. (The eighth 2026-12-05 session measured a ping-pong form of
+// the backward pairs them); then the cooperative engine on the same MN-major maps (its
+// loads 3-D, 2 chunks each: one of A, two of B a K block) and the engines on the K-major
+// copies (the same products), which must give its bits. (The eighth 2026-12-05 session measured a ping-pong form of
 // gemm_tiles here, warpgroups taking turns over a resident A: slower; docs/PERF.md.)
-//   make micro && build/micro/engine_gemm --wgrad [--case SUBSTRING]
+//   make micro && build/micro/engine_gemm --wgrad [--case SUBSTRING] [--knobs N]
+// --knobs N: MOK_KNOBS' bits (gpu_params.h) for every schedule, timed, not checked (2: no
+// epilogue, the mainloops alone); 4 (checked): the --wgrad control's epilogue in two
+// rounds through sm.epi instead of one through sm.epi and the spare stage.
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -691,7 +695,7 @@ struct WgradParams {
   StoreMap c;
   bf16* c_base;
   int kpad;
-  uint32_t knobs;  // --knobs, as TilesParams'
+  uint32_t knobs;  // --knobs, as TilesParams' (4: no spare stage for the epilogue)
   Problem p;
 };
 __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_constant__ WgradParams prm) {
@@ -709,7 +713,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_c
     };
     auto store = [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
       store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, prm.c_base + (size_t)g * p.M * p.N,
-                             p.N, &prm.c, map_row, spare);
+                             p.N, &prm.c, map_row, prm.knobs & 4 ? nullptr : spare);
     };
     if (p.num_kb <= kArBlocks) {
       gemm_tiles<1, 1, false, true, 4, 128>(sm, n, setup, store);
@@ -890,7 +894,10 @@ static bool g_gather = false;     // --gather: A's rows gathered by the producer
 static bool g_gather_scaled = false;  // --gather-scaled: and scaled on the way (through registers)
 static bool g_in_order = false;  // --in-order: the gathers' row table the identity (X = A), not a permutation
 static bool g_wgrad = false;     // --wgrad: small experts' weight gradients (MN-major, A resident)
-static uint32_t g_knobs = 0;     // --knobs N: MOK_KNOBS' bits for every schedule (2: no epilogue), nothing checked
+// --knobs N: MOK_KNOBS' bits for every schedule (gpu_params.h; 2: no epilogue), nothing
+// checked; and 4, this file's own: the --wgrad control's tiles leave in two rounds through
+// sm.epi, not one through it and the spare stage (checked)
+static uint32_t g_knobs = 0;
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
 // first schedule's output) [G][M][N] bf16; ref [G][M][N] fp32; two result words. --dh:
@@ -976,7 +983,7 @@ static Problem tiled(const Case& c, int TM, int TN) {
 template <class Launch, class Failed, class Timed>
 static bool check_and_time(const Case& c, const Buffers& b, const char* who, int stages, double cublas_ms,
                            bool& have_first, Launch launch, Failed failed, Timed timed) {
-  if (g_knobs) {  // (a measurement aid: the output is not the product, nothing to check)
+  if (g_knobs & ~4u) {  // (a measurement aid: the output is not the product, nothing to check)
     const double ms = launch_ms(timed);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
