@@ -122,7 +122,12 @@ export MOK_LIBRARY="${MOK_LIBRARY:-$PWD/build/libmok.so}"  # (set: e.g. dram of 
 # CPU machine's; Python's nvidia-nccl has the library here
 NCCL_LIB=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
 [ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH="$NCCL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)  # peer-cycles, phase-ncu, dram
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)  # peer-cycles, phase-ncu, dram, engine-ncu
+# one kernel's rates and traffic under ncu (phase-ncu, engine-ncu): time, cycles, the tensor
+# pipe's share, L2 hit rate, DRAM bytes, shared-memory bank conflicts
+NCU_RATES=gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
+NCU_RATES=$NCU_RATES,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum
+NCU_RATES=$NCU_RATES,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
 # phase-ncu, dram: four mok steps of SHAPES' first shape, for ncu (which takes the 4th launch)
 NCU_STEPS="import sys; sys.path.insert(0, 'bench'); import bench_moe as B, torch
 pb = B.Problem('${SHAPES%%,*}')
@@ -319,8 +324,7 @@ for part in "$@"; do
       # source (the other L2 partition's share), (3) warp-state sampling per SASS
       # instruction. Separate runs: one metric name this ncu lacks fails only its run.
       NCU_ARGS="--clock-control none --kernel-name regex:moe_backward --launch-skip 3 --launch-count 1"
-      M1=gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
-      M1=$M1,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+      M1=$NCU_RATES
       M2=lts__t_sectors.sum,lts__t_sectors_srcunit_tex.sum,lts__t_sectors_srcunit_ltcfabric.sum,lts__t_sectors_srcunit_tex_lookup_hit.sum
       for knob in ${PHASE_KNOBS:-64 128}; do
         echo "== MOK_KNOBS=$knob"
@@ -379,14 +383,12 @@ for part in "$@"; do
       ncu_args=${ENGINE_NCU_ARGS:---wgrad --case deepseek-v3 dW13}
       flags=${ncu_args%%--case *} case_name=""
       [ "$flags" != "$ncu_args" ] && case_name=${ncu_args#*--case }
-      M=gpu__time_duration.sum,sm__cycles_elapsed.avg,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
-      M=$M,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
       i=0
       for k in ${ENGINE_NCU_KERNELS:-wgrad_tiles_kernel engine_gemm_kernel}; do
         echo "== ncu $k: engine_gemm $flags${case_name:+--case $case_name}"
         na=(--clock-control none --kernel-name "regex:$k" --launch-skip 2 --launch-count 1)
         # shellcheck disable=SC2086  # (the flags split on purpose)
-        timeout "${ENGINE_LIMIT:-240}" $NCU "${na[@]}" --csv --metrics "$M" build/micro/engine_gemm $flags \
+        timeout "${ENGINE_LIMIT:-240}" $NCU "${na[@]}" --csv --metrics "$NCU_RATES" build/micro/engine_gemm $flags \
           ${case_name:+--case "$case_name"} > "$OUT/ncu-engine-$i.csv" 2> "$OUT/ncu-engine-$i.err"
         grep -E "\"$k" "$OUT/ncu-engine-$i.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}'
         # shellcheck disable=SC2086
