@@ -102,6 +102,13 @@ constexpr int kBSlotBytes = 4 * kBoxBytes;
 // (a tile's place in its run is its column tile's place in its group, group_size of the
 // shape's K), so D1-D4 hold; the bits are not the default build's. Not the weight
 // gradients' runs: their group size follows T (wgrad_group), and so would their bits.
+// kRefillFirst (unpaired; an experiment: engine_gemm --wgrad, and the weight gradients
+// under MOK_WGRAD_REFILL_FIRST, docs/PERF.md 2026-12-06): the epilogue gets no spare
+// stage (two rounds through sm.epi), and thread 0 refills the tile's last stage before
+// the epilogue, not after it: with tiles of about kStages K blocks (deepseek-v3's weight
+// gradients, 4) the next tile's last block otherwise waits for the epilogue and for the
+// spare's stores to have read it, and its data comes late (ncu: 37% of the control's
+// warp samples on the full-barrier wait). The same bits: only when loads issue changes.
 #ifdef MOK_SERPENTINE
 constexpr bool kSerpentine = true;
 #else
@@ -128,9 +135,10 @@ __device__ __forceinline__ void load_pair(void* dst, const CUtensorMap* map, uin
   }
 }
 template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, bool kRevOdd = false,
-          class Setup, class Epi>
+          bool kRefillFirst = false, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   static_assert(!(PAIRED && AR), "A-resident runs are unpaired");
+  static_assert(!(PAIRED && kRefillFirst), "refill-first runs are unpaired");
   static_assert(NB == 4 || (NB == 1 && !PAIRED && !AR), "narrow tiles are unpaired, not A-resident");
   static_assert(kBoxRows == 64 || (kBoxRows == 128 && NB == 4), "boxes of 64 rows, or 128 for whole tiles");
   static_assert(!kRevOdd || (!AR && NB == 4), "reversed K order: 128 x 256 tiles whose A streams");
@@ -302,7 +310,9 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         wgmma_wait<1>();
         MOK_STALL_ADD(kStallMma);
         if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
-        if (tid == 0) load_next();
+        // (kRefillFirst: a later tile's first block freed nothing new; its load went out
+        // before the epilogue, and one here would wait for the stage this block reads)
+        if (tid == 0 && (!kRefillFirst || kb > 0 || tile == 0)) load_next();
       }
     }
     MOK_STALL_FROM(kStallDrain);
@@ -321,12 +331,15 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       release(c.spare_slot, 2);
       c.spare_slot = -1;
     }
+    // kRefillFirst: the stage just released (both warpgroups' arrivals, the other's after
+    // its own drain) takes the next load now, while the epilogue runs
+    if (kRefillFirst && tid == 0) load_next();
     const int et = tid_here();
-    uint8_t* spare = num_kb > 0 ? stage_at((it - 1) % kStages) : nullptr;
+    uint8_t* spare = !kRefillFirst && num_kb > 0 ? stage_at((it - 1) % kStages) : nullptr;
     MOK_STALL_FROM(kStallEpilogue);
     epi(tile, acc, et / 128, (et % 128) / 32, et % 32, spare);
     MOK_STALL_ADD(kStallEpilogue);
-    if (tid == 0 && num_kb > 0) c.spare_slot = (int)((it - 1) % kStages);
+    if (!kRefillFirst && tid == 0 && num_kb > 0) c.spare_slot = (int)((it - 1) % kStages);
   }
   __syncthreads();
   if (tid == 0) {
