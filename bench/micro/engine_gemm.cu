@@ -698,9 +698,6 @@ struct WgradParams {
   uint32_t knobs;  // --knobs, as TilesParams' (4: no spare stage for the epilogue)
   Problem p;
 };
-// kRefillFirst: gemm_tiles' refill-first runs (the tile's last stage refilled before the
-// epilogue, which then takes two rounds through sm.epi).
-template <bool kRefillFirst>
 __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_constant__ WgradParams prm) {
   Smem& sm = kernel_smem(prm.knobs);
   const Problem& p = prm.p;
@@ -719,9 +716,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_c
                              p.N, &prm.c, map_row, prm.knobs & 4 ? nullptr : spare);
     };
     if (p.num_kb <= kArBlocks) {
-      gemm_tiles<1, 1, false, true, 4, 128, false, kRefillFirst>(sm, n, setup, store);
+      gemm_tiles<1, 1, false, true, 4, 128>(sm, n, setup, store);
     } else {  // (the backward pairs such tasks; unpaired here)
-      gemm_tiles<1, 1, false, false, 4, 128, false, kRefillFirst>(sm, n, setup, store);
+      gemm_tiles<1, 1, false, false, 4, 128>(sm, n, setup, store);
     }
   }
   if (threadIdx.x == 0) bulk_wait_all();
@@ -1104,11 +1101,9 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
 }
 
 // --wgrad: wgrad_tiles_kernel on case c (check_and_time).
-template <bool kRefillFirst = false>
 static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
   const int num_kb = (c.K + BK - 1) / BK;
-  const char* who = num_kb <= kArBlocks ? (kRefillFirst ? "gemm_tiles AR refill-1st" : "gemm_tiles AR")
-                                        : (kRefillFirst ? "gemm_tiles str. refill-1st" : "gemm_tiles streamed");
+  const char* who = num_kb <= kArBlocks ? "gemm_tiles AR" : "gemm_tiles streamed";
   if (c.M % 64 || c.N % 64) {
     printf("  %-24s not run: M or N %% 64 != 0 (the CUDA backend's rule for H and F)\n", who);
     return true;
@@ -1123,15 +1118,15 @@ static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& h
   const int tasks = c.G * ((prm.p.tiles_n + size - 1) / size) * prm.p.tiles_m;
   const int grid = tasks < g_sms ? tasks : g_sms;
   const int smem = (int)sizeof(Smem) + 1024;
-  CK(cudaFuncSetAttribute(wgrad_tiles_kernel<kRefillFirst>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CK(cudaFuncSetAttribute(wgrad_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   auto launch = [&](bf16* C) {
     store_maps(&prm.c, C, c.G * c.M, c.N);
     prm.c_base = C;
-    wgrad_tiles_kernel<kRefillFirst><<<grid, kThreads, smem>>>(prm);
+    wgrad_tiles_kernel<<<grid, kThreads, smem>>>(prm);
   };
   return check_and_time(c, b, who, kStages, cublas_ms, have_first, launch,
                         [] { return false; },
-                        [&] { wgrad_tiles_kernel<kRefillFirst><<<grid, kThreads, smem>>>(prm); });
+                        [&] { wgrad_tiles_kernel<<<grid, kThreads, smem>>>(prm); });
 }
 
 // C = A B^T for every expert: cuBLAS is column-major, so it computes C^T (N x M, ld N) =
@@ -1332,7 +1327,6 @@ int main(int argc, char** argv) {
       failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
     } else if (g_wgrad) {  // the control first
       failed += !run_wgrad(c, b, peer_ms, have_first);
-      failed += !run_wgrad<true>(c, b, peer_ms, have_first);
       failed += !run_engine<CooperativeMN>(c, b, peer_ms, have_first);
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
       failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);

@@ -742,14 +742,6 @@ __device__ __noinline__ bool expert_dh_done(Smem& sm, const BwdParams& p, int e)
   return wait_counter(sm, &p.st.sync->counter[c_dh_expert(s, e)], tiles * per_tile, p.st, 20);
 }
 
-// MOK_WGRAD_REFILL_FIRST (an experiment's build, docs/PERF.md 2026-12-06): the unpaired
-// weight-gradient runs are gemm_tiles' refill-first runs (the same bits).
-#ifdef MOK_WGRAD_REFILL_FIRST
-constexpr bool kWgradRefillFirst = true;
-#else
-constexpr bool kWgradRefillFirst = false;
-#endif
-
 // dW[e] rows [mt*128, +128), column tiles [g * wgrad_group, +wgrad_group) in one
 // pipeline; each tile sums over the expert's rows in order, 64 per K block. Its
 // operands come through maps cut to the expert's rows (cut_maps): the last K block's
@@ -793,8 +785,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   char* out = which == 2 ? (char*)p.d_w2 + (int64_t)e * s.H * s.F * esize
                          : (char*)p.d_w13 + (int64_t)e * 2 * s.F * s.H * esize;
   auto run = [&](auto P, auto R) {  // gemm_tiles' PAIRED and AR
-    gemm_tiles<1, 1, decltype(P)::value, decltype(R)::value, 4, kBwdBoxRows, false,
-               kWgradRefillFirst && !decltype(P)::value>(
+    gemm_tiles<1, 1, decltype(P)::value, decltype(R)::value, 4, kBwdBoxRows>(
         sm, min(size, cdivb(cols, BN) - n0),
         [&](int t, Operand& A, Operand& B, int& num_kb, int& kv) {
           A = rows128(maps, mt * BM, 0);

@@ -94,26 +94,6 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // when the tile stores at most 64 (bytes its idle warpgroup leaves unread).
 constexpr int kArBlocks = 4;
 constexpr int kBSlotBytes = 4 * kBoxBytes;
-// MOK_SERPENTINE (an experiment's build; docs/PERF.md, sixth 2026-12-05 session): in
-// gemm_group's runs (kRevOdd) the odd tiles take their K blocks in decreasing order, so
-// that a tile's first blocks of A are the ones its predecessor in the run read last,
-// likely still in L2 (a run's tiles share A; on qwen3.5 a quarter of the GEMMs' DRAM
-// reads were A read again by a run's later tiles). The order stays fixed by the shape
-// (a tile's place in its run is its column tile's place in its group, group_size of the
-// shape's K), so D1-D4 hold; the bits are not the default build's. Not the weight
-// gradients' runs: their group size follows T (wgrad_group), and so would their bits.
-// kRefillFirst (unpaired; an experiment: engine_gemm --wgrad, and the weight gradients
-// under MOK_WGRAD_REFILL_FIRST, docs/PERF.md 2026-12-06): the epilogue gets no spare
-// stage (two rounds through sm.epi), and thread 0 refills the tile's last stage before
-// the epilogue, not after it: with tiles of about kStages K blocks (deepseek-v3's weight
-// gradients, 4) the next tile's last block otherwise waits for the epilogue and for the
-// spare's stores to have read it, and its data comes late (ncu: 37% of the control's
-// warp samples on the full-barrier wait). The same bits: only when loads issue changes.
-#ifdef MOK_SERPENTINE
-constexpr bool kSerpentine = true;
-#else
-constexpr bool kSerpentine = false;
-#endif
 static_assert(kArBlocks * 2 * kBoxBytes + kStages * kBSlotBytes <= kStages * kStageBytes, "A-resident layout");
 // One K block (K row k) of an operand's 128 rows or mn columns from p0 (its 64 x 64 boxes
 // at p0 and p1, p0 + 64 unless the caller says otherwise) into dst (16 KB: the two
@@ -134,15 +114,11 @@ __device__ __forceinline__ void load_pair(void* dst, const CUtensorMap* map, uin
     }
   }
 }
-template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, bool kRevOdd = false,
-          bool kRefillFirst = false, class Setup, class Epi>
+template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   static_assert(!(PAIRED && AR), "A-resident runs are unpaired");
-  static_assert(!(PAIRED && kRefillFirst), "refill-first runs are unpaired");
   static_assert(NB == 4 || (NB == 1 && !PAIRED && !AR), "narrow tiles are unpaired, not A-resident");
   static_assert(kBoxRows == 64 || (kBoxRows == 128 && NB == 4), "boxes of 64 rows, or 128 for whole tiles");
-  static_assert(!kRevOdd || (!AR && NB == 4), "reversed K order: 128 x 256 tiles whose A streams");
-  auto reversed = [](int tile) { return kRevOdd && (tile & 1); };  // (MOK_SERPENTINE: the last K block first)
   constexpr bool kTall = kBoxRows == 128;  // (one load a 128-row or 128-column half: load_pair)
   constexpr int kTileAcc = NB * 32;
   const int tid = threadIdx.x, wg = tid / 128;
@@ -197,7 +173,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     mbar_arrive_expect_tx(&full[s], AR ? kBSlotBytes : (skip_b ? 0 : NB * kBoxBytes) + a_boxes * kBoxBytes);
     uint8_t* dst = sm.stage[s];
     uint8_t* const b_dst = AR ? stage_at(s) : dst + 2 * kBoxBytes;  // B's first box (AR: A is resident)
-    const int k = (reversed(c.tile) ? c.num_kb - 1 - kb : kb) * BK;
+    const int k = kb * BK;
     if (!AR && kTall) {
       load_pair<true>(dst, A.map, &full[s], TA, A.pos[0], A.pos[1], A.k0 + k);
     } else if (!AR) {
@@ -298,7 +274,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         // past k_valid_last are zeros) skips its k16 steps past them. Each count is its
         // own fence .. commit group of unconditional wgmmas: a wgmma under a condition
         // inside a group makes ptxas serialise every wgmma of the kernel (C7520).
-        const int k_steps = kb == (reversed(tile) ? 0 : num_kb - 1) ? (k_valid_last + 15) / 16 : BK / 16;
+        const int k_steps = kb == num_kb - 1 ? (k_valid_last + 15) / 16 : BK / 16;
         const int keep = NB == 4 || kb > 0;
         if (k_steps == 4) mma_block<TA, TB, 4>(acc, da, db, keep);
         else if (k_steps == 3) mma_block<TA, TB, 3>(acc, da, db, keep);
@@ -310,9 +286,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         wgmma_wait<1>();
         MOK_STALL_ADD(kStallMma);
         if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
-        // (kRefillFirst: a later tile's first block freed nothing new; its load went out
-        // before the epilogue, and one here would wait for the stage this block reads)
-        if (tid == 0 && (!kRefillFirst || kb > 0 || tile == 0)) load_next();
+        if (tid == 0) load_next();
       }
     }
     MOK_STALL_FROM(kStallDrain);
@@ -331,15 +305,12 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       release(c.spare_slot, 2);
       c.spare_slot = -1;
     }
-    // kRefillFirst: the stage just released (both warpgroups' arrivals, the other's after
-    // its own drain) takes the next load now, while the epilogue runs
-    if (kRefillFirst && tid == 0) load_next();
     const int et = tid_here();
-    uint8_t* spare = !kRefillFirst && num_kb > 0 ? stage_at((it - 1) % kStages) : nullptr;
+    uint8_t* spare = num_kb > 0 ? stage_at((it - 1) % kStages) : nullptr;
     MOK_STALL_FROM(kStallEpilogue);
     epi(tile, acc, et / 128, (et % 128) / 32, et % 32, spare);
     MOK_STALL_ADD(kStallEpilogue);
-    if (!kRefillFirst && tid == 0 && num_kb > 0) c.spare_slot = (int)((it - 1) % kStages);
+    if (tid == 0 && num_kb > 0) c.spare_slot = (int)((it - 1) % kStages);
   }
   __syncthreads();
   if (tid == 0) {
@@ -429,7 +400,7 @@ __host__ __device__ constexpr int wgrad_group_of(int mean_kb) {  // (mean_kb >= 
 template <int TA, int TB, bool PAIRED = false, int kBoxRows = 64, class Setup, class Epi>
 __device__ __forceinline__ void gemm_group(Smem& sm, int g, int n, int num_kb, Setup setup, Epi epi) {
   const int size = group_size(num_kb);
-  gemm_tiles<TA, TB, PAIRED, false, 4, kBoxRows, kSerpentine>(
+  gemm_tiles<TA, TB, PAIRED, false, 4, kBoxRows>(
       sm, min(size, n - g * size),
       [&](int t, Operand& A, Operand& B, int& nk, int& kv) {
         setup(g * size + t, A, B);
