@@ -103,7 +103,9 @@
 //   make micro && build/micro/engine_gemm --wgrad [--case SUBSTRING] [--knobs N]
 // --knobs N: MOK_KNOBS' bits (gpu_params.h) for every schedule, timed, not checked (2: no
 // epilogue, the mainloops alone); 4 (checked): the --wgrad control's epilogue in two
-// rounds through sm.epi instead of one through sm.epi and the spare stage.
+// rounds through sm.epi instead of one through sm.epi and the spare stage; 4096 (checked):
+// the control's and the cooperative engines' tiles straight from registers to global
+// memory (store_direct_wg), no shared memory and no TMA store.
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -173,6 +175,7 @@ struct Params {
   const float* scale;   // --gather-scaled: A's row i is bf16(scale[i] X[rows[i]]) ([G M], as DG's bf16(g dy))
   int kpad;             // E::kMN: k rows an expert in the chunk maps a and b ([G kpad] rows)
   uint32_t knobs;       // --knobs (2: no epilogue, a measurement: C is not written)
+  bf16* c_out;          // C itself ([G][M][N]: --knobs 4096's direct stores)
   Problem p;
 };
 
@@ -434,6 +437,46 @@ __device__ __forceinline__ uint32_t acc_pair(const float (&a)[N], int i, int h) 
   return pack_bf16x2(a[4 * i + 2 * h], a[4 * i + 2 * h + 1]);
 }
 
+// --knobs 4096 (the micro's own; checked): a warpgroup's 64 x 256 bf16 tile straight from
+// its accumulators to global memory, no shared memory on the way (the epilogue's stmatrix
+// writes and TMA store reads are 128 KB of shared-memory traffic a 128 x 256 tile, beside
+// the wgmmas' operand reads). Lane q of a quad (lanes 4r .. 4r + 3: rows r and r + 8 of the
+// warp's 16) holds, for each 8-column chunk i, the pair at columns 8i + 2q; a 4 x 4
+// transpose of 32-bit words within the quad (three xor shuffles) gives it chunk 4j + q of
+// each 32-column group j whole, 16 bytes, so a warp's store is 8 rows of 64 contiguous
+// bytes. C: the tile's first row and column; rows_valid rows; ncols columns from col0
+// (multiples of 8) lie inside C.
+__device__ __forceinline__ void store_direct_wg(const float (&acc)[kAcc], bf16* C, int64_t ld, int rows_valid,
+                                                int ncols, int warp, int lane) {
+  const int q = lane % 4, r = warp * 16 + lane / 4;
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const bool row_ok = r + 8 * h < rows_valid;
+    bf16* const dst = C + (int64_t)(r + 8 * h) * ld;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      uint32_t v[4], out[4];
+#pragma unroll
+      for (int k = 0; k < 4; k++) v[k] = acc_pair(acc, 4 * j + k, h);
+#pragma unroll
+      for (int m = 0; m < 4; m++) {
+        // round m: lane q sends its pair of chunk 4j + (q ^ m) to lane q ^ m and gets that
+        // lane's pair of chunk 4j + q: word q ^ m of its 16 bytes (selects, not a run-time
+        // index: local memory)
+        const int k = q ^ m;
+        const uint32_t send = k == 0 ? v[0] : k == 1 ? v[1] : k == 2 ? v[2] : v[3];
+        const uint32_t got = m ? __shfl_xor_sync(0xffffffffu, send, m) : send;
+        out[0] = k == 0 ? got : out[0];
+        out[1] = k == 1 ? got : out[1];
+        out[2] = k == 2 ? got : out[2];
+        out[3] = k == 3 ? got : out[3];
+      }
+      const int col = 32 * j + 8 * q;
+      if (row_ok && col < ncols) *reinterpret_cast<uint4*>(dst + col) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
+  }
+}
+
 // A consumer's tile out: round r takes columns [r kEpiCols, (r + 1) kEpiCols) into buf as
 // 64 x 64 boxes (row block rb, column box cb at box rb kColBoxes + cb; 16-byte chunk j of
 // row x at chunk j ^ x % 8), then one thread stores those inside C as one bulk group.
@@ -595,8 +638,21 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
     wgmma_wait<0>();
     if (lt % 32 == 0) mbar_arrive(&empty[prev]);
     if (prm.knobs & 2) continue;  // (--knobs 2: no epilogue; a run-time flag, so the wgmmas stay)
-    if constexpr (kDh) dh_wg_tile<E>(prm, acc, buf, epi_full + 2 * w, t, w, lt);
-    else store_wg_tile<E>(prm, acc, buf, t, w, lt);
+    if constexpr (kDh) {
+      dh_wg_tile<E>(prm, acc, buf, epi_full + 2 * w, t, w, lt);
+    } else if constexpr (E::kCoop && E::WN == 256) {
+      if (prm.knobs & 4096) {  // (--knobs 4096: no shared memory)
+        int g, m0, n0;
+        tile_origin<E::TM, E::TN>(p, t, g, m0, n0);
+        m0 += 64 * w;
+        store_direct_wg(acc[0], prm.c_out + ((int64_t)g * p.M + m0) * p.N + n0, p.N, p.M - m0, p.N - n0, lt / 32,
+                        lt % 32);
+      } else {
+        store_wg_tile<E>(prm, acc, buf, t, w, lt);
+      }
+    } else {
+      store_wg_tile<E>(prm, acc, buf, t, w, lt);
+    }
   }
   if (lt == 0) bulk_wait_all();  // the stores have read shared memory and are complete
 }
@@ -712,6 +768,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_c
       nk = p.num_kb, v = kv;
     };
     auto store = [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+      if (prm.knobs & 4096) {  // (no shared memory: store_direct_wg)
+        const int m0 = mt * BM + 64 * wg, c0 = (n0 + t) * BN;
+        store_direct_wg(acc, prm.c_base + ((size_t)g * p.M + m0) * p.N + c0, p.N, p.M - m0, p.N - c0, w, l);
+        return;
+      }
       store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, prm.c_base + (size_t)g * p.M * p.N,
                              p.N, &prm.c, map_row, prm.knobs & 4 ? nullptr : spare);
     };
@@ -895,8 +956,9 @@ static bool g_gather_scaled = false;  // --gather-scaled: and scaled on the way 
 static bool g_in_order = false;  // --in-order: the gathers' row table the identity (X = A), not a permutation
 static bool g_wgrad = false;     // --wgrad: small experts' weight gradients (MN-major, A resident)
 // --knobs N: MOK_KNOBS' bits for every schedule (gpu_params.h; 2: no epilogue), nothing
-// checked; and 4, this file's own: the --wgrad control's tiles leave in two rounds through
-// sm.epi, not one through it and the spare stage (checked)
+// checked; and this file's own, checked: 4, the --wgrad control's tiles leave in two rounds
+// through sm.epi, not one through it and the spare stage; 4096, the control's and the
+// cooperative engines' tiles leave by 16-byte stores from registers (store_direct_wg)
 static uint32_t g_knobs = 0;
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
@@ -984,7 +1046,7 @@ template <class Launch, class Failed, class Timed>
 static bool check_and_time(const Case& c, const Buffers& b, const char* who, int stages, double cublas_ms,
                            bool& have_first, Launch launch, Failed failed, Timed timed) {
   // --knobs other than 4: a measurement aid, the output is not the product: run, not checked
-  const bool checked = !(g_knobs & ~4u);
+  const bool checked = !(g_knobs & ~(4u | 4096u));
   bool ok = true;
   for (int run = 0; run < 2 && ok; run++) {
     bf16* const C = run ? b.C2 : b.C;
@@ -1048,6 +1110,7 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
                               : "");
   auto launch = [&](bf16* C) {
     bf16_map_3d(&prm.c, C, c.G, c.M, kDh ? 2 * c.N : c.N);
+    prm.c_out = C;
     engine_gemm_kernel<E, kDh, kGather><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
   };
   auto timed_out = [&] {
