@@ -444,8 +444,8 @@ __device__ __forceinline__ uint32_t acc_pair(const float (&a)[N], int i, int h) 
 // warp's 16) holds, for each 8-column chunk i, the pair at columns 8i + 2q; a 4 x 4
 // transpose of 32-bit words within the quad (three xor shuffles) gives it chunk 4j + q of
 // each 32-column group j whole, 16 bytes, so a warp's store is 8 rows of 64 contiguous
-// bytes. C: the tile's first row and column; rows_valid rows; ncols columns from col0
-// (multiples of 8) lie inside C.
+// bytes. C: the warpgroup's first row and column; rows_valid rows and ncols columns (a
+// multiple of 8) from there lie inside C (more are not stored).
 __device__ __forceinline__ void store_direct_wg(const float (&acc)[kAcc], bf16* C, int64_t ld, int rows_valid,
                                                 int ncols, int warp, int lane) {
   const int q = lane % 4, r = warp * 16 + lane / 4;
@@ -1045,7 +1045,7 @@ static Problem tiled(const Case& c, int TM, int TN) {
 template <class Launch, class Failed, class Timed>
 static bool check_and_time(const Case& c, const Buffers& b, const char* who, int stages, double cublas_ms,
                            bool& have_first, Launch launch, Failed failed, Timed timed) {
-  // --knobs other than 4: a measurement aid, the output is not the product: run, not checked
+  // --knobs other than 4 and 4096: a measurement aid, the output is not the product: run, not checked
   const bool checked = !(g_knobs & ~(4u | 4096u));
   bool ok = true;
   for (int run = 0; run < 2 && ok; run++) {
