@@ -354,8 +354,12 @@ def check_compile(path, device="cpu"):
         torch.use_deterministic_algorithms(was)
         torch._dynamo.reset()
     assert sum("mok.moe_forward" in t for t in traced) == LAYERS, [t for t in traced if "mok" in t]
-    # CPU: 1e-4. CUDA: inductor's kernels for the dense float32 parts against cuBLAS in
-    # eager measured up to 2.3e-3 on the H200 (logits 6e-4), mok's parts the same op
-    check_close(got, ref, tol=1e-4 if device == "cpu" else 5e-3)
+    # CPU, fused: 1e-4. Otherwise 5e-3: on CUDA inductor's kernels for the dense float32
+    # parts against cuBLAS in eager measured up to 2.3e-3 on the H200 (logits 6e-4), mok's
+    # parts the same op; on the CPU, replay, inductor's router softmax (AVX512 code) gives
+    # top-K weights up to 6e-8 apart from eager's, which move some of mok's bf16 roundings
+    # by an ulp: up to 2.2e-3 measured (torch 2.15.0, an AMD EPYC, 2026-12-06), the MoE
+    # block alone bit for bit the same compiled and eager on the same inputs
+    check_close(got, ref, tol=1e-4 if device == "cpu" and path == "fused" else 5e-3)
     check_routing(got["routing"], ref["routing"])
     check_same_step(got, again)
