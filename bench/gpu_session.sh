@@ -378,7 +378,8 @@ for part in "$@"; do
       # control and the first engine it runs) under ncu on one case of engine_gemm
       # (ENGINE_NCU_ARGS, default "--wgrad --case deepseek-v3 dW13"; "--case" takes the rest
       # of the line), its third launch (past the two checked ones): rates, then warp-state
-      # sampling per SASS instruction ($OUT/ncu-engine-<i>-sass.csv.gz, bench/ncu_sass_report.py)
+      # sampling per SASS instruction ($OUT/ncu-engine-<i>-sass.csv.gz, bench/ncu_sass_report.py);
+      # the memory tables' shared-memory rows are in ncu-engine-<i>-details.csv
       make build/micro/engine_gemm > "$OUT/build-engine.log" 2>&1 || { tail -20 "$OUT/build-engine.log"; exit 1; }
       ncu_args=${ENGINE_NCU_ARGS:---wgrad --case deepseek-v3 dW13}
       flags=${ncu_args%%--case *} case_name=""
@@ -393,7 +394,8 @@ for part in "$@"; do
         grep -E "\"$k" "$OUT/ncu-engine-$i.csv" | awk -F'","' '{print $(NF-2), $(NF-1), $NF}'
         # shellcheck disable=SC2086
         timeout "${ENGINE_LIMIT:-240}" $NCU "${na[@]}" --section WarpStateStats --section SourceCounters \
-          --section SpeedOfLight --section MemoryWorkloadAnalysis -o "$OUT/ncu-engine-$i" build/micro/engine_gemm \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+          -o "$OUT/ncu-engine-$i" build/micro/engine_gemm \
           $flags ${case_name:+--case "$case_name"} > "$OUT/ncu-engine-$i-src.log" 2>&1
         $NCU -i "$OUT/ncu-engine-$i.ncu-rep" --page details --csv > "$OUT/ncu-engine-$i-details.csv" 2>&1
         grep -i -E "throughput|shared|stall|warp cycles" "$OUT/ncu-engine-$i-details.csv" |

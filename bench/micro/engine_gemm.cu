@@ -437,46 +437,6 @@ __device__ __forceinline__ uint32_t acc_pair(const float (&a)[N], int i, int h) 
   return pack_bf16x2(a[4 * i + 2 * h], a[4 * i + 2 * h + 1]);
 }
 
-// --knobs 4096 (the micro's own; checked): a warpgroup's 64 x 256 bf16 tile straight from
-// its accumulators to global memory, no shared memory on the way (the epilogue's stmatrix
-// writes and TMA store reads are 128 KB of shared-memory traffic a 128 x 256 tile, beside
-// the wgmmas' operand reads). Lane q of a quad (lanes 4r .. 4r + 3: rows r and r + 8 of the
-// warp's 16) holds, for each 8-column chunk i, the pair at columns 8i + 2q; a 4 x 4
-// transpose of 32-bit words within the quad (three xor shuffles) gives it chunk 4j + q of
-// each 32-column group j whole, 16 bytes, so a warp's store is 8 rows of 64 contiguous
-// bytes. C: the warpgroup's first row and column; rows_valid rows and ncols columns (a
-// multiple of 8) from there lie inside C (more are not stored).
-__device__ __forceinline__ void store_direct_wg(const float (&acc)[kAcc], bf16* C, int64_t ld, int rows_valid,
-                                                int ncols, int warp, int lane) {
-  const int q = lane % 4, r = warp * 16 + lane / 4;
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    const bool row_ok = r + 8 * h < rows_valid;
-    bf16* const dst = C + (int64_t)(r + 8 * h) * ld;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      uint32_t v[4], out[4];
-#pragma unroll
-      for (int k = 0; k < 4; k++) v[k] = acc_pair(acc, 4 * j + k, h);
-#pragma unroll
-      for (int m = 0; m < 4; m++) {
-        // round m: lane q sends its pair of chunk 4j + (q ^ m) to lane q ^ m and gets that
-        // lane's pair of chunk 4j + q: word q ^ m of its 16 bytes (selects, not a run-time
-        // index: local memory)
-        const int k = q ^ m;
-        const uint32_t send = k == 0 ? v[0] : k == 1 ? v[1] : k == 2 ? v[2] : v[3];
-        const uint32_t got = m ? __shfl_xor_sync(0xffffffffu, send, m) : send;
-        out[0] = k == 0 ? got : out[0];
-        out[1] = k == 1 ? got : out[1];
-        out[2] = k == 2 ? got : out[2];
-        out[3] = k == 3 ? got : out[3];
-      }
-      const int col = 32 * j + 8 * q;
-      if (row_ok && col < ncols) *reinterpret_cast<uint4*>(dst + col) = make_uint4(out[0], out[1], out[2], out[3]);
-    }
-  }
-}
-
 // A consumer's tile out: round r takes columns [r kEpiCols, (r + 1) kEpiCols) into buf as
 // 64 x 64 boxes (row block rb, column box cb at box rb kColBoxes + cb; 16-byte chunk j of
 // row x at chunk j ^ x % 8), then one thread stores those inside C as one bulk group.
