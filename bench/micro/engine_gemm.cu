@@ -104,8 +104,9 @@
 // --knobs N: MOK_KNOBS' bits (gpu_params.h) for every schedule, timed, not checked (2: no
 // epilogue, the mainloops alone); 4 (checked): the --wgrad control's epilogue in two
 // rounds through sm.epi instead of one through sm.epi and the spare stage; 4096 (checked):
-// the control's and the cooperative engines' tiles straight from registers to global
-// memory (store_direct_wg), no shared memory and no TMA store.
+// the controls' (gemm_tiles, plain and --wgrad) and the cooperative engines' bf16 tiles
+// straight from registers to global memory (store_direct_wg), no shared memory and no
+// TMA store.
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -665,7 +666,7 @@ struct TilesParams {
   StoreMap c;        // [G M, N] (make_store_map's three maps); --dh: d_a, [G M][2][N] (gate_up_map's)
   CUtensorMap gu;    // --dh: gate|up, [G M][2][N], 64 x 1 x 128 boxes (the backward's m_arows_gu)
   bf16* c_base;
-  uint32_t knobs;  // --knobs: MOK_KNOBS' measurement bits (gpu_params.h; 2: no epilogue)
+  uint32_t knobs;  // --knobs: MOK_KNOBS' measurement bits (gpu_params.h; 2: no epilogue), 4096: store_direct_wg
   Problem p;
 };
 template <int kBoxRows, bool kDh = false>
@@ -692,6 +693,9 @@ __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_co
             const int row0 = g * p.M + m0;
             swiglu_bwd_store(sm, acc, wg, w, l, row0, g * p.M + p.M, n0, p.N, &prm.gu, row0, &prm.c, row0,
                              prm.c_base, spare);
+          } else if (prm.knobs & 4096) {  // (no shared memory: store_direct_wg)
+            const int mw = m0 + 64 * wg;
+            store_direct_wg(acc, prm.c_base + ((size_t)g * p.M + mw) * p.N + n0, p.N, p.M - mw, p.N - n0, w, l);
           } else {
             store_tile<kStoreBf16>(sm, acc, wg, w, l, m0, p.M, n0, p.N, prm.c_base + (size_t)g * p.M * p.N, p.N,
                                    &prm.c, g * p.M + m0, spare);
@@ -917,8 +921,8 @@ static bool g_in_order = false;  // --in-order: the gathers' row table the ident
 static bool g_wgrad = false;     // --wgrad: small experts' weight gradients (MN-major, A resident)
 // --knobs N: MOK_KNOBS' bits for every schedule (gpu_params.h; 2: no epilogue), nothing
 // checked; and this file's own, checked: 4, the --wgrad control's tiles leave in two rounds
-// through sm.epi, not one through it and the spare stage; 4096, the control's and the
-// cooperative engines' tiles leave by 16-byte stores from registers (store_direct_wg)
+// through sm.epi, not one through it and the spare stage; 4096, the controls' and the
+// cooperative engines' bf16 tiles leave by 16-byte stores from registers (store_direct_wg)
 static uint32_t g_knobs = 0;
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
