@@ -693,9 +693,8 @@ __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_co
             const int row0 = g * p.M + m0;
             swiglu_bwd_store(sm, acc, wg, w, l, row0, g * p.M + p.M, n0, p.N, &prm.gu, row0, &prm.c, row0,
                              prm.c_base, spare);
-          } else if (prm.knobs & 4096) {  // (no shared memory: store_direct_wg)
-            const int mw = m0 + 64 * wg;
-            store_direct_wg(acc, prm.c_base + ((size_t)g * p.M + mw) * p.N + n0, p.N, p.M - mw, p.N - n0, w, l);
+          } else if (prm.knobs & 4096) {  // (no shared memory)
+            store_tile<kStoreBf16Regs>(sm, acc, wg, w, l, m0, p.M, n0, p.N, prm.c_base + (size_t)g * p.M * p.N, p.N);
           } else {
             store_tile<kStoreBf16>(sm, acc, wg, w, l, m0, p.M, n0, p.N, prm.c_base + (size_t)g * p.M * p.N, p.N,
                                    &prm.c, g * p.M + m0, spare);
@@ -732,13 +731,12 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_c
       nk = p.num_kb, v = kv;
     };
     auto store = [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-      if (prm.knobs & 4096) {  // (no shared memory: store_direct_wg)
-        const int m0 = mt * BM + 64 * wg, c0 = (n0 + t) * BN;
-        store_direct_wg(acc, prm.c_base + ((size_t)g * p.M + m0) * p.N + c0, p.N, p.M - m0, p.N - c0, w, l);
-        return;
-      }
-      store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, prm.c_base + (size_t)g * p.M * p.N,
-                             p.N, &prm.c, map_row, prm.knobs & 4 ? nullptr : spare);
+      bf16* const c = prm.c_base + (size_t)g * p.M * p.N;
+      if (prm.knobs & 4096)  // (no shared memory)
+        store_tile<kStoreBf16Regs>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, c, p.N);
+      else
+        store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, c, p.N, &prm.c, map_row,
+                               prm.knobs & 4 ? nullptr : spare);
     };
     if (p.num_kb <= kArBlocks) {
       gemm_tiles<1, 1, false, true, 4, 128>(sm, n, setup, store);

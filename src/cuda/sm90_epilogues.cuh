@@ -236,7 +236,9 @@ __device__ __forceinline__ void store_direct_wg(const float (&acc)[kAcc], bf16* 
 // fp32 added (one add per element: out = out + acc). ncols and c0 multiples of 8.
 // st (bf16 only, may be null): a store map of out whose row map_row is row row0: then
 // the tile goes out through TMA stores (store_tile_tma, with gemm_tiles' spare stage).
-enum { kStoreBf16, kStoreF32, kAddF32 };
+// kStoreBf16Regs: bf16 from registers, each warpgroup its own rows (store_direct_wg; an
+// experiment, no shared memory: st and spare unused).
+enum { kStoreBf16, kStoreF32, kAddF32, kStoreBf16Regs };
 template <int kMode>
 __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int row0,
                                            int row_end, int c0, int ncols, void* out, int64_t ld,
@@ -244,6 +246,11 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
   constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kCols = 256 / kElem, kPer16 = 16 / kElem;
   constexpr int kPieces = kCols / kPer16;  // 16 a row
   if (sm.knobs & 2) return;
+  if constexpr (kMode == kStoreBf16Regs) {
+    const int r = row0 + 64 * wg;  // (this warpgroup's rows)
+    store_direct_wg(acc, static_cast<bf16*>(out) + (int64_t)r * ld + c0, ld, row_end - r, ncols - c0, w, l);
+    return;
+  }
   if (kMode == kStoreBf16 && st && !(sm.knobs & 8)) {
     store_tile_tma(sm, acc, wg, w, l, st, map_row, row0, row_end, c0, ncols, static_cast<bf16*>(out), ld, spare);
     return;
