@@ -103,10 +103,7 @@
 //   make micro && build/micro/engine_gemm --wgrad [--case SUBSTRING] [--knobs N]
 // --knobs N: MOK_KNOBS' bits (gpu_params.h) for every schedule, timed, not checked (2: no
 // epilogue, the mainloops alone); 4 (checked): the --wgrad control's epilogue in two
-// rounds through sm.epi instead of one through sm.epi and the spare stage; 4096 (checked):
-// the controls' (gemm_tiles, plain and --wgrad) and the cooperative engines' bf16 tiles
-// straight from registers to global memory (store_direct_wg), no shared memory and no
-// TMA store.
+// rounds through sm.epi instead of one through sm.epi and the spare stage.
 #include <cublas_v2.h>
 
 #include <cmath>
@@ -176,7 +173,6 @@ struct Params {
   const float* scale;   // --gather-scaled: A's row i is bf16(scale[i] X[rows[i]]) ([G M], as DG's bf16(g dy))
   int kpad;             // E::kMN: k rows an expert in the chunk maps a and b ([G kpad] rows)
   uint32_t knobs;       // --knobs (2: no epilogue, a measurement: C is not written)
-  bf16* c_out;          // C itself ([G][M][N]: --knobs 4096's direct stores)
   Problem p;
 };
 
@@ -601,16 +597,6 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
     if (prm.knobs & 2) continue;  // (--knobs 2: no epilogue; a run-time flag, so the wgmmas stay)
     if constexpr (kDh) {
       dh_wg_tile<E>(prm, acc, buf, epi_full + 2 * w, t, w, lt);
-    } else if constexpr (E::kCoop && E::WN == 256) {
-      if (prm.knobs & 4096) {  // (--knobs 4096: no shared memory)
-        int g, m0, n0;
-        tile_origin<E::TM, E::TN>(p, t, g, m0, n0);
-        m0 += 64 * w;
-        store_direct_wg(acc[0], prm.c_out + ((int64_t)g * p.M + m0) * p.N + n0, p.N, p.M - m0, p.N - n0, lt / 32,
-                        lt % 32);
-      } else {
-        store_wg_tile<E>(prm, acc, buf, t, w, lt);
-      }
     } else {
       store_wg_tile<E>(prm, acc, buf, t, w, lt);
     }
@@ -666,7 +652,7 @@ struct TilesParams {
   StoreMap c;        // [G M, N] (make_store_map's three maps); --dh: d_a, [G M][2][N] (gate_up_map's)
   CUtensorMap gu;    // --dh: gate|up, [G M][2][N], 64 x 1 x 128 boxes (the backward's m_arows_gu)
   bf16* c_base;
-  uint32_t knobs;  // --knobs: MOK_KNOBS' measurement bits (gpu_params.h; 2: no epilogue), 4096: store_direct_wg
+  uint32_t knobs;  // --knobs: MOK_KNOBS' measurement bits (gpu_params.h; 2: no epilogue)
   Problem p;
 };
 template <int kBoxRows, bool kDh = false>
@@ -693,8 +679,6 @@ __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_co
             const int row0 = g * p.M + m0;
             swiglu_bwd_store(sm, acc, wg, w, l, row0, g * p.M + p.M, n0, p.N, &prm.gu, row0, &prm.c, row0,
                              prm.c_base, spare);
-          } else if (prm.knobs & 4096) {  // (no shared memory)
-            store_tile<kStoreBf16Regs>(sm, acc, wg, w, l, m0, p.M, n0, p.N, prm.c_base + (size_t)g * p.M * p.N, p.N);
           } else {
             store_tile<kStoreBf16>(sm, acc, wg, w, l, m0, p.M, n0, p.N, prm.c_base + (size_t)g * p.M * p.N, p.N,
                                    &prm.c, g * p.M + m0, spare);
@@ -732,10 +716,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_c
     };
     auto store = [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
       bf16* const c = prm.c_base + (size_t)g * p.M * p.N;
-      if (prm.knobs & 4096)  // (no shared memory)
-        store_tile<kStoreBf16Regs>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, c, p.N);
-      else
-        store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, c, p.N, &prm.c, map_row,
+      store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, c, p.N, &prm.c, map_row,
                                prm.knobs & 4 ? nullptr : spare);
     };
     if (p.num_kb <= kArBlocks) {
@@ -919,8 +900,7 @@ static bool g_in_order = false;  // --in-order: the gathers' row table the ident
 static bool g_wgrad = false;     // --wgrad: small experts' weight gradients (MN-major, A resident)
 // --knobs N: MOK_KNOBS' bits for every schedule (gpu_params.h; 2: no epilogue), nothing
 // checked; and this file's own, checked: 4, the --wgrad control's tiles leave in two rounds
-// through sm.epi, not one through it and the spare stage; 4096, the controls' and the
-// cooperative engines' bf16 tiles leave by 16-byte stores from registers (store_direct_wg)
+// through sm.epi, not one through it and the spare stage
 static uint32_t g_knobs = 0;
 
 // One case's device buffers: A [G][M][K], B [G][N][K]; C, C2 (a second run), C0 (the
@@ -1007,8 +987,8 @@ static Problem tiled(const Case& c, int TM, int TN) {
 template <class Launch, class Failed, class Timed>
 static bool check_and_time(const Case& c, const Buffers& b, const char* who, int stages, double cublas_ms,
                            bool& have_first, Launch launch, Failed failed, Timed timed) {
-  // --knobs other than 4 and 4096: a measurement aid, the output is not the product: run, not checked
-  const bool checked = !(g_knobs & ~(4u | 4096u));
+  // --knobs other than 4: a measurement aid, the output is not the product: run, not checked
+  const bool checked = !(g_knobs & ~4u);
   bool ok = true;
   for (int run = 0; run < 2 && ok; run++) {
     bf16* const C = run ? b.C2 : b.C;
@@ -1072,7 +1052,6 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
                               : "");
   auto launch = [&](bf16* C) {
     bf16_map_3d(&prm.c, C, c.G, c.M, kDh ? 2 * c.N : c.N);
-    prm.c_out = C;
     engine_gemm_kernel<E, kDh, kGather><<<grid, kEngineThreads, E::kSmemBytes>>>(prm);
   };
   auto timed_out = [&] {

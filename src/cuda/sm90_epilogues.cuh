@@ -188,57 +188,12 @@ __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc
   }
 }
 
-// A warpgroup's 64 x 256 bf16 tile straight from its accumulators to global memory, no
-// shared memory on the way (the TMA path's stmatrix writes and the store's reads are 128
-// KB of shared-memory traffic a 128 x 256 tile, beside the wgmmas' operand reads; an
-// experiment: engine_gemm --knobs 4096 and MOK_WGRAD_DIRECT_STORES, docs/PERF.md
-// 2026-12-06). Lane q of a quad (lanes 4r .. 4r + 3: rows r and r + 8 of the warp's 16)
-// holds, for each 8-column chunk i, the pair at columns 8i + 2q: for a 32-column group j,
-// word k of row q of a 4 x 4 matrix M[q][k] (chunk 4j + k). Two butterfly stages (xor 2,
-// then xor 1; two shuffles each) transpose it, so lane q holds chunk 4j + q whole, 16
-// bytes, and a warp's store is 8 rows of 64 contiguous bytes. out: the warpgroup's first
-// row and column; rows_valid rows and ncols columns (a multiple of 8) from there lie
-// inside the output (no others are stored). The bits of the TMA path: the same
-// pack_bf16x2 roundings.
-__device__ __forceinline__ void store_direct_wg(const float (&acc)[kAcc], bf16* out, int64_t ld, int rows_valid,
-                                                int ncols, int warp, int lane) {
-  const int q = lane % 4, r = warp * 16 + lane / 4;
-  const bool hi = q & 2, odd = q & 1;
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    const bool row_ok = r + 8 * h < rows_valid;
-    bf16* const dst = out + (int64_t)(r + 8 * h) * ld;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      auto word = [&](int k) { return pack_bf16x2(acc[4 * (4 * j + k) + 2 * h], acc[4 * (4 * j + k) + 2 * h + 1]); };
-      // stage 1: keep the half of the row with k / 2 == q / 2 (a = M[q][2b], M[q][2b + 1]),
-      // take the partner's same half (p = M[q ^ 2][2b], M[q ^ 2][2b + 1])
-      const uint32_t a0 = hi ? word(2) : word(0), a1 = hi ? word(3) : word(1);
-      const uint32_t p0 = __shfl_xor_sync(0xffffffffu, hi ? word(0) : word(2), 2);
-      const uint32_t p1 = __shfl_xor_sync(0xffffffffu, hi ? word(1) : word(3), 2);
-      // stage 2: keep column q (M[q][q], M[q ^ 2][q]), take M[q ^ 1][q], M[q ^ 3][q]
-      const uint32_t own = odd ? a1 : a0, own2 = odd ? p1 : p0;
-      const uint32_t g1 = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 1);
-      const uint32_t g3 = __shfl_xor_sync(0xffffffffu, odd ? p0 : p1, 1);
-      // word s of the 16 bytes is M[s][q], s = q ^ x: x = 0 own, 1 g1, 2 own2, 3 g3
-      auto at = [&](int s) {
-        const int x = q ^ s;
-        return x == 0 ? own : x == 1 ? g1 : x == 2 ? own2 : g3;
-      };
-      const int col = 32 * j + 8 * q;
-      if (row_ok && col < ncols) *reinterpret_cast<uint4*>(dst + col) = make_uint4(at(0), at(1), at(2), at(3));
-    }
-  }
-}
-
 // Writes rows [row0, row_end) x columns [c0, ncols) of out (ld elements a row) from the
 // 128 x 256 accumulator tile whose first column is c0: bf16 written, fp32 written, or
 // fp32 added (one add per element: out = out + acc). ncols and c0 multiples of 8.
 // st (bf16 only, may be null): a store map of out whose row map_row is row row0: then
 // the tile goes out through TMA stores (store_tile_tma, with gemm_tiles' spare stage).
-// kStoreBf16Regs: bf16 from registers, each warpgroup its own rows (store_direct_wg; an
-// experiment, no shared memory: st and spare unused).
-enum { kStoreBf16, kStoreF32, kAddF32, kStoreBf16Regs };
+enum { kStoreBf16, kStoreF32, kAddF32 };
 template <int kMode>
 __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], int wg, int w, int l, int row0,
                                            int row_end, int c0, int ncols, void* out, int64_t ld,
@@ -246,11 +201,6 @@ __device__ __forceinline__ void store_tile(Smem& sm, const float (&acc)[kAcc], i
   constexpr int kElem = kMode == kStoreBf16 ? 2 : 4, kCols = 256 / kElem, kPer16 = 16 / kElem;
   constexpr int kPieces = kCols / kPer16;  // 16 a row
   if (sm.knobs & 2) return;
-  if constexpr (kMode == kStoreBf16Regs) {
-    const int r = row0 + 64 * wg;  // (this warpgroup's rows)
-    store_direct_wg(acc, static_cast<bf16*>(out) + (int64_t)r * ld + c0, ld, row_end - r, ncols - c0, w, l);
-    return;
-  }
   if (kMode == kStoreBf16 && st && !(sm.knobs & 8)) {
     store_tile_tma(sm, acc, wg, w, l, st, map_row, row0, row_end, c0, ncols, static_cast<bf16*>(out), ld, spare);
     return;

@@ -466,19 +466,11 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
 
 // Weight-gradient tile out: bf16 written, or added into fp32 buffers.
 // st: the bf16 gradient's store map, whose row map_row is tile row r0.
-// MOK_WGRAD_DIRECT_STORES (an experiment's build, docs/PERF.md 2026-12-06): the bf16
-// weight gradients leave from registers (kStoreBf16Regs), not through shared memory and
-// TMA stores; the same bits.
-#ifdef MOK_WGRAD_DIRECT_STORES
-constexpr int kWgradBf16 = kStoreBf16Regs;
-#else
-constexpr int kWgradBf16 = kStoreBf16;
-#endif
 __device__ __forceinline__ void store_wgrad(Smem& sm, const BwdParams& p, float (&acc)[kAcc], int wg, int w, int l, int r0,
                                             int rows, int c0, int cols, void* out, const StoreMap* st, int map_row,
                                             uint8_t* spare) {
   if (p.wgrad_fp32) store_tile<kAddF32>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols);
-  else store_tile<kWgradBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols, st, map_row, spare);
+  else store_tile<kStoreBf16>(sm, acc, wg, w, l, r0, rows, c0, cols, out, cols, st, map_row, spare);
 }
 
 // Expert m-tile mt of the expert rows: (this rank's expert, first row, end row), false
