@@ -69,7 +69,8 @@
 #   engine        build/micro/engine_gemm once per ENGINE_ARGS entry (';'-separated, default
 #                 "--gather;--gather-scaled;--dh": A gathered by the producer, as is and
 #                 scaled on the way, then dh's epilogue; the entry
-#                 "plain": no flags, the plain cases), each run's output in
+#                 "plain": no flags, the plain cases; "@build-NAME flags": that build's
+#                 engine_gemm, e.g. an experiment's -D flag), each run's output in
 #                 $OUT/engine<i>.txt, bounded by ENGINE_LIMIT s (default 240; a hung wait
 #                 reports itself after 2 s)
 #   engine-ncu    ncu over engine_gemm's kernels on one case (ENGINE_NCU_ARGS, default
@@ -366,10 +367,14 @@ for part in "$@"; do
       i=0
       IFS=';' read -ra engine_runs <<< "${ENGINE_ARGS:---gather;--gather-scaled;--dh}"
       for args in "${engine_runs[@]}"; do
-        [ "$args" = plain ] && args=""
-        echo "== engine_gemm $args"
+        bin=build/micro/engine_gemm
+        if [ "${args#@}" != "$args" ]; then  # "@build-NAME flags": that build's engine_gemm
+          bin=${args%% *} args=${args#"$bin"} bin=${bin#@}/micro/engine_gemm
+        fi
+        [ "${args# }" = plain ] && args=""
+        echo "== $bin $args"
         # shellcheck disable=SC2086  # (the flags split on purpose)
-        timeout "${ENGINE_LIMIT:-240}" build/micro/engine_gemm $args 2>&1 | tee "$OUT/engine$i.txt" | grep -v "^  cuBLAS"
+        timeout "${ENGINE_LIMIT:-240}" "$bin" $args 2>&1 | tee "$OUT/engine$i.txt" | grep -v "^  cuBLAS"
         i=$((i + 1))
       done
       ;;

@@ -92,6 +92,21 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // (engine_gemm, 2026-12-04). B's loads are then pos[0] and pos[2] (pos[1], pos[3] their
 // second halves, as wide() and the gate|up operands make them); A loads 128 rows even
 // when the tile stores at most 64 (bytes its idle warpgroup leaves unread).
+// MOK_EARLY_REFILL (an experiment's build, docs/PERF.md 2026-12-06, second session):
+// when a K block's data has not landed as a warp comes to wait for it, the warp first
+// waits for its previous block's wgmmas (which it would otherwise keep in flight), and
+// the warpgroup's leader frees that block's stage and thread 0 refills it, before the
+// wait. Why: the refill of the previous block's stage is otherwise issued only after
+// this block's data lands (after its wgmmas are issued), so while the data is late only
+// kStages - 1 loads are in flight; a producer warp refills each stage as soon as it is
+// free, kStages in flight (ncu, deepseek-v3 dW13: 37% of gemm_tiles' warp samples on
+// this wait against 6% in the producer-warp engine). The same bits: only the time of a
+// release and of a load moves.
+#ifdef MOK_EARLY_REFILL
+constexpr bool kEarlyRefill = true;
+#else
+constexpr bool kEarlyRefill = false;
+#endif
 constexpr int kArBlocks = 4;
 constexpr int kBSlotBytes = 4 * kBoxBytes;
 static_assert(kArBlocks * 2 * kBoxBytes + kStages * kBSlotBytes <= kStages * kStageBytes, "A-resident layout");
@@ -267,6 +282,14 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         else stage_descs<TA, TB>(sm.stage[s], wg, da, db);
         asm volatile("" : "+l"(da), "+l"(db));
         MOK_STALL_FROM(kStallFull);
+        // (kEarlyRefill: the test warp-uniform, so that the wait_group is the warp's
+        // together; the leader notes the release in shared memory, not in a register held
+        // across the wgmmas, where it spilled)
+        if (kEarlyRefill && kb > 0 && __any_sync(0xffffffffu, !mbar_test_wait(&full[s], ph))) {
+          wgmma_wait<0>();
+          if (tid % 128 == 0) release((it - 1) % kStages, 1), sm.early_it[wg] = it;
+          if (tid == 0) load_next();
+        }
         while (!mbar_try_wait(&full[s], ph)) {
         }
         MOK_STALL_ADD(kStallFull);
@@ -285,8 +308,12 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         MOK_STALL_FROM(kStallMma);
         wgmma_wait<1>();
         MOK_STALL_ADD(kStallMma);
-        if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
-        if (tid == 0) load_next();
+        if (kEarlyRefill && tid % 128 == 0 && sm.early_it[wg] == it) {
+          sm.early_it[wg] = ~0u;  // (released, and at thread 0 refilled, before the wait)
+        } else {
+          if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
+          if (tid == 0) load_next();
+        }
       }
     }
     MOK_STALL_FROM(kStallDrain);
