@@ -137,7 +137,7 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
     sm.round = 0;
     sm.load.spare_slot = -1;
     sm.knobs = knobs;
-#ifdef MOK_EARLY_REFILL
+#if MOK_EARLY_REFILL
     sm.early_it[0] = sm.early_it[1] = ~0u;
 #endif
     sm.cluster = (int)cluster_nctarank();
