@@ -79,21 +79,15 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 __device__ __forceinline__ void mbar_arrive_n(uint64_t* bar, uint32_t n) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(n) : "memory");
 }
-// Whether the barrier's phase of this parity has completed: try_wait may first suspend
-// the thread a while (a wait loop's poll), test_wait answers at once.
-#define MOK_MBAR_POLL(name, op)                                                                        \
-  __device__ __forceinline__ bool name(uint64_t* bar, uint32_t parity) {                               \
-    uint32_t ok;                                                                                       \
-    asm volatile("{\n .reg .pred p;\n mbarrier." op ".parity.shared::cta.b64 p, [%1], %2;\n selp.u32 " \
-                 "%0, 1, 0, p;\n}"                                                                      \
-                 : "=r"(ok)                                                                            \
-                 : "r"(smem_addr(bar)), "r"(parity)                                                    \
-                 : "memory");                                                                          \
-    return ok != 0;                                                                                    \
-  }
-MOK_MBAR_POLL(mbar_try_wait, "try_wait")
-MOK_MBAR_POLL(mbar_test_wait, "test_wait")
-#undef MOK_MBAR_POLL
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(ok)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
 
 // ---- named barriers (1-15; 0 is __syncthreads): wait until n threads (whole warps) arrive ----
 __device__ __forceinline__ void named_bar_sync(int id, int n) {

@@ -94,8 +94,6 @@ struct alignas(1024) Smem {
   uint32_t stall[kStallKinds];       // MOK_STALL_PROFILE builds: thread 0's waits (kStall*)
   uint32_t stall_from[kStallKinds];  // and the start of the span in progress, per kind
   uint32_t knobs;       // MOK_KNOBS (gpu_params.h)
-  uint32_t early_it[2];  // MOK_EARLY_REFILL builds: per warpgroup, the ring position whose
-                         // previous stage its leader released before the wait (~0: none)
 };
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
 static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
@@ -137,9 +135,6 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
     sm.round = 0;
     sm.load.spare_slot = -1;
     sm.knobs = knobs;
-#if MOK_EARLY_REFILL
-    sm.early_it[0] = sm.early_it[1] = ~0u;
-#endif
     sm.cluster = (int)cluster_nctarank();
     sm.rank = (int)cluster_ctarank();
     fence_mbar_init();

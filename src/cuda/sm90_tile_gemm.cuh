@@ -92,24 +92,6 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // (engine_gemm, 2026-12-04). B's loads are then pos[0] and pos[2] (pos[1], pos[3] their
 // second halves, as wide() and the gate|up operands make them); A loads 128 rows even
 // when the tile stores at most 64 (bytes its idle warpgroup leaves unread).
-// MOK_EARLY_REFILL (an experiment's build, docs/PERF.md 2026-12-06, second session):
-// when a K block's data has not landed as a warp comes to wait for it, the warp first
-// waits for its previous block's wgmmas (which it would otherwise keep in flight), and
-// the warpgroup's leader frees that block's stage and thread 0 refills it, before the
-// wait. Why: the refill of the previous block's stage is otherwise issued only after
-// this block's data lands (after its wgmmas are issued), so while the data is late only
-// kStages - 1 loads are in flight; a producer warp refills each stage as soon as it is
-// free, kStages in flight (ncu, deepseek-v3 dW13: 37% of gemm_tiles' warp samples on
-// this wait against 6% in the producer-warp engine). The same bits: only the time of a
-// release and of a load moves. 1: in every run (measured: the weight gradients 0-8%
-// faster, the forward's long-K runs 5-20% slower), 1 now in the weight gradients' runs
-// alone (TA and TB); 2: every run, but thread 0 refills early only while the data is
-// still late and the other warpgroup has freed the stage too, so that its loads never
-// delay this block's wgmmas.
-#ifndef MOK_EARLY_REFILL
-#define MOK_EARLY_REFILL 0
-#endif
-constexpr int kEarlyRefill = MOK_EARLY_REFILL;
 constexpr int kArBlocks = 4;
 constexpr int kBSlotBytes = 4 * kBoxBytes;
 static_assert(kArBlocks * 2 * kBoxBytes + kStages * kBSlotBytes <= kStages * kStageBytes, "A-resident layout");
@@ -139,7 +121,6 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
   static_assert(kBoxRows == 64 || (kBoxRows == 128 && NB == 4), "boxes of 64 rows, or 128 for whole tiles");
   constexpr bool kTall = kBoxRows == 128;  // (one load a 128-row or 128-column half: load_pair)
   constexpr int kTileAcc = NB * 32;
-  constexpr bool kEarly = NB == 4 && (kEarlyRefill == 2 || (kEarlyRefill == 1 && TA && TB));  // (MOK_EARLY_REFILL)
   const int tid = threadIdx.x, wg = tid / 128;
   uint8_t* const ring = sm.stage[0];
   // a stage's (AR: a B slot's) shared memory
@@ -286,17 +267,6 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         else stage_descs<TA, TB>(sm.stage[s], wg, da, db);
         asm volatile("" : "+l"(da), "+l"(db));
         MOK_STALL_FROM(kStallFull);
-        // (kEarlyRefill: the test warp-uniform, so that the wait_group is the warp's
-        // together; the leader notes the release in shared memory, not in a register held
-        // across the wgmmas, where it spilled)
-        if (kEarly && kb > 0 && __any_sync(0xffffffffu, !mbar_test_wait(&full[s], ph))) {
-          wgmma_wait<0>();
-          if (tid % 128 == 0) release((it - 1) % kStages, 1), sm.early_it[wg] = it;
-          const uint32_t lp = it + kStages - 1;  // (the refill's ring position: load_next's empty wait)
-          if (tid == 0 && (kEarlyRefill == 1 || (!mbar_test_wait(&full[s], ph) &&
-                                                 mbar_test_wait(&empty[lp % kStages], ((lp / kStages) & 1) ^ 1))))
-            load_next();
-        }
         while (!mbar_try_wait(&full[s], ph)) {
         }
         MOK_STALL_ADD(kStallFull);
@@ -315,13 +285,8 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         MOK_STALL_FROM(kStallMma);
         wgmma_wait<1>();
         MOK_STALL_ADD(kStallMma);
-        if (kEarly && tid % 128 == 0 && sm.early_it[wg] == it) {
-          sm.early_it[wg] = ~0u;  // (released before the wait; refilled then unless c.it is still this block's)
-          if (tid == 0 && c.it != it + kStages) load_next();
-        } else {
-          if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
-          if (tid == 0) load_next();
-        }
+        if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
+        if (tid == 0) load_next();
       }
     }
     MOK_STALL_FROM(kStallDrain);
