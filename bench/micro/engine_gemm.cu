@@ -100,12 +100,22 @@
 // loads 3-D, 2 chunks each: one of A, two of B a K block) and the engines on the K-major
 // copies (the same products), which must give its bits. (The eighth 2026-12-05 session measured a ping-pong form of
 // gemm_tiles here, warpgroups taking turns over a resident A: slower; docs/PERF.md.)
-//   make micro && build/micro/engine_gemm --wgrad [--case SUBSTRING] [--knobs N]
+//   make micro && build/micro/engine_gemm --wgrad [--spread] [--pairs] [--case SUBSTRING] [--knobs N]
+// --spread: each expert's rows (K) drawn as uniform routing spreads them (mean K, standard
+// deviation sqrt(K), a fixed draw), not K for every expert; A and B zero past an expert's
+// rows, the reference and cuBLAS over the largest K (cuBLAS's rate counts the useful
+// FLOPs). --pairs: the control in clusters of two CTAs, and as the backward's wgrad_task
+// decides: an expert of at most kArBlocks K blocks runs alone with A resident, a larger
+// one paired (both CTAs of a cluster on row tiles mt, mt + 1 of one column group, B
+// multicast), else streamed. Both: the step's mix (docs/PERF.md, 2026-12-06 second
+// session: early refill's +7% on equal, unpaired experts did not reach the step). The
+// engines run one K for every expert: with --spread they are not run.
 // --knobs N: MOK_KNOBS' bits (gpu_params.h) for every schedule, timed, not checked (2: no
 // epilogue, the mainloops alone); 4 (checked): the --wgrad control's epilogue in two
 // rounds through sm.epi instead of one through sm.epi and the spare stage.
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -697,6 +707,8 @@ struct WgradParams {
   CUtensorMap a, b;
   StoreMap c;
   bf16* c_base;
+  const int* k_rows;  // --spread: expert g's rows [G] (k rows of At, Bt past them zeros); null: p.K each
+  int group;          // column tiles a task: wgrad_group_of(the mean K blocks), as the backward's
   int kpad;
   uint32_t knobs;  // --knobs, as TilesParams' (4: no spare stage for the epilogue)
   Problem p;
@@ -704,28 +716,47 @@ struct WgradParams {
 __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_constant__ WgradParams prm) {
   Smem& sm = kernel_smem(prm.knobs);
   const Problem& p = prm.p;
-  const int size = wgrad_group_of(p.num_kb), groups = (p.tiles_n + size - 1) / size;
-  const int tasks = p.G * groups * p.tiles_m, kv = p.K - (p.num_kb - 1) * BK;
-  for (int task = blockIdx.x; task < tasks; task += gridDim.x) {
+  const int size = prm.group, groups = (p.tiles_n + size - 1) / size;
+  const int tasks = p.G * groups * p.tiles_m;
+  // A cluster's CTAs take tasks base + rank (--pairs: two row tiles of one column group
+  // when tiles_m is even), both looping alike: pair_agree is a cluster barrier.
+  for (int base = blockIdx.x - sm.rank; base < tasks; base += gridDim.x) {
+    const int task = base + sm.rank;
+    const bool valid = task < tasks;
     const int mt = task % p.tiles_m, cg = task / p.tiles_m % groups, g = task / p.tiles_m / groups;
+    const int k = valid ? (prm.k_rows ? prm.k_rows[g] : p.K) : 0;
+    const int nk = (k + BK - 1) / BK, kv = k - (nk - 1) * BK;
+    // wgrad_task's choice: at most kArBlocks K blocks alone (A resident), more paired
+    const bool paired = sm.cluster > 1 && pair_agree(sm, true, valid, valid ? pair_key(nk > kArBlocks, g, cg) : -1);
+    if (!valid || nk == 0) continue;  // (--spread draws at least one row an expert)
     const int n0 = cg * size, n = min(size, p.tiles_n - n0), map_row = g * p.M + mt * BM;
-    auto setup = [&](int t, Operand& A, Operand& B, int& nk, int& v) {
+    auto setup = [&](int t, Operand& A, Operand& B, int& num_kb, int& v) {
       A = rows128(&prm.a, mt * BM, g * prm.kpad);
       B = wide(&prm.b, (n0 + t) * BN, g * prm.kpad);
-      nk = p.num_kb, v = kv;
+      num_kb = nk, v = kv;
     };
     auto store = [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
       bf16* const c = prm.c_base + (size_t)g * p.M * p.N;
       store_tile<kStoreBf16>(sm, acc, wg, w, l, mt * BM, p.M, (n0 + t) * BN, p.N, c, p.N, &prm.c, map_row,
-                               prm.knobs & 4 ? nullptr : spare);
+                             prm.knobs & 4 ? nullptr : spare);
     };
-    if (p.num_kb <= kArBlocks) {
+    if (paired) {
+      gemm_tiles<1, 1, true, false, 4, 128>(sm, n, setup, store);
+    } else if (nk <= kArBlocks) {
       gemm_tiles<1, 1, false, true, 4, 128>(sm, n, setup, store);
-    } else {  // (the backward pairs such tasks; unpaired here)
+    } else {  // (without --pairs, or a partner on another column group)
       gemm_tiles<1, 1, false, false, 4, 128>(sm, n, setup, store);
     }
   }
   if (threadIdx.x == 0) bulk_wait_all();
+  if (sm.cluster > 1) cluster_sync();  // (no CTA leaves while its partner may still signal it)
+}
+
+// --spread: zeros in X [G][rows][K] past expert g's k_rows[g] columns.
+__global__ void zero_k_tail_kernel(bf16* X, int G, int rows, int K, const int* k_rows) {
+  const size_t n = (size_t)G * rows * K;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    if ((int)(i % K) >= k_rows[i / K / rows]) X[i] = to_bf(0.f);
 }
 
 // --wgrad: At[g][k][m] = A[g][m][k] for k < K, zeros for K <= k < kpad (an MN-major copy).
@@ -880,7 +911,12 @@ static void store_maps(StoreMap* m, void* base, int rows, int cols) {
 struct Case {
   char name[48];
   int G, M, N, K;
-  double flops() const { return 2.0 * G * M * N * K; }
+  std::vector<int> k_rows;  // --spread: each expert's rows (K is then their largest, rounded up to 8)
+  double flops() const {  // (the useful ones: --spread counts each expert's own rows)
+    double k = 0;
+    for (int r : k_rows) k += r;
+    return 2.0 * M * N * (k_rows.empty() ? (double)G * K : k);
+  }
 };
 
 // --wgrad: a chunk map (make_chunk_map's) of an MN-major copy [rows][cols] (rows: G kpad).
@@ -898,6 +934,8 @@ static bool g_gather = false;     // --gather: A's rows gathered by the producer
 static bool g_gather_scaled = false;  // --gather-scaled: and scaled on the way (through registers)
 static bool g_in_order = false;  // --in-order: the gathers' row table the identity (X = A), not a permutation
 static bool g_wgrad = false;     // --wgrad: small experts' weight gradients (MN-major, A resident)
+static bool g_spread = false;    // --wgrad --spread: each expert's rows as routing spreads them
+static bool g_pairs = false;     // --wgrad --pairs: the control in clusters, pairing as the backward does
 // --knobs N: MOK_KNOBS' bits for every schedule (gpu_params.h; 2: no epilogue), nothing
 // checked; and this file's own, checked: 4, the --wgrad control's tiles leave in two rounds
 // through sm.epi, not one through it and the spare stage
@@ -910,6 +948,7 @@ static uint32_t g_knobs = 0;
 struct Buffers {
   bf16 *A, *B, *C, *C2, *C0, *GU, *C_dh, *X;
   bf16 *At, *Bt;  // --wgrad: MN-major copies [G][kpad][M], [G][kpad][N] (transpose_pad_kernel)
+  int* k_rows;    // --spread: Case::k_rows on the device
   int* rows;     // --gather: X's row of A's row i (X [G M][K])
   float* scale;  // --gather-scaled: A's row i = bf16(scale[i] X[rows[i]])
   float *ref, *ref_dh;
@@ -1106,31 +1145,45 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
 
 // --wgrad: wgrad_tiles_kernel on case c (check_and_time).
 static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
-  const int num_kb = (c.K + BK - 1) / BK;
-  const char* who = num_kb <= kArBlocks ? "gemm_tiles AR" : "gemm_tiles streamed";
+  WgradParams prm;
+  prm.p = tiled(c, BM, BN);
+  // the mean K blocks a tile, as the backward's wgrad_group (max(1, ceil(ceil(T K / E) / 64)))
+  const int mean_k = (int)((c.flops() / (2.0 * c.M * c.N) + c.G - 1) / c.G);
+  const int mean_kb = mean_k > BK ? (mean_k + BK - 1) / BK : 1;
+  int ar = 0, more = 0;  // experts of at most kArBlocks K blocks, and of more
+  for (int g = 0; g < c.G; g++) ((c.k_rows.empty() ? c.K : c.k_rows[g]) + BK - 1) / BK <= kArBlocks ? ar++ : more++;
+  char who[48];
+  if (!more) snprintf(who, sizeof who, "gemm_tiles AR");
+  else if (!ar) snprintf(who, sizeof who, "gemm_tiles %s", g_pairs ? "paired" : "streamed");
+  else snprintf(who, sizeof who, "gemm_tiles %d AR, %d %s", ar, more, g_pairs ? "paired" : "streamed");
   if (c.M % 64 || c.N % 64) {
     printf("  %-24s not run: M or N %% 64 != 0 (the CUDA backend's rule for H and F)\n", who);
     return true;
   }
-  WgradParams prm;
-  prm.p = tiled(c, BM, BN);
   prm.kpad = prm.p.num_kb * BK;
   prm.knobs = g_knobs;
+  prm.k_rows = b.k_rows;
+  prm.group = wgrad_group_of(mean_kb);
   chunk_map(&prm.a, b.At, c.G * prm.kpad, c.M);
   chunk_map(&prm.b, b.Bt, c.G * prm.kpad, c.N);
-  const int size = wgrad_group_of(prm.p.num_kb);
-  const int tasks = c.G * ((prm.p.tiles_n + size - 1) / size) * prm.p.tiles_m;
-  const int grid = tasks < g_sms ? tasks : g_sms;
+  const int tasks = c.G * ((prm.p.tiles_n + prm.group - 1) / prm.group) * prm.p.tiles_m;
+  int grid = tasks < g_sms ? tasks : g_sms;
+  if (g_pairs) grid += grid & 1;  // (whole clusters)
   const int smem = (int)sizeof(Smem) + 1024;
   CK(cudaFuncSetAttribute(wgrad_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cudaLaunchAttribute attr;  // --pairs: clusters of 2 (the backward's launch_config)
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(grid), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = smem;
+  lc.attrs = &attr, lc.numAttrs = g_pairs ? 1 : 0;
+  auto run = [&] { CK(cudaLaunchKernelEx(&lc, wgrad_tiles_kernel, prm)); };
   auto launch = [&](bf16* C) {
     store_maps(&prm.c, C, c.G * c.M, c.N);
     prm.c_base = C;
-    wgrad_tiles_kernel<<<grid, kThreads, smem>>>(prm);
+    run();
   };
-  return check_and_time(c, b, who, kStages, cublas_ms, have_first, launch,
-                        [] { return false; },
-                        [&] { wgrad_tiles_kernel<<<grid, kThreads, smem>>>(prm); });
+  return check_and_time(c, b, who, kStages, cublas_ms, have_first, launch, [] { return false; }, run);
 }
 
 // C = A B^T for every expert: cuBLAS is column-major, so it computes C^T (N x M, ld N) =
@@ -1170,13 +1223,17 @@ int main(int argc, char** argv) {
       g_in_order = true;
     else if (!strcmp(argv[i], "--wgrad"))
       g_wgrad = true;
+    else if (!strcmp(argv[i], "--spread"))
+      g_spread = true;
+    else if (!strcmp(argv[i], "--pairs"))
+      g_pairs = true;
     else if (!strcmp(argv[i], "--case") && i + 1 < argc)
       only = argv[++i];
     else if (!strcmp(argv[i], "--knobs") && i + 1 < argc)
       g_knobs = (uint32_t)strtoul(argv[++i], nullptr, 0);
     else
       return fprintf(stderr, "usage: engine_gemm [--quick] [--dh | --dh-plain | --gather | --gather-scaled | --wgrad] "
-                             "[--in-order] [--case SUBSTRING] [--knobs N]\n"),
+                             "[--spread] [--pairs] [--in-order] [--case SUBSTRING] [--knobs N]\n"),
              2;
   }
   cudaDeviceProp prop;
@@ -1236,6 +1293,24 @@ int main(int argc, char** argv) {
     }
     cases.push_back({"dense", 1, 8192, 8192, 8192});
   }
+  if ((g_spread || g_pairs) && !g_wgrad) return fprintf(stderr, "engine_gemm: --spread and --pairs go with --wgrad\n"), 2;
+  if (g_spread) {  // each expert's rows: mean K, standard deviation sqrt(K) (routing's binomial, E large), one fixed draw
+    uint64_t z = 0x2545f4914f6cdd1dull;
+    auto uniform = [&] {  // (0, 1)
+      z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+      return ((double)(z >> 11) + 0.5) / 9007199254740992.0;
+    };
+    for (Case& c : cases) {
+      int kmax = 0;
+      for (int g = 0; g < c.G; g++) {
+        const double u1 = uniform(), u2 = uniform();
+        const double normal = sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);  // (Box-Muller)
+        const int k = std::max(1, (int)lround(c.K + sqrt((double)c.K) * normal));
+        c.k_rows.push_back(k), kmax = std::max(kmax, k);
+      }
+      c.K = (kmax + 7) / 8 * 8;  // (the K-major A and B: rows of whole 16-byte words)
+    }
+  }
   printf(
       "engine_gemm: %s, %d SMs; C = A B^T per expert, bf16 in and out, fp32 accumulation; mean of %d launches "
       "after %d\n",
@@ -1253,7 +1328,12 @@ int main(int argc, char** argv) {
       failed++;
       continue;
     }
-    printf("%s: %d x (M %d, N %d, K %d), %.1f GFLOP\n", c.name, c.G, c.M, c.N, c.K, c.flops() * 1e-9);
+    printf("%s: %d x (M %d, N %d, K %d), %.1f GFLOP", c.name, c.G, c.M, c.N, c.K, c.flops() * 1e-9);
+    if (!c.k_rows.empty())
+      printf(" (--spread: K the largest expert's; rows %d to %d, mean %.1f)",
+             *std::min_element(c.k_rows.begin(), c.k_rows.end()), *std::max_element(c.k_rows.begin(), c.k_rows.end()),
+             c.flops() / (2.0 * c.M * c.N * c.G));
+    printf("\n");
     fflush(stdout);
     Buffers b{};
     const size_t na = (size_t)c.G * c.M * c.K, nb = (size_t)c.G * c.N * c.K;
@@ -1268,6 +1348,12 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&b.word, sizeof(unsigned long long)));
     fill_kernel<<<g_sms * 8, 256>>>(b.A, na, 1);
     fill_kernel<<<g_sms * 8, 256>>>(b.B, nb, 2);
+    if (!c.k_rows.empty()) {  // --spread: no expert has rows past its own
+      CK(cudaMalloc(&b.k_rows, c.G * sizeof(int)));
+      CK(cudaMemcpy(b.k_rows, c.k_rows.data(), c.G * sizeof(int), cudaMemcpyHostToDevice));
+      zero_k_tail_kernel<<<g_sms * 8, 256>>>(b.A, c.G, c.M, c.K, b.k_rows);
+      zero_k_tail_kernel<<<g_sms * 8, 256>>>(b.B, c.G, c.N, c.K, b.k_rows);
+    }
     if (g_gather || g_gather_scaled) {  // A's rows scattered into X by a permutation (and A scaled)
       std::vector<int> rows(c.G * (size_t)c.M);
       for (size_t i = 0; i < rows.size(); i++) rows[i] = (int)i;
@@ -1318,9 +1404,11 @@ int main(int argc, char** argv) {
     CK(cudaMemset(C_peer, 0xff, ndh * 2));
     cublas_gemm(handle, c, b, C_peer);
     CK(cudaDeviceSynchronize());
-    const bool peer_ok = check_ref(c, b, C_peer, g_dh ? "cuBLAS (dh alone)" : "cuBLAS", g_dh);
+    // (--spread: cuBLAS multiplies every expert at the largest K, zeros past its rows)
+    const char* peer = g_dh ? "cuBLAS (dh alone)" : c.k_rows.empty() ? "cuBLAS" : "cuBLAS (largest K)";
+    const bool peer_ok = check_ref(c, b, C_peer, peer, g_dh);
     const double peer_ms = launch_ms([&] { cublas_gemm(handle, c, b, C_peer); });
-    printf("  %-24s %9s %8.3f ms %7.1f TFLOP/s%s\n", g_dh ? "cuBLAS (dh alone)" : "cuBLAS", "", peer_ms,
+    printf("  %-24s %9s %8.3f ms %7.1f TFLOP/s%s\n", peer, "", peer_ms,
            c.flops() / peer_ms * 1e-9, peer_ok ? "  (checked)" : "");
     failed += !peer_ok;
     bool have_first = false;
@@ -1331,9 +1419,13 @@ int main(int argc, char** argv) {
       failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
     } else if (g_wgrad) {  // the control first
       failed += !run_wgrad(c, b, peer_ms, have_first);
-      failed += !run_engine<CooperativeMN>(c, b, peer_ms, have_first);
-      failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
-      failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
+      if (g_spread) {
+        printf("  the engines: not run (one K for every expert)\n");
+      } else {
+        failed += !run_engine<CooperativeMN>(c, b, peer_ms, have_first);
+        failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
+        failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
+      }
     } else if (g_gather || g_gather_scaled) {  // each engine with TMA A, then A gathered from X
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
       if (g_gather) {
@@ -1375,6 +1467,7 @@ int main(int argc, char** argv) {
       CK(cudaFree(b.At));
       CK(cudaFree(b.Bt));
     }
+    if (b.k_rows) CK(cudaFree(b.k_rows));
     if (g_gather || g_gather_scaled) {
       CK(cudaFree(b.rows));
       CK(cudaFree(b.X));
