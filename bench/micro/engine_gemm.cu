@@ -109,7 +109,7 @@
 // one paired (both CTAs of a cluster on row tiles mt, mt + 1 of one column group, B
 // multicast), else streamed. Both: the step's mix (docs/PERF.md, 2026-12-06 second
 // session: early refill's +7% on equal, unpaired experts did not reach the step). The
-// engines run one K for every expert: with --spread they are not run.
+// engines, unpaired, take each expert's whole K blocks (the zeros in the last multiplied).
 // --knobs N: MOK_KNOBS' bits (gpu_params.h) for every schedule, timed, not checked (2: no
 // epilogue, the mainloops alone); 4 (checked): the --wgrad control's epilogue in two
 // rounds through sm.epi instead of one through sm.epi and the spare stage.
@@ -182,6 +182,7 @@ struct Params {
   const int* rows;      // --gather: [G M]
   const float* scale;   // --gather-scaled: A's row i is bf16(scale[i] X[rows[i]]) ([G M], as DG's bf16(g dy))
   int kpad;             // E::kMN: k rows an expert in the chunk maps a and b ([G kpad] rows)
+  const int* k_rows;    // --spread: expert g's rows [G] (A and B zero past them); null: p.K each
   uint32_t knobs;       // --knobs (2: no epilogue, a measurement: C is not written)
   Problem p;
 };
@@ -231,6 +232,12 @@ __device__ __forceinline__ void tile_origin(const Problem& p, int t, int& g, int
   n0 = q / rows * TN;
 }
 
+// Expert g's K blocks (--spread: its own rows', whole blocks, the zeros past them
+// multiplied as they are; else every expert's p.num_kb).
+__device__ __forceinline__ int expert_kb(const Params& prm, int g) {
+  return prm.k_rows ? (prm.k_rows[g] + BK - 1) / BK : prm.p.num_kb;
+}
+
 // A consumer's K block: acc (its WM x WN tile) += A (WM rows at da) x B (WN rows at db),
 // four k16 steps, one wgmma group. A k16 step is 32 bytes further in a K-major box; the
 // second m64 half of A is the next box.
@@ -250,7 +257,8 @@ __device__ __forceinline__ void engine_block(float (&acc)[E::kRowBlocks][E::WN /
 }
 
 // The producer (one thread): every K block of the CTA's tiles, in order, into the ring;
-// ring position i num_kb + kb holds K block kb of the CTA's i-th tile. Boxes wholly past
+// ring position (the K blocks of the CTA's tiles before it) + kb holds K block kb of the
+// CTA's i-th tile. Boxes wholly past
 // the expert's rows or columns are not loaded (their rows and columns are not stored).
 template <class E>
 __device__ __forceinline__ void produce(const Params& prm, uint8_t* stages, uint64_t* full, uint64_t* empty) {
@@ -262,7 +270,8 @@ __device__ __forceinline__ void produce(const Params& prm, uint8_t* stages, uint
     const int a_boxes = min(E::kABoxes, (p.M - m0 + 63) / 64), b_boxes = min(E::kBBoxes, (p.N - n0 + 63) / 64);
     // (kMN: whole 2-chunk loads, their chunks past M or N zeros, counted all the same)
     const uint32_t bytes = (E::kMN ? E::kABoxes + E::kBBoxes : a_boxes + b_boxes) * (uint32_t)kBoxBytes;
-    for (int kb = 0; kb < p.num_kb; kb++) {
+    const int num_kb = expert_kb(prm, g);
+    for (int kb = 0; kb < num_kb; kb++) {
       if (!wait_phase(&empty[s], ph ^ 1, 1)) return;  // (a fresh barrier's previous phase counts as done)
       mbar_arrive_expect_tx(&full[s], bytes);
       uint8_t* const dst = stages + s * E::kStageBytes;
@@ -573,9 +582,19 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
   const Problem& p = prm.p;
   const int lt = threadIdx.x % 128;
   uint8_t* const buf = epi + w * E::kEpiBytes;
+  uint32_t it0 = 0;  // ring position of tile i's first K block: the K blocks of the CTA's tiles before it
+  int counted = 0;   // tiles counted into it0
   for (int i = E::kCoop ? 0 : w;; i += E::kCoop ? 1 : 2) {
     const int t = (int)blockIdx.x + i * (int)gridDim.x;
     if (t >= p.num_tiles) break;
+    for (; counted < i; counted++) {  // (ping-pong: the other consumer's tiles too)
+      int g, m0, n0;
+      tile_origin<E::TM, E::TN>(p, (int)blockIdx.x + counted * (int)gridDim.x, g, m0, n0);
+      it0 += (uint32_t)expert_kb(prm, g);
+    }
+    int tg, tm0, tn0;
+    tile_origin<E::TM, E::TN>(p, t, tg, tm0, tn0);
+    const int num_kb = expert_kb(prm, tg);
     float acc[E::kRowBlocks][E::WN / 2];
 #pragma unroll
     for (int rb = 0; rb < E::kRowBlocks; rb++)
@@ -583,9 +602,8 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
       for (int x = 0; x < E::WN / 2; x++) acc[rb][x] = 0.f;
     // hand-over i - 1 (the other warpgroup's) is phase (i - 1) / 2 of turn[w]
     if (!E::kCoop && i > 0) wait_phase(&turn[w], ((i - 1) / 2) & 1, 3);
-    const uint32_t it0 = (uint32_t)i * (uint32_t)p.num_kb;
     uint32_t s = it0 % E::kStages, ph = (it0 / E::kStages) & 1, prev = 0;
-    for (int kb = 0; kb < p.num_kb; kb++) {
+    for (int kb = 0; kb < num_kb; kb++) {
       // the descriptors before the wait (pinned there), so the first wgmma issues as the data lands
       const uint8_t* const st = stages + s * E::kStageBytes;
       uint64_t da, db;
@@ -1066,6 +1084,7 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
   prm.p = tiled(c, E::TM, E::TN);
   prm.knobs = g_knobs;
   prm.kpad = prm.p.num_kb * BK;
+  prm.k_rows = b.k_rows;
   if (E::kMN) {  // (the control's MN-major copies and maps)
     if (c.M % 64 || c.N % 64) {
       printf("  %-24s not run: M or N %% 64 != 0 (chunk maps)\n", E::name());
@@ -1419,13 +1438,9 @@ int main(int argc, char** argv) {
       failed += !run_engine<PingPong64, true>(c, b, peer_ms, have_first);
     } else if (g_wgrad) {  // the control first
       failed += !run_wgrad(c, b, peer_ms, have_first);
-      if (g_spread) {
-        printf("  the engines: not run (one K for every expert)\n");
-      } else {
-        failed += !run_engine<CooperativeMN>(c, b, peer_ms, have_first);
-        failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
-        failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
-      }
+      failed += !run_engine<CooperativeMN>(c, b, peer_ms, have_first);
+      failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
+      failed += !run_engine<PingPong128>(c, b, peer_ms, have_first);
     } else if (g_gather || g_gather_scaled) {  // each engine with TMA A, then A gathered from X
       failed += !run_engine<Cooperative>(c, b, peer_ms, have_first);
       if (g_gather) {
