@@ -110,6 +110,8 @@
 // multicast), else streamed. Both: the step's mix (docs/PERF.md, 2026-12-06 second
 // session: early refill's +7% on equal, unpaired experts did not reach the step). The
 // engines, unpaired, take each expert's whole K blocks (the zeros in the last multiplied).
+// --pairs on the plain cases adds a row: the control as the forward's GEMM tasks, paired
+// in clusters as the forward pairs them (tasks_gemm_kernel).
 // --knobs N: MOK_KNOBS' bits (gpu_params.h) for every schedule, timed, not checked (2: no
 // epilogue, the mainloops alone); 4 (checked): the --wgrad control's epilogue in two
 // rounds through sm.epi instead of one through sm.epi and the spare stage.
@@ -716,6 +718,40 @@ __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_co
   if (threadIdx.x == 0) bulk_wait_all();
 }
 
+// --pairs (plain cases): the control as the forward's GEMM tasks instead (gemm_group's:
+// expert g's m-tile mt and a group of group_size(num_kb) column tiles, mt fastest), a
+// cluster's CTAs on tasks base, base + 1 (m-tiles mt, mt + 1 of one column group when
+// tiles_m is even), paired when both hold the same expert's column group (pair_agree:
+// each CTA loads its A and half of B, multicast to both), as the forward pairs them.
+template <int kBoxRows>
+__global__ void __launch_bounds__(kThreads, 1) tasks_gemm_kernel(const __grid_constant__ TilesParams prm) {
+  Smem& sm = kernel_smem(prm.knobs);
+  const Problem& p = prm.p;
+  const int size = group_size(p.num_kb), groups = (p.tiles_n + size - 1) / size;
+  const int tasks = p.G * groups * p.tiles_m, kv = p.K - (p.num_kb - 1) * BK;
+  for (int base = blockIdx.x - sm.rank; base < tasks; base += gridDim.x) {  // (both CTAs loop alike)
+    const int task = base + sm.rank;
+    const bool valid = task < tasks;
+    const int mt = task % p.tiles_m, cg = task / p.tiles_m % groups, g = task / p.tiles_m / groups;
+    const int n0 = cg * size, n = min(size, p.tiles_n - n0), m0 = mt * BM;
+    auto setup = [&](int t, Operand& A, Operand& B, int& nk, int& v) {
+      A = rows128(&prm.a, g * p.M + m0, 0, p.M - m0);
+      B = wide(&prm.b, g * p.N + (n0 + t) * BN, 0);
+      nk = p.num_kb, v = kv;
+    };
+    auto store = [&](int t, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+      store_tile<kStoreBf16>(sm, acc, wg, w, l, m0, p.M, (n0 + t) * BN, p.N, prm.c_base + (size_t)g * p.M * p.N, p.N,
+                             &prm.c, g * p.M + m0, spare);
+    };
+    const bool paired = sm.cluster > 1 && pair_agree(sm, true, valid, valid ? pair_key(true, g, cg) : -1);
+    if (!valid) continue;
+    if (paired) gemm_tiles<0, 0, true, false, 4, kBoxRows>(sm, n, setup, store);
+    else gemm_tiles<0, 0, false, false, 4, kBoxRows>(sm, n, setup, store);
+  }
+  if (threadIdx.x == 0) bulk_wait_all();
+  if (sm.cluster > 1) cluster_sync();  // (no CTA leaves while its partner may still signal it)
+}
+
 // --wgrad: the weight-gradient tasks of case (G, M, N, K) (wgrad_task's A-resident runs):
 // task (expert g, column group cg, m-tile mt), mt fastest (the CTAs at work at once share
 // the expert's B), each a run of the group's column tiles over A = the expert's rows m-tile
@@ -1127,12 +1163,26 @@ static bool run_engine(const Case& c, const Buffers& b, double cublas_ms, bool& 
                         [&] { engine_gemm_kernel<E, kDh, kGather><<<grid, kEngineThreads, E::kSmemBytes>>>(prm); });
 }
 
+// A launch of grid CTAs of kThreads, in clusters of two when `pairs` (the backward's
+// launch_config; *attr must outlive the configuration's use).
+static cudaLaunchConfig_t cluster_launch(int grid, int smem, bool pairs, cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = 2, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(grid), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = smem;
+  lc.attrs = attr, lc.numAttrs = pairs ? 1 : 0;
+  return lc;
+}
+
 // The control (tiles_gemm_kernel, maps of kBoxRows-row boxes) on case c (check_and_time);
-// kDh: with swiglu_bwd_store (C is d_a).
-template <int kBoxRows, bool kDh = false>
+// kDh: with swiglu_bwd_store (C is d_a); kTasks (--pairs): tasks_gemm_kernel instead, the
+// forward's GEMM tasks, in clusters of two.
+template <int kBoxRows, bool kDh = false, bool kTasks = false>
 static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
+  static_assert(!(kDh && kTasks), "the tasks' form has the plain epilogue");
   char who[64];
-  snprintf(who, sizeof who, "gemm_tiles %d-row boxes%s", kBoxRows, kDh ? " dh" : "");
+  if (kTasks) snprintf(who, sizeof who, "gemm_tiles %d tasks paired", kBoxRows);
+  else snprintf(who, sizeof who, "gemm_tiles %d-row boxes%s", kBoxRows, kDh ? " dh" : "");
   if (c.N % 64) {
     printf("  %-24s not run: N %% 64 != 0 (the CUDA backend's rule for H and F)\n", who);
     return true;
@@ -1144,9 +1194,19 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
       !bf16_map("engine_gemm", &prm.b, b.B, c.G * c.N, c.K, kBoxRows))
     exit(1);
   if (kDh) gate_up_map(&prm.gu, b.GU, c.G * c.M, c.N, BM);
-  const int grid = prm.p.num_tiles < g_sms ? prm.p.num_tiles : g_sms;
+  const int size = group_size(prm.p.num_kb);
+  const int work = kTasks ? c.G * ((prm.p.tiles_n + size - 1) / size) * prm.p.tiles_m : prm.p.num_tiles;
+  int grid = work < g_sms ? work : g_sms;
+  if (kTasks) grid += grid & 1;  // (whole clusters)
   const int smem = (int)sizeof(Smem) + 1024;
-  CK(cudaFuncSetAttribute(tiles_gemm_kernel<kBoxRows, kDh>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  auto* const kernel = [] {  // (the one instantiated)
+    if constexpr (kTasks) return tasks_gemm_kernel<kBoxRows>;
+    else return tiles_gemm_kernel<kBoxRows, kDh>;
+  }();
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t lc = cluster_launch(grid, smem, kTasks, &attr);
+  auto run = [&] { CK(cudaLaunchKernelEx(&lc, kernel, prm)); };
   auto launch = [&](bf16* C) {
     if (kDh) {  // (make_gate_up_store_map's: no pair map)
       memset(&prm.c, 0, sizeof prm.c);
@@ -1156,10 +1216,9 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
       store_maps(&prm.c, C, c.G * c.M, c.N);
     }
     prm.c_base = C;
-    tiles_gemm_kernel<kBoxRows, kDh><<<grid, kThreads, smem>>>(prm);
+    run();
   };
-  return check_and_time(c, b, who, kStages, cublas_ms, have_first, launch, [] { return false; },
-                        [&] { tiles_gemm_kernel<kBoxRows, kDh><<<grid, kThreads, smem>>>(prm); });
+  return check_and_time(c, b, who, kStages, cublas_ms, have_first, launch, [] { return false; }, run);
 }
 
 // --wgrad: wgrad_tiles_kernel on case c (check_and_time).
@@ -1190,12 +1249,8 @@ static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& h
   if (g_pairs) grid += grid & 1;  // (whole clusters)
   const int smem = (int)sizeof(Smem) + 1024;
   CK(cudaFuncSetAttribute(wgrad_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  cudaLaunchAttribute attr;  // --pairs: clusters of 2 (the backward's launch_config)
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(grid), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = smem;
-  lc.attrs = &attr, lc.numAttrs = g_pairs ? 1 : 0;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t lc = cluster_launch(grid, smem, g_pairs, &attr);
   auto run = [&] { CK(cudaLaunchKernelEx(&lc, wgrad_tiles_kernel, prm)); };
   auto launch = [&](bf16* C) {
     store_maps(&prm.c, C, c.G * c.M, c.N);
@@ -1312,7 +1367,8 @@ int main(int argc, char** argv) {
     }
     cases.push_back({"dense", 1, 8192, 8192, 8192});
   }
-  if ((g_spread || g_pairs) && !g_wgrad) return fprintf(stderr, "engine_gemm: --spread and --pairs go with --wgrad\n"), 2;
+  if ((g_spread && !g_wgrad) || (g_pairs && (g_dh_shapes || g_gather || g_gather_scaled)))
+    return fprintf(stderr, "engine_gemm: --spread goes with --wgrad, --pairs with --wgrad or the plain cases\n"), 2;
   if (g_spread) {  // each expert's rows: mean K, standard deviation sqrt(K) (routing's binomial, E large), one fixed draw
     uint64_t z = 0x2545f4914f6cdd1dull;
     auto uniform = [&] {  // (0, 1)
@@ -1464,6 +1520,7 @@ int main(int argc, char** argv) {
       failed += !run_engine<PingPong64>(c, b, peer_ms, have_first);
       failed += !run_tiles<64>(c, b, peer_ms, have_first);
       failed += !run_tiles<128>(c, b, peer_ms, have_first);
+      if (g_pairs) failed += !run_tiles<128, false, true>(c, b, peer_ms, have_first);
     }
     fflush(stdout);
     CK(cudaFree(b.A));
