@@ -239,6 +239,15 @@ __device__ __forceinline__ void tile_origin(const Problem& p, int t, int& g, int
 __device__ __forceinline__ int expert_kb(const Params& prm, int g) {
   return prm.k_rows ? (prm.k_rows[g] + BK - 1) / BK : prm.p.num_kb;
 }
+// The K blocks of the CTA's i-th tile (0 past its last).
+template <int TM, int TN>
+__device__ __forceinline__ int cta_tile_kb(const Params& prm, int i) {
+  const int t = (int)blockIdx.x + i * (int)gridDim.x;
+  if (t >= prm.p.num_tiles) return 0;
+  int g, m0, n0;
+  tile_origin<TM, TN>(prm.p, t, g, m0, n0);
+  return expert_kb(prm, g);
+}
 
 // A consumer's K block: acc (its WM x WN tile) += A (WM rows at da) x B (WN rows at db),
 // four k16 steps, one wgmma group. A k16 step is 32 bytes further in a K-major box; the
@@ -584,19 +593,13 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
   const Problem& p = prm.p;
   const int lt = threadIdx.x % 128;
   uint8_t* const buf = epi + w * E::kEpiBytes;
-  uint32_t it0 = 0;  // ring position of tile i's first K block: the K blocks of the CTA's tiles before it
-  int counted = 0;   // tiles counted into it0
+  // ring position of tile i's first K block: the K blocks of the CTA's tiles before it
+  // (ping-pong: the other consumer's between)
+  uint32_t it0 = E::kCoop || w == 0 ? 0 : cta_tile_kb<E::TM, E::TN>(prm, 0);
   for (int i = E::kCoop ? 0 : w;; i += E::kCoop ? 1 : 2) {
     const int t = (int)blockIdx.x + i * (int)gridDim.x;
     if (t >= p.num_tiles) break;
-    for (; counted < i; counted++) {  // (ping-pong: the other consumer's tiles too)
-      int g, m0, n0;
-      tile_origin<E::TM, E::TN>(p, (int)blockIdx.x + counted * (int)gridDim.x, g, m0, n0);
-      it0 += (uint32_t)expert_kb(prm, g);
-    }
-    int tg, tm0, tn0;
-    tile_origin<E::TM, E::TN>(p, t, tg, tm0, tn0);
-    const int num_kb = expert_kb(prm, tg);
+    const int num_kb = cta_tile_kb<E::TM, E::TN>(prm, i);
     float acc[E::kRowBlocks][E::WN / 2];
 #pragma unroll
     for (int rb = 0; rb < E::kRowBlocks; rb++)
@@ -624,12 +627,10 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
     if (!E::kCoop && lt == 0) mbar_arrive(&turn[w ^ 1]);  // every wgmma of the tile issued
     wgmma_wait<0>();
     if (lt % 32 == 0) mbar_arrive(&empty[prev]);
+    it0 += num_kb + (E::kCoop ? 0 : cta_tile_kb<E::TM, E::TN>(prm, i + 1));
     if (prm.knobs & 2) continue;  // (--knobs 2: no epilogue; a run-time flag, so the wgmmas stay)
-    if constexpr (kDh) {
-      dh_wg_tile<E>(prm, acc, buf, epi_full + 2 * w, t, w, lt);
-    } else {
-      store_wg_tile<E>(prm, acc, buf, t, w, lt);
-    }
+    if constexpr (kDh) dh_wg_tile<E>(prm, acc, buf, epi_full + 2 * w, t, w, lt);
+    else store_wg_tile<E>(prm, acc, buf, t, w, lt);
   }
   if (lt == 0) bulk_wait_all();  // the stores have read shared memory and are complete
 }
@@ -782,7 +783,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_c
     const int nk = (k + BK - 1) / BK, kv = k - (nk - 1) * BK;
     // wgrad_task's choice: at most kArBlocks K blocks alone (A resident), more paired
     const bool paired = sm.cluster > 1 && pair_agree(sm, true, valid, valid ? pair_key(nk > kArBlocks, g, cg) : -1);
-    if (!valid || nk == 0) continue;  // (--spread draws at least one row an expert)
+    if (!valid) continue;
     const int n0 = cg * size, n = min(size, p.tiles_n - n0), map_row = g * p.M + mt * BM;
     auto setup = [&](int t, Operand& A, Operand& B, int& num_kb, int& v) {
       A = rows128(&prm.a, mt * BM, g * prm.kpad);
@@ -966,11 +967,13 @@ struct Case {
   char name[48];
   int G, M, N, K;
   std::vector<int> k_rows;  // --spread: each expert's rows (K is then their largest, rounded up to 8)
-  double flops() const {  // (the useful ones: --spread counts each expert's own rows)
+  int rows(int g) const { return k_rows.empty() ? K : k_rows[g]; }  // expert g's K
+  double rows_total() const {
     double k = 0;
-    for (int r : k_rows) k += r;
-    return 2.0 * M * N * (k_rows.empty() ? (double)G * K : k);
+    for (int g = 0; g < G; g++) k += rows(g);
+    return k;
   }
+  double flops() const { return 2.0 * M * N * rows_total(); }  // (the useful ones)
 };
 
 // --wgrad: a chunk map (make_chunk_map's) of an MN-major copy [rows][cols] (rows: G kpad).
@@ -1226,10 +1229,10 @@ static bool run_wgrad(const Case& c, const Buffers& b, double cublas_ms, bool& h
   WgradParams prm;
   prm.p = tiled(c, BM, BN);
   // the mean K blocks a tile, as the backward's wgrad_group (max(1, ceil(ceil(T K / E) / 64)))
-  const int mean_k = (int)((c.flops() / (2.0 * c.M * c.N) + c.G - 1) / c.G);
+  const int mean_k = (int)ceil(c.rows_total() / c.G);
   const int mean_kb = mean_k > BK ? (mean_k + BK - 1) / BK : 1;
   int ar = 0, more = 0;  // experts of at most kArBlocks K blocks, and of more
-  for (int g = 0; g < c.G; g++) ((c.k_rows.empty() ? c.K : c.k_rows[g]) + BK - 1) / BK <= kArBlocks ? ar++ : more++;
+  for (int g = 0; g < c.G; g++) (c.rows(g) + BK - 1) / BK <= kArBlocks ? ar++ : more++;
   char who[48];
   if (!more) snprintf(who, sizeof who, "gemm_tiles AR");
   else if (!ar) snprintf(who, sizeof who, "gemm_tiles %s", g_pairs ? "paired" : "streamed");
@@ -1407,7 +1410,7 @@ int main(int argc, char** argv) {
     if (!c.k_rows.empty())
       printf(" (--spread: K the largest expert's; rows %d to %d, mean %.1f)",
              *std::min_element(c.k_rows.begin(), c.k_rows.end()), *std::max_element(c.k_rows.begin(), c.k_rows.end()),
-             c.flops() / (2.0 * c.M * c.N * c.G));
+             c.rows_total() / c.G);
     printf("\n");
     fflush(stdout);
     Buffers b{};

@@ -1319,17 +1319,10 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
   finish_step(sm, p.st, p.reuse ? &p.sv.header[0] : nullptr);
 }
 
-// MOK_MAXNREG (measurement builds, LOCAL_MEM_OK=1): every function at most that many
-// registers, as a producer warpgroup's split would leave the consumers (docs/PERF.md)
-#ifdef MOK_MAXNREG
-#define MOK_BWD_BOUNDS __maxnreg__(MOK_MAXNREG)
-#else
-#define MOK_BWD_BOUNDS __launch_bounds__(kThreads, 1)
-#endif
-__global__ void MOK_BWD_BOUNDS sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
+__global__ void MOK_KERNEL_BOUNDS sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
   backward_kernel<false>(p);
 }
-__global__ void MOK_BWD_BOUNDS sm90_moe_backward_clamped_kernel(const __grid_constant__ BwdParams p) {
+__global__ void MOK_KERNEL_BOUNDS sm90_moe_backward_clamped_kernel(const __grid_constant__ BwdParams p) {
   backward_kernel<true>(p);
 }
 

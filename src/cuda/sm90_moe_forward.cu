@@ -803,17 +803,10 @@ __device__ __forceinline__ void forward_kernel(const FwdParams& p) {
   }
   finish_step(sm, p.st);
 }
-// MOK_MAXNREG (measurement builds, LOCAL_MEM_OK=1 when it spills): at most that many
-// registers a thread, as in the backward (docs/KERNELS.md)
-#ifdef MOK_MAXNREG
-#define MOK_FWD_BOUNDS __maxnreg__(MOK_MAXNREG)
-#else
-#define MOK_FWD_BOUNDS __launch_bounds__(kThreads, 1)
-#endif
-__global__ void MOK_FWD_BOUNDS sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
+__global__ void MOK_KERNEL_BOUNDS sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   forward_kernel<false>(p);
 }
-__global__ void MOK_FWD_BOUNDS sm90_moe_forward_clamped_kernel(const __grid_constant__ FwdParams p) {
+__global__ void MOK_KERNEL_BOUNDS sm90_moe_forward_clamped_kernel(const __grid_constant__ FwdParams p) {
   forward_kernel<true>(p);
 }
 

@@ -14,6 +14,15 @@
 namespace mok {
 
 constexpr int kThreads = 256;
+// Both megakernels' launch bounds: one CTA of kThreads an SM (255 registers a thread), or,
+// in measurement builds, -DMOK_MAXNREG=N: at most N registers in every function, the
+// budget a producer warpgroup's setmaxnreg split would leave the consumers (LOCAL_MEM_OK=1
+// when it spills; docs/KERNELS.md)
+#ifdef MOK_MAXNREG
+#define MOK_KERNEL_BOUNDS __maxnreg__(MOK_MAXNREG)
+#else
+#define MOK_KERNEL_BOUNDS __launch_bounds__(kThreads, 1)
+#endif
 constexpr int BM = 128, BN = 256, BK = 64;
 constexpr int BF = BN / 2;       // f per SwiGLU tile: 128 gate columns, then 128 up columns
 constexpr int kAcc = BM * BN / kThreads;  // fp32 accumulators a thread
