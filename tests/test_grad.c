@@ -46,12 +46,39 @@ static int forward_loss(mok_problem_t* p, const mok_run_opts_t* fwd, const int32
   return 0;
 }
 
+/* How many routed gate and up values of p (EXACT, after a forward) lie on each side of
+ * cfg.swiglu_limit: [gate <= limit, gate > limit, |up| <= limit, |up| > limit]; returns a
+ * hash of every value's side, in order (equal before and after a change of one input:
+ * no value crossed the limit, where the loss has a kink). */
+static uint64_t clamp_sides(const mok_problem_t* p, int64_t sides[4]) {
+  const mok_config_t* c = &p->cfg;
+  const int64_t H = c->H, F = c->F, K = c->K;
+  const int32_t* idx = c->routing == MOK_ROUTING_FUSED ? p->out_topk_idx : p->topk_idx;
+  const double l = c->swiglu_limit;
+  memset(sides, 0, 4 * sizeof *sides);
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (int64_t i = 0; i < p->T_global * K; i++) {
+    const int64_t e = idx[i];
+    const double* x = (const double*)p->x + (i / K) * H;
+    for (int64_t f = 0; f < 2 * F; f++) {
+      const double* w = (const double*)p->w13 + (e * 2 * F + f) * H;
+      double a = c->use_expert_bias ? ((const double*)p->b13)[e * 2 * F + f] : 0;
+      for (int64_t h = 0; h < H; h++) a += w[h] * x[h];
+      const int side = f < F ? a > l : 2 + (fabs(a) > l);
+      sides[side]++;
+      hash = (hash ^ (uint64_t)side) * 0x100000001b3ull;
+    }
+  }
+  return hash;
+}
+
 /* Runs backward once, then checks each input's gradient by finite differences. */
 static int check_gradients(const mok_config_t* cfg, int64_t T, int W, int zero_dy) {
   mok_problem_t* p = test_problem(cfg, T, test_case_seed());
   TEST_ASSERT(p, "problem");
   const int64_t H = cfg->H, F = cfg->F, E = cfg->E, K = cfg->K, Fs = cfg->Fs;
   const int replay = cfg->routing == MOK_ROUTING_REPLAY;
+  const int clamped = cfg->activation == MOK_ACTIVATION_SWIGLU_CLAMPED;
   if (zero_dy) memset(p->dy, 0, (size_t)(T * H) * 8); /* L = the router losses alone */
   mok_run_opts_t opts = MOK_RUN_OPTS_INIT, fwd = MOK_RUN_OPTS_INIT;
   opts.W = fwd.W = W;
@@ -93,12 +120,17 @@ static int check_gradients(const mok_config_t* cfg, int64_t T, int W, int zero_d
       int64_t i = (int64_t)(test_next(&rng) % (uint64_t)params[k].count);
       double v = params[k].data[i], Lp, Lm;
       int same_p, same_m;
+      int64_t sides[4];
+      uint64_t clamps_p = 0, clamps_m = 0;
       params[k].data[i] = v + kEps;
       TEST_ASSERT(!forward_loss(p, &fwd, route, &Lp, &same_p), "forward at +eps");
+      if (clamped && same_p) clamps_p = clamp_sides(p, sides);
       params[k].data[i] = v - kEps;
       TEST_ASSERT(!forward_loss(p, &fwd, route, &Lm, &same_m), "forward at -eps");
+      if (clamped && same_m) clamps_m = clamp_sides(p, sides);
       params[k].data[i] = v;
       if (!same_p || !same_m) continue; /* top-K flipped inside [v - eps, v + eps] */
+      if (clamps_p != clamps_m) continue; /* a gate or up value crossed the clamp there */
       checked++;
       double num = (Lp - Lm) / (2 * kEps), ana = ((const double*)g->data)[i];
       if (!(fabs(num - ana) <= kRtol * fmax(fabs(num), fabs(ana)) + kAtol)) {
@@ -107,7 +139,7 @@ static int check_gradients(const mok_config_t* cfg, int64_t T, int W, int zero_d
         bad++;
       }
     }
-    TEST_ASSERT(checked >= SAMPLES / 2, "%s: only %d of %d entries kept their routing",
+    TEST_ASSERT(checked >= SAMPLES / 2, "%s: only %d of %d entries kept their routing and clamps",
                 params[k].input, checked, SAMPLES);
   }
   return bad;
@@ -211,27 +243,6 @@ static int expert_bias(void) {
   int bad = check_gradients(&c, 12, 1, 0) + check_gradients(&c, 12, 2, 0);
   c.routing = MOK_ROUTING_REPLAY;
   return bad + check_gradients(&c, 12, 1, 0);
-}
-
-/* How many routed gate and up values of p (EXACT, after a forward) lie on each side of
- * cfg.swiglu_limit: [gate <= limit, gate > limit, |up| <= limit, |up| > limit]. */
-static void clamp_sides(const mok_problem_t* p, int64_t sides[4]) {
-  const mok_config_t* c = &p->cfg;
-  const int64_t H = c->H, F = c->F, K = c->K;
-  const int32_t* idx = c->routing == MOK_ROUTING_FUSED ? p->out_topk_idx : p->topk_idx;
-  const double l = c->swiglu_limit;
-  memset(sides, 0, 4 * sizeof *sides);
-  for (int64_t i = 0; i < p->T_global * K; i++) {
-    const int64_t e = idx[i];
-    const double* x = (const double*)p->x + (i / K) * H;
-    for (int64_t f = 0; f < 2 * F; f++) {
-      const double* w = (const double*)p->w13 + (e * 2 * F + f) * H;
-      double a = c->use_expert_bias ? ((const double*)p->b13)[e * 2 * F + f] : 0;
-      for (int64_t h = 0; h < H; h++) a += w[h] * x[h];
-      if (f < F) sides[a > l]++;
-      else sides[2 + (fabs(a) > l)]++;
-    }
-  }
 }
 
 /* gpt-oss's clamped SwiGLU (alpha 1.702; limit 0.25 here, so that about a third of the
