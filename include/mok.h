@@ -108,9 +108,10 @@ typedef enum {
                              for checking gradients against finite differences */
 } mok_numerics_t;
 typedef enum {
-  MOK_CTA_PAIRS_AUTO = 0, /* where measured faster: every shape (docs/PERF.md, tenth session) */
+  MOK_CTA_PAIRS_AUTO = 0, /* where measured faster: the forward's GEMM tasks, not the
+                             backward's (docs/PERF.md, 2026-12-06 third session) */
   MOK_CTA_PAIRS_OFF = 1,
-  MOK_CTA_PAIRS_ON = 2    /* whenever the grid is even and every pair fits at once */
+  MOK_CTA_PAIRS_ON = 2    /* both kernels, whenever the grid is even and every pair fits at once */
 } mok_cta_pairs_t;
 
 typedef enum {

@@ -110,8 +110,8 @@
 // multicast), else streamed. Both: the step's mix (docs/PERF.md, 2026-12-06 second
 // session: early refill's +7% on equal, unpaired experts did not reach the step). The
 // engines, unpaired, take each expert's whole K blocks (the zeros in the last multiplied).
-// --pairs on the plain cases adds a row: the control as the forward's GEMM tasks, paired
-// in clusters as the forward pairs them (tasks_gemm_kernel).
+// --pairs on the plain cases adds two rows: the control as the forward's GEMM tasks, paired
+// in clusters as the forward pairs them, and the same tasks each CTA alone (tasks_gemm_kernel).
 // --knobs N: MOK_KNOBS' bits (gpu_params.h) for every schedule, timed, not checked (2: no
 // epilogue, the mainloops alone); 4 (checked): the --wgrad control's epilogue in two
 // rounds through sm.epi instead of one through sm.epi and the spare stage.
@@ -1179,12 +1179,13 @@ static cudaLaunchConfig_t cluster_launch(int grid, int smem, bool pairs, cudaLau
 
 // The control (tiles_gemm_kernel, maps of kBoxRows-row boxes) on case c (check_and_time);
 // kDh: with swiglu_bwd_store (C is d_a); kTasks (--pairs): tasks_gemm_kernel instead, the
-// forward's GEMM tasks, in clusters of two.
+// forward's GEMM tasks, in clusters of two (`clusters`) or each CTA alone (the same tasks
+// in the same order, never paired: what pairing itself costs or gains).
 template <int kBoxRows, bool kDh = false, bool kTasks = false>
-static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& have_first) {
+static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& have_first, bool clusters = true) {
   static_assert(!(kDh && kTasks), "the tasks' form has the plain epilogue");
   char who[64];
-  if (kTasks) snprintf(who, sizeof who, "gemm_tiles %d tasks paired", kBoxRows);
+  if (kTasks) snprintf(who, sizeof who, "gemm_tiles %d tasks %s", kBoxRows, clusters ? "paired" : "alone");
   else snprintf(who, sizeof who, "gemm_tiles %d-row boxes%s", kBoxRows, kDh ? " dh" : "");
   if (c.N % 64) {
     printf("  %-24s not run: N %% 64 != 0 (the CUDA backend's rule for H and F)\n", who);
@@ -1200,7 +1201,7 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
   const int size = group_size(prm.p.num_kb);
   const int work = kTasks ? c.G * ((prm.p.tiles_n + size - 1) / size) * prm.p.tiles_m : prm.p.num_tiles;
   int grid = work < g_sms ? work : g_sms;
-  if (kTasks) grid += grid & 1;  // (whole clusters)
+  if (kTasks && clusters) grid += grid & 1;  // (whole clusters)
   const int smem = (int)sizeof(Smem) + 1024;
   auto* const kernel = [] {  // (the one instantiated)
     if constexpr (kTasks) return tasks_gemm_kernel<kBoxRows>;
@@ -1208,7 +1209,7 @@ static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& h
   }();
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t lc = cluster_launch(grid, smem, kTasks, &attr);
+  const cudaLaunchConfig_t lc = cluster_launch(grid, smem, kTasks && clusters, &attr);
   auto run = [&] { CK(cudaLaunchKernelEx(&lc, kernel, prm)); };
   auto launch = [&](bf16* C) {
     if (kDh) {  // (make_gate_up_store_map's: no pair map)
@@ -1523,7 +1524,10 @@ int main(int argc, char** argv) {
       failed += !run_engine<PingPong64>(c, b, peer_ms, have_first);
       failed += !run_tiles<64>(c, b, peer_ms, have_first);
       failed += !run_tiles<128>(c, b, peer_ms, have_first);
-      if (g_pairs) failed += !run_tiles<128, false, true>(c, b, peer_ms, have_first);
+      if (g_pairs) {
+        failed += !run_tiles<128, false, true>(c, b, peer_ms, have_first);
+        failed += !run_tiles<128, false, true>(c, b, peer_ms, have_first, false);
+      }
     }
     fflush(stdout);
     CK(cudaFree(b.A));

@@ -579,11 +579,9 @@ mok_status_t mok_cuda_create(mok_context_t* ctx) {
   CUDA_TRY(ctx, cudaFuncSetAttribute(forward_kernel(c), cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   CUDA_TRY(ctx, cudaFuncSetAttribute(backward_kernel(c), cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // Clusters of 2 (cfg.cta_pairs) when the grid is even and every pair fits at once; an
-  // odd grid runs unclustered, and the bits are the same either way (D2). AUTO pairs
-  // every shape: with no tile padded in, pairs were faster on 7 of the benchmark's 8
-  // rows (docs/PERF.md, tenth session; with an empty tile after each odd count they cost
-  // deepseek-v3 5%). The default grid (one CTA per SM) shrinks to the pairs that fit
-  // when the GPCs leave an SM or two unpaired.
+  // odd grid runs unclustered, and the bits are the same either way (D2). The forward
+  // launches in them, the backward with ON alone (backward_clustered). The default grid
+  // (one CTA per SM) shrinks to the pairs that fit when the GPCs leave an SM or two unpaired.
   g.grid = c.num_ctas > 0 ? c.num_ctas : sms;
   const bool want = c.cta_pairs != MOK_CTA_PAIRS_OFF && !g.loopback;  // (loopback: no clusters, see mok.h)
   if (want && (g.grid % 2 == 0 || c.num_ctas == 0)) {
@@ -842,11 +840,24 @@ static GpuStep make_step(const mok_context_t* ctx) {
   return st;
 }
 
-// One persistent launch, in clusters of 2 when the context has them.
+// Whether the backward launches in clusters of 2 (the forward does whenever the context
+// has them: cfg.cta_pairs not OFF, an even grid whose pairs fit). AUTO leaves the
+// backward unclustered: its pairs (dh, dx, the streamed weight gradients) measured 0 to
+// 2.6% slower on the step than each CTA alone, while the forward's were up to 2.7%
+// faster (docs/PERF.md, 2026-12-06 third session); ON clusters both. Either way both
+// kernels lay the tile table out for pairs when the context has clusters (Shape::pairs:
+// the backward reads the forward's bands, saved's tile_band), an unclustered backward
+// then skipping a ticket at a paired phase's odd start. The bits are the same (D2).
+static bool backward_clustered(const mok_context_t* ctx) {
+  return gpu(ctx)->clusters && ctx->cfg.cta_pairs == MOK_CTA_PAIRS_ON;
+}
+
+// One persistent launch, in clusters of 2 when `clusters`.
 template <class Params>
-static cudaError_t launch(const mok_context_t* ctx, void (*kernel)(Params), const Params& p, cudaStream_t stream) {
+static cudaError_t launch(const mok_context_t* ctx, void (*kernel)(Params), const Params& p, bool clusters,
+                          cudaStream_t stream) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t lc = launch_config(gpu(ctx)->grid, gpu(ctx)->clusters, &attr, stream);
+  const cudaLaunchConfig_t lc = launch_config(gpu(ctx)->grid, clusters, &attr, stream);
   return cudaLaunchKernelEx(&lc, kernel, p);
 }
 
@@ -927,7 +938,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.shared_o = c.use_shared_gate ? p.sv.shared_o : reinterpret_cast<bf16*>(ws + wp.shared_o);
   MAP_TRY(make_store_map(ctx, &p.st_shared_o, Fs ? p.shared_o : nullptr, T, H, "shared_o"));
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
-  CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, stream));
+  CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, gpu(ctx)->clusters, stream));
   gpu(ctx)->last_stream = stream;
   return MOK_STATUS_SUCCESS;
 }
@@ -939,7 +950,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   const int64_t T = a->num_tokens, R = recv_rows(c, T), H = c.H, F = c.F, E = c.E, El = c.E / c.W, Fs = c.Fs;
   BwdParams p;
   memset(&p, 0, sizeof p);
-  p.s = make_shape(c, T, gpu(ctx)->clusters);
+  p.s = make_shape(c, T, gpu(ctx)->clusters);  // (the forward's tile table: backward_clustered)
   p.st = make_step(ctx);
   p.context_id = ctx->serial;
   p.forward_serial = ctx->forward_serial;  // (saved's serial is one of these forwards')
@@ -1043,7 +1054,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.w_sg = c.use_shared_gate ? static_cast<const bf16*>(a->w_sg) : nullptr;
   p.d_w_sg = c.use_shared_gate ? a->d_w_sg : nullptr;
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
-  CUDA_TRY(ctx, launch(ctx, backward_kernel(c), p, stream));
+  CUDA_TRY(ctx, launch(ctx, backward_kernel(c), p, backward_clustered(ctx), stream));
   gpu(ctx)->last_stream = stream;
   return MOK_STATUS_SUCCESS;
 }
