@@ -107,11 +107,15 @@
 // FLOPs). --pairs: the control in clusters of two CTAs, and as the backward's wgrad_task
 // decides: an expert of at most kArBlocks K blocks runs alone with A resident, a larger
 // one paired (both CTAs of a cluster on row tiles mt, mt + 1 of one column group, B
-// multicast), else streamed. Both: the step's mix (docs/PERF.md, 2026-12-06 second
-// session: early refill's +7% on equal, unpaired experts did not reach the step). The
+// multicast), else streamed: the backward with cfg.cta_pairs ON; AUTO, the default since
+// 63a48d3, leaves the backward unclustered, so --spread alone is the default step's mix
+// (docs/PERF.md, 2026-12-06 second and third sessions). The
 // engines, unpaired, take each expert's whole K blocks (the zeros in the last multiplied).
-// --pairs on the plain cases adds two rows: the control as the forward's GEMM tasks, paired
-// in clusters as the forward pairs them, and the same tasks each CTA alone (tasks_gemm_kernel).
+// --pairs on the plain cases adds three rows: the control as the forward's GEMM tasks taken
+// by ticket, paired in clusters as the forward pairs them, the same each CTA alone, and
+// alone in a static round robin (tasks_gemm_kernel). Every timed row of a kernel here
+// also gives its CTAs' mean SM clock and its rate a cycle (CtaProbe), as the step's trace
+// does: the micro's TFLOP/s ran at other clocks than the step's.
 // --knobs N: MOK_KNOBS' bits (gpu_params.h) for every schedule, timed, not checked (2: no
 // epilogue, the mainloops alone); 4 (checked): the --wgrad control's epilogue in two
 // rounds through sm.epi instead of one through sm.epi and the spare stage.
@@ -139,6 +143,34 @@ constexpr int kSmemOptin = 227 * 1024;       // dynamic shared memory a CTA may 
 constexpr int kBarBytes = 128;               // the mbarriers, after the buffers
 constexpr uint64_t kWaitNs = 2000000000ull;  // a wait past this is a hang: reported, the kernel ends
 constexpr int kWarm = 5, kTimed = 20;
+
+// The SM cycles and nanoseconds each CTA of a timed kernel lives (first instruction to
+// its last warp's exit), summed over the CTAs of the timed launches: the rate a cycle
+// and the mean SM clock, as trace_report.py gives them for the step's tasks (the clock
+// of a short micro and of a step under load differ, so TFLOP/s alone do not compare).
+// CtaProbe at the top of a kernel: thread 0 notes the start; each warp's lane 0 counts
+// itself out at its exit, and the last adds the CTA's span (integer atomics: no float).
+constexpr int kMaxGrid = 1024;
+__device__ unsigned long long g_probe_cycles, g_probe_ns;  // (launch_ms zeroes them)
+__device__ unsigned long long g_probe_start[kMaxGrid][2];
+__device__ unsigned g_probe_warps_out[kMaxGrid];
+struct CtaProbe {
+  __device__ CtaProbe() {
+    if (threadIdx.x == 0) {
+      g_probe_start[blockIdx.x][0] = clock64();
+      g_probe_start[blockIdx.x][1] = globaltimer_ns();
+    }
+  }
+  __device__ ~CtaProbe() {
+    if (threadIdx.x % 32 != 0) return;
+    __threadfence();  // (thread 0's start before the last warp's read of it)
+    if (atomicAdd(&g_probe_warps_out[blockIdx.x], 1u) != blockDim.x / 32 - 1) return;
+    __threadfence();
+    g_probe_warps_out[blockIdx.x] = 0;  // (the next launch's count)
+    atomicAdd(&g_probe_cycles, (unsigned long long)clock64() - g_probe_start[blockIdx.x][0]);
+    atomicAdd(&g_probe_ns, globaltimer_ns() - g_probe_start[blockIdx.x][1]);
+  }
+};
 
 enum { kCooperative, kPingPong };
 
@@ -641,6 +673,7 @@ __device__ __forceinline__ void consume(const Params& prm, uint8_t* stages, uint
 // memory model then does not order the rows before the wgmmas)
 template <class E, bool kDh = false, int kGather = 0>
 __global__ void __launch_bounds__(kEngineThreads, 1) engine_gemm_kernel(const __grid_constant__ Params prm) {
+  const CtaProbe probe;  // (the rate a cycle: launch_ms)
   extern __shared__ uint8_t smem_raw[];
   // stages [kStages][kStageBytes], the consumers' store buffers [2][kEpiBytes] (both
   // 1024-byte aligned: the 128-byte swizzle), then full [kStages], empty [kStages], turn [2],
@@ -684,10 +717,12 @@ struct TilesParams {
   CUtensorMap gu;    // --dh: gate|up, [G M][2][N], 64 x 1 x 128 boxes (the backward's m_arows_gu)
   bf16* c_base;
   uint32_t knobs;  // --knobs: MOK_KNOBS' measurement bits (gpu_params.h; 2: no epilogue)
+  GpuStep st;      // tasks_gemm_kernel with st.sync: tasks by ticket (next_task), as the kernels take them
   Problem p;
 };
 template <int kBoxRows, bool kDh = false>
 __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_constant__ TilesParams prm) {
+  const CtaProbe probe;  // (the rate a cycle: launch_ms)
   Smem& sm = kernel_smem(prm.knobs);
   const Problem& p = prm.p;
   const int mine = ((int)(p.num_tiles - blockIdx.x) + (int)gridDim.x - 1) / (int)gridDim.x;
@@ -724,14 +759,20 @@ __global__ void __launch_bounds__(kThreads, 1) tiles_gemm_kernel(const __grid_co
 // cluster's CTAs on tasks base, base + 1 (m-tiles mt, mt + 1 of one column group when
 // tiles_m is even), paired when both hold the same expert's column group (pair_agree:
 // each CTA loads its A and half of B, multicast to both), as the forward pairs them.
+// With prm.st.sync the CTAs take the tasks by ticket (next_task: a cluster two at once;
+// finish_step zeroes the ticket for the next launch), as the kernels do; without, CTA b
+// takes b, b + grid, ... (a static round robin).
 template <int kBoxRows>
 __global__ void __launch_bounds__(kThreads, 1) tasks_gemm_kernel(const __grid_constant__ TilesParams prm) {
+  const CtaProbe probe;  // (the rate a cycle: launch_ms)
   Smem& sm = kernel_smem(prm.knobs);
   const Problem& p = prm.p;
   const int size = group_size(p.num_kb), groups = (p.tiles_n + size - 1) / size;
   const int tasks = p.G * groups * p.tiles_m, kv = p.K - (p.num_kb - 1) * BK;
-  for (int base = blockIdx.x - sm.rank; base < tasks; base += gridDim.x) {  // (both CTAs loop alike)
-    const int task = base + sm.rank;
+  const bool tickets = prm.st.sync != nullptr;
+  for (int base = blockIdx.x - sm.rank;; base += gridDim.x) {  // (both CTAs loop alike)
+    int task = base + sm.rank;
+    if (tickets ? !next_task(sm, prm.st, tasks, &task) : base >= tasks) break;
     const bool valid = task < tasks;
     const int mt = task % p.tiles_m, cg = task / p.tiles_m % groups, g = task / p.tiles_m / groups;
     const int n0 = cg * size, n = min(size, p.tiles_n - n0), m0 = mt * BM;
@@ -748,6 +789,10 @@ __global__ void __launch_bounds__(kThreads, 1) tasks_gemm_kernel(const __grid_co
     if (!valid) continue;
     if (paired) gemm_tiles<0, 0, true, false, 4, kBoxRows>(sm, n, setup, store);
     else gemm_tiles<0, 0, false, false, 4, kBoxRows>(sm, n, setup, store);
+  }
+  if (tickets) {
+    finish_step(sm, prm.st);  // (its stores' wait, the partner's barrier, the ticket zeroed)
+    return;
   }
   if (threadIdx.x == 0) bulk_wait_all();
   if (sm.cluster > 1) cluster_sync();  // (no CTA leaves while its partner may still signal it)
@@ -769,6 +814,7 @@ struct WgradParams {
   Problem p;
 };
 __global__ void __launch_bounds__(kThreads, 1) wgrad_tiles_kernel(const __grid_constant__ WgradParams prm) {
+  const CtaProbe probe;  // (the rate a cycle: launch_ms)
   Smem& sm = kernel_smem(prm.knobs);
   const Problem& p = prm.p;
   const int size = prm.group, groups = (p.tiles_n + size - 1) / size;
@@ -1015,8 +1061,13 @@ struct Buffers {
 
 // Mean ms of kTimed launches after kWarm.
 template <class Launch>
-static double launch_ms(Launch launch) {
+// The mean ms of kTimed launches after kWarm; *probe: CtaProbe's sums over the timed
+// launches' CTAs ({cycles, ns}; zeros for a kernel without one, cuBLAS's).
+static double launch_ms(Launch launch, unsigned long long (*probe)[2] = nullptr) {
   for (int i = 0; i < kWarm; i++) launch();
+  const unsigned long long zero = 0;
+  CK(cudaMemcpyToSymbol(g_probe_cycles, &zero, sizeof zero));
+  CK(cudaMemcpyToSymbol(g_probe_ns, &zero, sizeof zero));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -1028,6 +1079,10 @@ static double launch_ms(Launch launch) {
   CK(cudaEventElapsedTime(&ms, e0, e1));
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
+  if (probe) {
+    CK(cudaMemcpyFromSymbol(&(*probe)[0], g_probe_cycles, sizeof zero));
+    CK(cudaMemcpyFromSymbol(&(*probe)[1], g_probe_ns, sizeof zero));
+  }
   return ms / kTimed;
 }
 
@@ -1106,10 +1161,17 @@ static bool check_and_time(const Case& c, const Buffers& b, const char* who, int
   } else {
     vs_first = first_diff(b, b.C, b.C0) < 0 ? ", same bits as the first" : ", other bits than the first";
   }
-  const double ms = launch_ms(timed);
+  unsigned long long probe[2];
+  const double ms = launch_ms(timed, &probe);
   CK(cudaGetLastError());
-  printf("  %-24s %2d stages %8.3f ms %7.1f TFLOP/s %6.3fx cuBLAS  (%s%s)\n", who, stages, ms,
-         c.flops() / ms * 1e-9, cublas_ms / ms, checked ? "checked, deterministic" : "run", vs_first);
+  // the rate a cycle: the launches' FLOPs over the CTAs' cycles, 4096 FLOPs a cycle an SM
+  // (dense bf16; trace_report.py's "% of peak per cycle"), at the CTAs' mean clock
+  char cycle[48] = "";
+  if (probe[0] > 0 && probe[1] > 0)
+    snprintf(cycle, sizeof cycle, ", %4.0f MHz, %4.1f%% of peak a cycle", 1e3 * probe[0] / probe[1],
+             100.0 * kTimed * c.flops() / ((double)probe[0] * 4096));
+  printf("  %-24s %2d stages %8.3f ms %7.1f TFLOP/s %6.3fx cuBLAS  (%s%s%s)\n", who, stages, ms,
+         c.flops() / ms * 1e-9, cublas_ms / ms, checked ? "checked, deterministic" : "run", vs_first, cycle);
   return true;
 }
 
@@ -1179,21 +1241,37 @@ static cudaLaunchConfig_t cluster_launch(int grid, int smem, bool pairs, cudaLau
 
 // The control (tiles_gemm_kernel, maps of kBoxRows-row boxes) on case c (check_and_time);
 // kDh: with swiglu_bwd_store (C is d_a); kTasks (--pairs): tasks_gemm_kernel instead, the
-// forward's GEMM tasks, in clusters of two (`clusters`) or each CTA alone (the same tasks
-// in the same order, never paired: what pairing itself costs or gains).
+// forward's GEMM tasks, in clusters of two (`clusters`) or each CTA alone (the same tasks,
+// never paired: what pairing itself costs or gains), taken by ticket as the kernels take
+// them (`tickets`) or in a static round robin.
 template <int kBoxRows, bool kDh = false, bool kTasks = false>
-static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& have_first, bool clusters = true) {
+static bool run_tiles(const Case& c, const Buffers& b, double cublas_ms, bool& have_first, bool clusters = true,
+                      bool tickets = true) {
   static_assert(!(kDh && kTasks), "the tasks' form has the plain epilogue");
   char who[64];
-  if (kTasks) snprintf(who, sizeof who, "gemm_tiles %d tasks %s", kBoxRows, clusters ? "paired" : "alone");
+  if (kTasks)
+    snprintf(who, sizeof who, "gemm_tiles %d tasks %s%s", kBoxRows, clusters ? "paired" : "alone",
+             tickets ? "" : ", static");
   else snprintf(who, sizeof who, "gemm_tiles %d-row boxes%s", kBoxRows, kDh ? " dh" : "");
   if (c.N % 64) {
     printf("  %-24s not run: N %% 64 != 0 (the CUDA backend's rule for H and F)\n", who);
     return true;
   }
   TilesParams prm;
+  memset(&prm.st, 0, sizeof prm.st);
   prm.p = tiled(c, BM, BN);
   prm.knobs = g_knobs;
+  if (kTasks && tickets) {  // (one zeroed GpuSync and status word for every such run: finish_step re-zeroes)
+    static GpuSync* sync = nullptr;
+    static uint32_t* status = nullptr;
+    if (!sync) {
+      CK(cudaMalloc(&sync, sizeof(GpuSync)));
+      CK(cudaMalloc(&status, sizeof(uint32_t)));
+      CK(cudaMemset(sync, 0, sizeof(GpuSync)));
+      CK(cudaMemset(status, 0, sizeof(uint32_t)));
+    }
+    prm.st.sync = sync, prm.st.status = status;
+  }
   if (!bf16_map("engine_gemm", &prm.a, b.A, c.G * c.M, c.K, kBoxRows) ||
       !bf16_map("engine_gemm", &prm.b, b.B, c.G * c.N, c.K, kBoxRows))
     exit(1);
@@ -1527,6 +1605,7 @@ int main(int argc, char** argv) {
       if (g_pairs) {
         failed += !run_tiles<128, false, true>(c, b, peer_ms, have_first);
         failed += !run_tiles<128, false, true>(c, b, peer_ms, have_first, false);
+        failed += !run_tiles<128, false, true>(c, b, peer_ms, have_first, false, false);
       }
     }
     fflush(stdout);
