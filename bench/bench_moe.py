@@ -543,13 +543,13 @@ def main():
             m, p = r["mok"], r.get("peer", {})  # (no peer with --mok-only)
             det = lambda d: "yes" if d else "no"  # noqa: E731
             line = (f"{name:15} {r['routing']:8} | {m['ms']:8.2f} {m['isolated_ms']:7.2f} {m['tflops']:8.0f} "
-                    f"{m['forward_tflops']:8.0f} {100*m['tflops']/ceiling:5.0f}% {m['peak_gib']:6.1f} {det(m['deterministic']):>4} | ")
+                    f"{m['forward_tflops']:8.0f} {100*m['tflops']/ceiling:5.0f}% {m['peak_gib']:6.2f} {det(m['deterministic']):>4} | ")
             if args.mok_only:
                 line += f"mok's bits {m['bits']}"
             elif "error" in p:
                 line += f"peer failed: {p['error']}"
             else:
-                line += (f"{p['ms']:8.2f} {p['isolated_ms']:7.2f} {p['tflops']:8.0f} {p['peak_gib']:6.1f} "
+                line += (f"{p['ms']:8.2f} {p['isolated_ms']:7.2f} {p['tflops']:8.0f} {p['peak_gib']:6.2f} "
                          f"{det(p['deterministic']):>4} | {p['ms']/m['ms']:6.2f}")
                 if "ratio_rounds" in r:
                     rr = r["ratio_rounds"]

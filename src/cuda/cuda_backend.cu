@@ -336,6 +336,31 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
   w.total = p.at;
   return w;
 }
+// SEG's nodes (seg_partials) in bytes, 256-byte rounded: seg_cap nodes of the router's E H
+// (fused) and the shared expert's 3 Fs H fp32 columns.
+static int64_t seg_bytes(const mok_config_t& c, int64_t T) {
+  const int64_t cols = (c.routing == MOK_ROUTING_FUSED) * c.E * c.H + 3 * c.Fs * c.H;
+  return (seg_cap(cdiv(T, MOK_REDUCE_CHUNK_TOKENS), c.W) * cols * 4 + 255) / 256 * 256;
+}
+// MOK_SEG_IN_DW13 (a measurement build's, not yet run on a GPU): SEG's nodes at the tail
+// of d_w13 instead of the workspace (deepseek-v3 at 8192 tokens: 81 MB of the backward's
+// 85 MB; 1.9 GB with a 2048-wide shared expert). d_w13 is free until WG13 writes it; the
+// nodes live from SEG to TREE, so TREE's tickets come before WG13's (bwd_order) and the
+// WG13 tasks of the experts whose rows hold them wait for every TREE (BwdParams::seg_e0).
+// At W = 1 with bf16 weight gradients (fp32 ones are added into), where the nodes fit
+// behind h and dx_router (h_in_dw13's front).
+static bool seg_in_dw13(const mok_config_t& c) {
+#ifdef MOK_SEG_IN_DW13
+  if (c.W != 1 || c.wgrad != MOK_WGRAD_BF16) return false;
+  const int64_t front = h_in_dw13(c) ? dw13_h_bytes(c) + (c.routing == MOK_ROUTING_FUSED) * c.T * c.H * 4 : 0;
+  const int64_t seg = seg_bytes(c, c.T);
+  return seg > 0 && front + seg <= c.E * 2 * c.F * c.H * 2;
+#else
+  (void)c;
+  return false;
+#endif
+}
+
 struct BwdWsPlan {
   size_t dg, dy_rows, d_a, dx_rows, dlogits, d_a_s, dx_router, dx_shared, dy_s, dl_g, partials, seg_partials, cta_maps,
       total;
@@ -383,9 +408,8 @@ static BwdWsPlan plan_bwd_ws(const mok_config_t& c, int64_t T) {
   // The replicated gradients: the vectors' chunk partials [chunks, partial_len - E H -
   // 3 Fs H] fp32, the weight gradients' segment nodes [seg_cap, (fused ? E H : 0) + 3 Fs
   // H] fp32 (the router's: 19 MiB at qwen3-30b-a3b, against 256 MiB of chunk partials)
-  const int64_t seg_cols = fused * c.E * c.H + 3 * c.Fs * c.H;
   w.partials = p.take(chunks * (w.partial_len - c.E * c.H - 3 * c.Fs * c.H) * 4);
-  w.seg_partials = p.take(seg_cap(chunks, c.W) * seg_cols * 4);
+  w.seg_partials = p.take(!seg_in_dw13(c) * seg_bytes(c, T));
   w.cta_maps = p.take((int64_t)kMaxCtas * 2 * sizeof(CUtensorMap));
   w.gate_up = plan_gate_up(c, T, p, false);  // (a_rows, sa: in d_a, d_a_s)
   w.total = p.at;
@@ -984,6 +1008,12 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   }
   p.partial_len = wp.partial_len;
   p.seg_partials = reinterpret_cast<float*>(ws + wp.seg_partials);
+  p.seg_e0 = (int)El;
+  if (seg_in_dw13(c)) {  // (the tail, 256-byte aligned; expert seg_e0's rows hold its first byte)
+    const int64_t expert = 2 * F * H * 2, at = (El * expert - seg_bytes(c, c.T)) / 256 * 256;
+    p.seg_partials = reinterpret_cast<float*>(static_cast<char*>(a->d_w13) + at);
+    p.seg_e0 = (int)(at / expert);
+  }
   p.cta_maps = reinterpret_cast<CUtensorMap*>(ws + wp.cta_maps);
   if (c.W > 1) {  // expert rows in the windows: peers write dy_rows and read o_rows, dx_rows
     GpuContext* g = gpu(ctx);

@@ -748,6 +748,7 @@ __device__ __noinline__ bool expert_dh_done(Smem& sm, const BwdParams& p, int e)
 // rows past the expert arrive as zeros, and its k16 steps past them are skipped.
 // Paired (pairable: next_task; pair_agree), the two CTAs take two row tiles of one
 // expert and column group: the same B (the expert's rows) and K blocks.
+__device__ __forceinline__ int tree_slices(int64_t len);  // (TREE's tasks at W = 1: MOK_SEG_IN_DW13's wait)
 __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt, int g,
                                            bool pairable) {
   const Shape& s = p.s;
@@ -759,7 +760,12 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
                     wait_counter(sm, &p.st.sync->counter[B_RG_ALL], s.max_mt * rg_groups(s), p.st, 20)) &&
                    (which != 2 || !p.h_late || expert_dh_done(sm, p, e)) &&  // (h_rows from DH's epilogues)
                    (which == 2 || !p.x_late ||  // (and x_rows, back over the o rows)
-                    wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20)));
+                    wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20))
+#ifdef MOK_SEG_IN_DW13
+                   && (which == 2 || e < p.seg_e0 ||  // (SEG's nodes in these rows: every TREE has read them)
+                       wait_counter(sm, &p.st.sync->counter[B_TREE], (uint32_t)tree_slices(p.partial_len), p.st, 20))
+#endif
+                  );
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
   const int eg = s.rank * s.e_loc + e;  // (e: this rank's expert, as the gradients are)
   const int off = p.sv.expert_off[eg], n = p.sv.counts[eg], nk = cdivb(n, BK);
@@ -1119,6 +1125,9 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
     __threadfence_system();
     signal_counter_publish(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.px, s, kFlagTree, sm.peer_serial);
   }
+#ifdef MOK_SEG_IN_DW13
+  if (s.W == 1) signal_counter(sm, &p.st.sync->counter[B_TREE]);  // (WG13 over SEG's nodes waits for every TREE)
+#endif
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   __syncthreads();
 }
@@ -1195,15 +1204,26 @@ __device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 ||
 // GEMMs hide them, each after what it waits for has long finished (dxsum: every dx; rw:
 // dg, and dhs for the shared expert's segments); only tree (every rw) is left after the
 // last GEMM. The i-th phase in ticket order, and phase k's place.
+// MOK_SEG_IN_DW13 builds (a measurement, every configuration): tree before wgrad13, whose
+// tasks over d_w13's tail wait for it where SEG's nodes are there (seg_in_dw13).
 constexpr int kBwdPhases = 13;
 // (nibble i: the phase at place i, and the inverse; an array indexed at run time would
 // live in local memory)
+#ifdef MOK_SEG_IN_DW13
+__host__ __device__ constexpr int bwd_order(int i, bool late) {
+  return (int)((late ? 0x798a543621cb0ull : 0x798a654321cb0ull) >> (4 * i) & 15);
+}
+__host__ __device__ constexpr int bwd_place(int k, bool late) {
+  return (int)((late ? 0x219bac5876430ull : 0x219bac8765430ull) >> (4 * k) & 15);
+}
+#else
 __host__ __device__ constexpr int bwd_order(int i, bool late) {
   return (int)((late ? 0x978a543621cb0ull : 0x978a654321cb0ull) >> (4 * i) & 15);
 }
 __host__ __device__ constexpr int bwd_place(int k, bool late) {
   return (int)((late ? 0x219cab5876430ull : 0x219cab8765430ull) >> (4 * k) & 15);
 }
+#endif
 constexpr bool bwd_place_inverts_order() {
   for (int late = 0; late < 2; late++)
     for (int i = 0; i < kBwdPhases; i++)
