@@ -240,9 +240,12 @@ static bool x_over_o(const mok_config_t& c) {
 // cfg.T: R F 2 (rounded to 256) + T H 4 (fused routing) <= E/W 2F H 2; fp32 weight
 // gradients are added into, so they keep h in saved.
 static int64_t dw13_h_bytes(const mok_config_t& c) { return (recv_rows(c, c.T) * c.F * 2 + 255) / 256 * 256; }
+// h, then the router path's dx_router: d_w13's front, in bytes
+static int64_t dw13_front_bytes(const mok_config_t& c) {
+  return dw13_h_bytes(c) + (c.routing == MOK_ROUTING_FUSED ? c.T * c.H * 4 : 0);
+}
 static bool h_in_dw13(const mok_config_t& c) {
-  const int64_t dx_router = c.routing == MOK_ROUTING_FUSED ? c.T * c.H * 4 : 0;
-  return x_over_o(c) && c.wgrad == MOK_WGRAD_BF16 && dw13_h_bytes(c) + dx_router <= c.E / c.W * 2 * c.F * c.H * 2;
+  return x_over_o(c) && c.wgrad == MOK_WGRAD_BF16 && dw13_front_bytes(c) <= c.E / c.W * 2 * c.F * c.H * 2;
 }
 
 struct SavedPlan {
@@ -352,9 +355,8 @@ static int64_t seg_bytes(const mok_config_t& c, int64_t T) {
 static bool seg_in_dw13(const mok_config_t& c) {
 #ifdef MOK_SEG_IN_DW13
   if (c.W != 1 || c.wgrad != MOK_WGRAD_BF16) return false;
-  const int64_t front = h_in_dw13(c) ? dw13_h_bytes(c) + (c.routing == MOK_ROUTING_FUSED) * c.T * c.H * 4 : 0;
   const int64_t seg = seg_bytes(c, c.T);
-  return seg > 0 && front + seg <= c.E * 2 * c.F * c.H * 2;
+  return seg > 0 && (h_in_dw13(c) ? dw13_front_bytes(c) : 0) + seg <= c.E * 2 * c.F * c.H * 2;
 #else
   (void)c;
   return false;

@@ -1210,20 +1210,18 @@ constexpr int kBwdPhases = 13;
 // (nibble i: the phase at place i, and the inverse; an array indexed at run time would
 // live in local memory)
 #ifdef MOK_SEG_IN_DW13
-__host__ __device__ constexpr int bwd_order(int i, bool late) {
-  return (int)((late ? 0x798a543621cb0ull : 0x798a654321cb0ull) >> (4 * i) & 15);
-}
-__host__ __device__ constexpr int bwd_place(int k, bool late) {
-  return (int)((late ? 0x219bac5876430ull : 0x219bac8765430ull) >> (4 * k) & 15);
-}
+constexpr uint64_t kBwdOrder = 0x798a654321cb0ull, kBwdOrderLate = 0x798a543621cb0ull;
+constexpr uint64_t kBwdPlace = 0x219bac8765430ull, kBwdPlaceLate = 0x219bac5876430ull;
 #else
+constexpr uint64_t kBwdOrder = 0x978a654321cb0ull, kBwdOrderLate = 0x978a543621cb0ull;
+constexpr uint64_t kBwdPlace = 0x219cab8765430ull, kBwdPlaceLate = 0x219cab5876430ull;
+#endif
 __host__ __device__ constexpr int bwd_order(int i, bool late) {
-  return (int)((late ? 0x978a543621cb0ull : 0x978a654321cb0ull) >> (4 * i) & 15);
+  return (int)((late ? kBwdOrderLate : kBwdOrder) >> (4 * i) & 15);
 }
 __host__ __device__ constexpr int bwd_place(int k, bool late) {
-  return (int)((late ? 0x219cab5876430ull : 0x219cab8765430ull) >> (4 * k) & 15);
+  return (int)((late ? kBwdPlaceLate : kBwdPlace) >> (4 * k) & 15);
 }
-#endif
 constexpr bool bwd_place_inverts_order() {
   for (int late = 0; late < 2; late++)
     for (int i = 0; i < kBwdPhases; i++)
