@@ -345,22 +345,17 @@ static int64_t seg_bytes(const mok_config_t& c, int64_t T) {
   const int64_t cols = (c.routing == MOK_ROUTING_FUSED) * c.E * c.H + 3 * c.Fs * c.H;
   return (seg_cap(cdiv(T, MOK_REDUCE_CHUNK_TOKENS), c.W) * cols * 4 + 255) / 256 * 256;
 }
-// MOK_SEG_IN_DW13 (a measurement build's, not yet run on a GPU): SEG's nodes at the tail
-// of d_w13 instead of the workspace (deepseek-v3 at 8192 tokens: 81 MB of the backward's
-// 85 MB; 1.9 GB with a 2048-wide shared expert). d_w13 is free until WG13 writes it; the
-// nodes live from SEG to TREE, so TREE's tickets come before WG13's (bwd_order) and the
-// WG13 tasks of the experts whose rows hold them wait for every TREE (BwdParams::seg_e0).
-// At W = 1 with bf16 weight gradients (fp32 ones are added into), where the nodes fit
-// behind h and dx_router (h_in_dw13's front).
+// SEG's nodes at the tail of d_w13 instead of the workspace (deepseek-v3 at 8192 tokens:
+// 81 MB of the backward's 85 MB; 1.9 GB with a 2048-wide shared expert). d_w13 is free
+// until WG13 writes it; the nodes live from SEG to TREE, so the WG13 tasks of the experts
+// whose rows hold them (BwdParams::seg_e0 on) come after TREE in ticket order, as
+// wgrad13's tail, and wait for every TREE; SEG waits for DG's checks of saved, so that a
+// rejected one leaves d_w13 as it was. At W = 1 with bf16 weight gradients (fp32 ones
+// are added into), where the nodes fit behind h and dx_router (h_in_dw13's front).
 static bool seg_in_dw13(const mok_config_t& c) {
-#ifdef MOK_SEG_IN_DW13
   if (c.W != 1 || c.wgrad != MOK_WGRAD_BF16) return false;
   const int64_t seg = seg_bytes(c, c.T);
   return seg > 0 && (h_in_dw13(c) ? dw13_front_bytes(c) : 0) + seg <= c.E * 2 * c.F * c.H * 2;
-#else
-  (void)c;
-  return false;
-#endif
 }
 
 struct BwdWsPlan {

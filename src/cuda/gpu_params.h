@@ -436,9 +436,9 @@ struct BwdParams {
                         // rounded up to 4, then with use_shared_gate d_w_sg's H
   CUtensorMap* cta_maps;  // [kMaxCtas][2]: each CTA's maps of its weight-gradient task's expert, or of an
                           // expert's last m-tile (expert_rows)
-  int seg_e0;  // MOK_SEG_IN_DW13 builds: the first of this rank's experts whose d_w13 rows hold
-               // seg_partials (its tail: WG13 of e >= seg_e0 waits for every TREE); e_loc
-               // when the nodes are in the workspace
+  int seg_e0;  // the first of this rank's experts whose d_w13 rows hold seg_partials (its
+               // tail, seg_in_dw13: WG13 of e >= seg_e0 comes after TREE and waits for every
+               // TREE); e_loc when the nodes are in the workspace
 };
 
 }  // namespace mok

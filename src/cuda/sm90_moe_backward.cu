@@ -748,7 +748,7 @@ __device__ __noinline__ bool expert_dh_done(Smem& sm, const BwdParams& p, int e)
 // rows past the expert arrive as zeros, and its k16 steps past them are skipped.
 // Paired (pairable: next_task; pair_agree), the two CTAs take two row tiles of one
 // expert and column group: the same B (the expert's rows) and K blocks.
-__device__ __forceinline__ int tree_slices(int64_t len);  // (TREE's tasks at W = 1: MOK_SEG_IN_DW13's wait)
+__device__ __forceinline__ int tree_slices(int64_t len);  // (TREE's tasks at W = 1: WG13's tail waits for them)
 __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int which, int e, int mt, int g,
                                            bool pairable) {
   const Shape& s = p.s;
@@ -760,12 +760,9 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
                     wait_counter(sm, &p.st.sync->counter[B_RG_ALL], s.max_mt * rg_groups(s), p.st, 20)) &&
                    (which != 2 || !p.h_late || expert_dh_done(sm, p, e)) &&  // (h_rows from DH's epilogues)
                    (which == 2 || !p.x_late ||  // (and x_rows, back over the o rows)
-                    wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20))
-#ifdef MOK_SEG_IN_DW13
-                   && (which == 2 || e < p.seg_e0 ||  // (SEG's nodes in these rows: every TREE has read them)
-                       wait_counter(sm, &p.st.sync->counter[B_TREE], (uint32_t)tree_slices(p.partial_len), p.st, 20))
-#endif
-                  );
+                    wait_counter(sm, &p.st.sync->counter[B_DXSUM], s.ns, p.st, 20)) &&
+                   (which == 2 || e < p.seg_e0 ||  // (WG13's tail: SEG's nodes in these rows, every TREE has read them)
+                    wait_counter(sm, &p.st.sync->counter[B_TREE], (uint32_t)tree_slices(p.partial_len), p.st, 20)));
   const int rows = which == 2 ? s.H : 2 * s.F, cols = which == 2 ? s.F : s.H;
   const int eg = s.rank * s.e_loc + e;  // (e: this rank's expert, as the gradients are)
   const int off = p.sv.expert_off[eg], n = p.sv.counts[eg], nk = cdivb(n, BK);
@@ -893,8 +890,10 @@ struct SegNodes {
 __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, int g) {
   const Shape& s = p.s;
   const bool router = g < router_groups(s);
-  // DG's dlogits (the router's tiles), dy_s (the shared gate's)
-  if ((router || s.shared_gate) && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20)) return;
+  // DG's dlogits (the router's tiles), dy_s (the shared gate's); with the nodes in d_w13's
+  // tail (seg_e0 < e_loc) every task, so that a saved buffer DG rejects leaves d_w13 as it was
+  if ((router || s.shared_gate || p.seg_e0 < s.e_loc) && !wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20))
+    return;
   if (!router) {
     if (!wait_counter(sm, &p.st.sync->counter[B_DHS_ALL], (uint32_t)(s.smt * dhs_groups(s)), p.st, 20)) return;  // (d_a_s)
     if (p.recompute && !wait_counter(sm, &p.st.sync->counter[B_RGS_ALL], s.smt * rgs_groups(s), p.st, 20)) return;  // (sh)
@@ -1125,9 +1124,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
     __threadfence_system();
     signal_counter_publish(sm, &p.st.sync->counter[B_TREE], (uint32_t)slices, p.px, s, kFlagTree, sm.peer_serial);
   }
-#ifdef MOK_SEG_IN_DW13
-  if (s.W == 1) signal_counter(sm, &p.st.sync->counter[B_TREE]);  // (WG13 over SEG's nodes waits for every TREE)
-#endif
+  if (s.W == 1 && p.seg_e0 < s.e_loc) signal_counter(sm, &p.st.sync->counter[B_TREE]);  // (WG13's tail waits for every TREE)
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   __syncthreads();
 }
@@ -1188,34 +1185,30 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
 
 // The MOK_KNOBS bit that runs phase k alone (0: none does).
 __device__ __forceinline__ uint32_t only_knob(int k) {
-  return k == 6 || k == 7 ? kKnobOnlyWgrad : k == 5 ? kKnobOnlyDx : k == 0 ? kKnobOnlyDg : k == 2 ? kKnobOnlyDh : 0u;
+  return k == 6 || k == 7 || k == 13 ? kKnobOnlyWgrad : k == 5 ? kKnobOnlyDx : k == 0 ? kKnobOnlyDg : k == 2 ? kKnobOnlyDh : 0u;
 }
 
 // The phases whose GEMM tasks two CTAs of a cluster may run as a pair: dh, dx, wgrad2,
-// wgrad13.
-__device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 || k == 6 || k == 7; }
+// wgrad13 (and its tail).
+__device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 || k == 6 || k == 7 || k == 13; }
 
 // Phases (k): 0 dg, 1 dhs, 2 dh, 3 dxr, 4 dxs, 5 dx, 6 wgrad2, 7 wgrad13, 8 rw, 9 tree,
-// 10 dxsum, 11 rg, 12 rgs (profile kinds 8 + k, and 21, 22 for rg, rgs). Ticket order:
-// dg, rg, rgs, dhs, dh, dxr, dxs, dx, wgrad2, dxsum, rw, wgrad13, tree; with dx_late
-// (BwdParams) wgrad2 right after dh, before dxr, dxs and dx. rg and rgs come
-// right after dg: dg is memory-bound and short, and at W > 1 the peers' dh waits for
-// this rank's dg. The memory-bound dxsum and rw go between the weight gradients, whose
-// GEMMs hide them, each after what it waits for has long finished (dxsum: every dx; rw:
-// dg, and dhs for the shared expert's segments); only tree (every rw) is left after the
-// last GEMM. The i-th phase in ticket order, and phase k's place.
-// MOK_SEG_IN_DW13 builds (a measurement, every configuration): tree before wgrad13, whose
-// tasks over d_w13's tail wait for it where SEG's nodes are there (seg_in_dw13).
-constexpr int kBwdPhases = 13;
+// 10 dxsum, 11 rg, 12 rgs, 13 wgrad13's tail (profile kinds 8 + k, 21 and 22 for rg and
+// rgs, wgrad13's 15 for its tail). Ticket order: dg, rg, rgs, dhs, dh, dxr, dxs, dx,
+// wgrad2, dxsum, rw, wgrad13, tree, wgrad13's tail; with dx_late (BwdParams) wgrad2 right
+// after dh, before dxr, dxs and dx. rg and rgs come right after dg: dg is memory-bound and
+// short, and at W > 1 the peers' dh waits for this rank's dg. The memory-bound dxsum and
+// rw go between the weight gradients, whose GEMMs hide them, each after what it waits for
+// has long finished (dxsum: every dx; rw: dg, and dhs for the shared expert's segments);
+// only tree (every rw) is left after the last GEMM, and wgrad13's tail: the experts
+// [seg_e0, e_loc) whose d_w13 rows hold SEG's nodes until every TREE has read them (W = 1:
+// seg_in_dw13 in cuda_backend.cu; none elsewhere). The i-th phase in ticket order, and
+// phase k's place.
+constexpr int kBwdPhases = 14;
 // (nibble i: the phase at place i, and the inverse; an array indexed at run time would
 // live in local memory)
-#ifdef MOK_SEG_IN_DW13
-constexpr uint64_t kBwdOrder = 0x798a654321cb0ull, kBwdOrderLate = 0x798a543621cb0ull;
-constexpr uint64_t kBwdPlace = 0x219bac8765430ull, kBwdPlaceLate = 0x219bac5876430ull;
-#else
-constexpr uint64_t kBwdOrder = 0x978a654321cb0ull, kBwdOrderLate = 0x978a543621cb0ull;
-constexpr uint64_t kBwdPlace = 0x219cab8765430ull, kBwdPlaceLate = 0x219cab5876430ull;
-#endif
+constexpr uint64_t kBwdOrder = 0xd978a654321cb0ull, kBwdOrderLate = 0xd978a543621cb0ull;
+constexpr uint64_t kBwdPlace = 0xd219cab8765430ull, kBwdPlaceLate = 0xd219cab5876430ull;
 __host__ __device__ constexpr int bwd_order(int i, bool late) {
   return (int)((late ? kBwdOrderLate : kBwdOrder) >> (4 * i) & 15);
 }
@@ -1261,12 +1254,12 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
     // W > 1 every rank's round-one signal is waited for)
     const int slices = s.fused || s.Fs ? tree_slices(p.partial_len) : 0;
     const int rows[kBwdPhases] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt,
-                                  s.e_loc, s.e_loc, rw, s.W > 1 ? 2 * slices : slices, s.ns,
-                                  p.recompute ? s.max_mt : 0, p.recompute && s.Fs ? s.smt : 0};
+                                  s.e_loc, p.seg_e0, rw, s.W > 1 ? 2 * slices : slices, s.ns,
+                                  p.recompute ? s.max_mt : 0, p.recompute && s.Fs ? s.smt : 0, s.e_loc - p.seg_e0};
     const int cols[kBwdPhases] = {1, dhs_groups(s), dh_groups(s),
                                   groups(nH, cdivb(s.E, BK)), groups(nH, 2 * s.Fs / BK), groups(nH, 2 * s.F / BK),
                                   wgrad_mt[0] * cdivb(cdivb(s.F, BN), wg_size), wgrad_mt[1] * cdivb(nH, wg_size), 1, 1, 1,
-                                  (int)rg_groups(s), (int)rgs_groups(s)};
+                                  (int)rg_groups(s), (int)rgs_groups(s), wgrad_mt[1] * cdivb(nH, wg_size)};
     int t = 0;
 #pragma unroll
     for (int i = 0; i < kBwdPhases; i++) {  // (unrolled: rows and cols stay in registers)
@@ -1311,8 +1304,9 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
         dx_task(sm, p, row, col, pairable, wg2_total());
         break;
       case 6:
-      case 7: {  // row = expert; col: its (row tile, column group) in band order
-        const int e = row, nmt = wgrad_mt[k - 6];
+      case 7:
+      case 13: {  // row = expert (the tail's from seg_e0); col: its (row tile, column group) in band order
+        const int e = k == 13 ? p.seg_e0 + row : row, nmt = wgrad_mt[k == 6 ? 0 : 1];
         band_order(col, nmt, phase_cols[i] / nmt, &row, &col);
         wgrad_task(sm, p, k == 6 ? 2 : 13, e, row, col, pairable);
         if (k == 6) wgrad2_done(sm, p);
@@ -1332,7 +1326,7 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
       case 12: rgs_task(sm, p, row, col); break;
       default: dxsum_task(sm, p, local); break;
     }
-    profile_task(sm, p.st, k < 11 ? 8 + k : 10 + k);
+    profile_task(sm, p.st, k == 13 ? 15 : k < 11 ? 8 + k : 10 + k);
   }
   finish_step(sm, p.st, p.reuse ? &p.sv.header[0] : nullptr);
 }
