@@ -16,8 +16,10 @@ one step at a time from an idle GPU (its host launch latency exposed), median of
 rounds); ms is the median of the rounds, and the rounds' peer/mok ratios (their
 spread: a difference smaller than it is noise) are printed and kept in the JSON. TFLOP/s
 counts 3 x the forward FLOPs (6 T K H F + 2 T H E), DESIGN.md section 7. Peak memory:
-torch.cuda.max_memory_allocated over a step, weights and inputs included; the peer's with
-none of mok's memory left (its cached contexts freed first).
+torch.cuda.max_memory_allocated over a step, weights and inputs included, less what was
+allocated before the shape's problem was made (what earlier shapes leave cached: 0.03-0.04
+GiB on the later shapes of a run until 2026-12-06); the peer's with none of mok's memory
+left (its cached contexts freed first).
 Determinism: two steps on the same inputs give equal y, dx and weight grads (compared
 by two integer sums over their bits, so that no gradient is held twice).
 --recompute-gate-up: mok's layer with recompute_gate_up=True (its backward computes
@@ -370,6 +372,7 @@ def kernel_times(name, steps=5, warm=0.0):
 
 def bench_shape(name, routing, steps, ceiling, mok_only=False, rounds=1):
     T, H, Fd, E, K = SHAPES[name]
+    base = torch.cuda.memory_allocated()  # (not this shape's: peaks are counted above it)
     pb = Problem(name, routing)
     x, params, mok_step, peer_step = pb.x, pb.params, pb.mok_step, pb.peer_step
     result = {"shape": name, "routing": routing, "T": T, "H": H, "F": Fd, "E": E, "K": K}
@@ -379,7 +382,7 @@ def bench_shape(name, routing, steps, ceiling, mok_only=False, rounds=1):
     torch.cuda.reset_peak_memory_stats()
     power = {}
     ms = timed(mok_step, steps, power)
-    mem = torch.cuda.max_memory_allocated()
+    mem = torch.cuda.max_memory_allocated() - base
     ms_iso = time_isolated_ms(mok_step, steps)
     ms_fwd = time_ms(pb.mok_forward, steps)
     y1 = mok_step().detach()
@@ -406,7 +409,7 @@ def bench_shape(name, routing, steps, ceiling, mok_only=False, rounds=1):
         torch.cuda.reset_peak_memory_stats()
         power_p = {}
         ms_p = timed(peer_step, steps, power_p)
-        mem_p = torch.cuda.max_memory_allocated()
+        mem_p = torch.cuda.max_memory_allocated() - base
         ms_p_iso = time_isolated_ms(peer_step, steps)
         y1 = peer_step().detach()
         err = [float((a.float().cpu() - b).norm() / b.norm()) for a, b in zip([y1, x.grad], ref)]
