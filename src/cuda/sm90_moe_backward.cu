@@ -534,8 +534,8 @@ __device__ __forceinline__ void rgs_task(Smem& sm, const BwdParams& p, int mt, i
 // Column groups of an RG / RGS row tile: what its counter reaches.
 __device__ __forceinline__ uint32_t rg_groups(const Shape& s) { return groups(cdivb(s.F, BF), s.H / BK); }
 __device__ __forceinline__ uint32_t rgs_groups(const Shape& s) { return groups(cdivb(s.Fs, BF), s.H / BK); }
-// The same for DH (one a column tile: dh_task) and DHS
-__device__ __forceinline__ int dh_groups(const Shape& s) { return cdivb(s.F, BN); }
+// The same for DH / DHS (dh's tasks a row tile)
+__device__ __forceinline__ int dh_groups(const Shape& s) { return groups(cdivb(s.F, BN), s.H / BK); }
 __device__ __forceinline__ int dhs_groups(const Shape& s) { return groups(cdivb(s.Fs, BN), s.H / BK); }
 
 __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int g) {
@@ -556,61 +556,35 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DHS_ALL], 1);
 }
 
-// DH[q, n]: dh's column tile n over the m-tiles [kDhTiles q, kDhTiles q + kDhTiles) in
-// one pipeline (each tile's sum over H in order, as a task of one tile would), in ticket
-// order q-major: the CTAs on a group's column tiles, side by side in time, read each
-// m-tile's dy rows (A, K = H long) at about the same moment, so that A comes from DRAM once
-// and from L2 for the others. A task over one m-tile's column tiles in turn read A again
-// for every later tile, after the L2 had lost it (qwen3-30b-a3b, dh alone: 2.43 GB of DRAM
-// reads for 1.34 of operands, DRAM at 74% of its peak; docs/PERF.md, fourth 2026-12-06
-// session); one-tile tasks read A once but lose more to their boundaries. Each m-tile's
-// counter (dx's wait) takes one signal a column tile; B_DH_ALL one an (m-tile, column
-// tile); h_late's expert counters one a column tile of each tile with rows. Unpaired
-// (paired_phase: a cluster's two tickets are two column tiles of the same rows).
-constexpr int kDhTiles = 4;
-__device__ __forceinline__ int dh_tasks_rows(const Shape& s) { return cdivb(s.max_mt, kDhTiles); }
+// pairable: this task and the partner CTA's are in the same GEMM phase (next_task);
+// the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
 template <bool kClamped>
-__device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int q, int nt) {
+__device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, int g, bool pairable) {
   const Shape& s = p.s;
-  const int mt0 = q * kDhTiles, tiles = min(kDhTiles, s.max_mt - mt0);
-  bool ok = (p.st.knobs & kKnobOnlyDh) || wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20, kFlagDg);  // (every rank's dy rows)
-  for (int i = 0; i < tiles && ok && p.recompute && !(p.st.knobs & kKnobOnlyDh); i++)
-    ok = wait_counter(sm, &p.st.sync->counter[c_rg(s, mt0 + i)], rg_groups(s), p.st, 20);
+  const bool ok = (p.st.knobs & kKnobOnlyDh) ||
+                  (wait_counter(sm, &p.st.sync->counter[B_DG], s.ns, p.st, 20, kFlagDg) &&  // (every rank's dy rows)
+                   (!p.recompute || wait_counter(sm, &p.st.sync->counter[c_rg(s, mt)], rg_groups(s), p.st, 20)));
+  int e = -1, row0 = 0, row_end = 0;
+  const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
+  paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
+    const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.k_dyrows, p.dy_rows, s.H, row0, row_end);
+    gemm_group<0, 1, decltype(P)::value, kBwdBoxRows>(
+        sm, g, cdivb(s.F, BN), s.H / BK,
+        [&](int nt, Operand& A, Operand& B) {
+          A = rows;
+          B = wide(&p.m_w2, nt * BN, e * s.H);
+        },
+        [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
+          swiglu_bwd_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da,
+                                     row0, p.d_a, spare, p.h_late, &p.st_hrows, p.sv.h_rows,
+                                     s.swiglu_alpha, s.swiglu_limit);
+        });
+  });
   if (!ok) return;
-  // the group's m-tiles with rows (expert_tile), in order, first in tile_rows
-  if (threadIdx.x < kDhTiles) {
-    int e = -1, row0 = 0, row_end = 0;
-    if ((int)threadIdx.x >= tiles || !expert_tile(p, mt0 + threadIdx.x, &e, &row0, &row_end)) e = -1;
-    sm.tile_rows[threadIdx.x][0] = e, sm.tile_rows[threadIdx.x][1] = row0, sm.tile_rows[threadIdx.x][2] = row_end;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int n = 0;
-    for (int i = 0; i < kDhTiles; i++)
-      if (sm.tile_rows[i][0] >= 0)
-        for (int f = 0; f < 3; f++) sm.tile_rows[n][f] = sm.tile_rows[i][f], n += f == 2;
-    for (; n < kDhTiles; n++) sm.tile_rows[n][0] = -1;
-  }
-  __syncthreads();
-  int live = 0;
-  while (live < kDhTiles && sm.tile_rows[live][0] >= 0) live++;
-  gemm_tiles<0, 1, false, false, 4, kBwdBoxRows>(
-      sm, live,
-      [&](int i, Operand& A, Operand& B, int& nk, int& kv) {
-        const int e = sm.tile_rows[i][0], row0 = sm.tile_rows[i][1], row_end = sm.tile_rows[i][2];
-        A = rows128(&p.k_dyrows, row0, 0, row_end - row0);  // (rows past the expert: read, never stored)
-        B = wide(&p.m_w2, nt * BN, e * s.H);
-        nk = s.H / BK, kv = BK;
-      },
-      [&](int i, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-        const int row0 = sm.tile_rows[i][1], row_end = sm.tile_rows[i][2];
-        swiglu_bwd_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da, row0,
-                                   p.d_a, spare, p.h_late, &p.st_hrows, p.sv.h_rows, s.swiglu_alpha, s.swiglu_limit);
-      });
-  for (int i = 0; i < tiles; i++) signal_counter(sm, &p.st.sync->counter[B_FIXED + mt0 + i]);
-  if (threadIdx.x == 0) {  // (after signal_counter's fence, as its own adds)
-    red_release_add(&p.st.sync->counter[B_DH_ALL], (uint32_t)tiles);
-    for (int i = 0; i < live && p.h_late; i++) red_release_add(&p.st.sync->counter[c_dh_expert(s, sm.tile_rows[i][0])], 1);
+  signal_counter(sm, &p.st.sync->counter[B_FIXED + mt]);
+  if (threadIdx.x == 0) {  // (after signal_counter's fence, as its own add)
+    red_release_add(&p.st.sync->counter[B_DH_ALL], 1);
+    if (p.h_late && e >= 0) red_release_add(&p.st.sync->counter[c_dh_expert(s, e)], 1);
   }
 }
 
@@ -1214,9 +1188,9 @@ __device__ __forceinline__ uint32_t only_knob(int k) {
   return k == 6 || k == 7 || k == 13 ? kKnobOnlyWgrad : k == 5 ? kKnobOnlyDx : k == 0 ? kKnobOnlyDg : k == 2 ? kKnobOnlyDh : 0u;
 }
 
-// The phases whose GEMM tasks two CTAs of a cluster may run as a pair: dx, wgrad2,
+// The phases whose GEMM tasks two CTAs of a cluster may run as a pair: dh, dx, wgrad2,
 // wgrad13 (and its tail).
-__device__ __forceinline__ bool paired_phase(int k) { return k == 5 || k == 6 || k == 7 || k == 13; }
+__device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 || k == 6 || k == 7 || k == 13; }
 
 // Phases (k): 0 dg, 1 dhs, 2 dh, 3 dxr, 4 dxs, 5 dx, 6 wgrad2, 7 wgrad13, 8 rw, 9 tree,
 // 10 dxsum, 11 rg, 12 rgs, 13 wgrad13's tail (profile kinds 8 + k, 21 and 22 for rg and
@@ -1279,7 +1253,7 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
     // (TREE whenever there are replicated gradients, even on a rank without tokens: at
     // W > 1 every rank's round-one signal is waited for)
     const int slices = s.fused || s.Fs ? tree_slices(p.partial_len) : 0;
-    const int rows[kBwdPhases] = {s.ns, s.Fs ? s.smt : 0, dh_tasks_rows(s), s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt,
+    const int rows[kBwdPhases] = {s.ns, s.Fs ? s.smt : 0, s.max_mt, s.fused ? s.nb : 0, s.Fs ? s.smt : 0, s.max_mt,
                                   s.e_loc, p.seg_e0, rw, s.W > 1 ? 2 * slices : slices, s.ns,
                                   p.recompute ? s.max_mt : 0, p.recompute && s.Fs ? s.smt : 0, s.e_loc - p.seg_e0};
     const int cols[kBwdPhases] = {1, dhs_groups(s), dh_groups(s),
@@ -1319,7 +1293,10 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
     switch (k) {
       case 0: dg_task(sm, p, local); break;
       case 1: dhs_task(sm, p, row, col); break;
-      case 2: dh_task<kClamped>(sm, p, row, col); break;
+      case 2:
+        expert_band_order(p.sv.tile_band, local, s.max_mt, phase_cols[i], &row, &col);
+        dh_task<kClamped>(sm, p, row, col, pairable);
+        break;
       case 3: dxr_task(sm, p, row, col, wg2_total()); break;
       case 4: dxs_task(sm, p, row, col); break;
       case 5:

@@ -89,7 +89,6 @@ struct alignas(1024) Smem {
   int pair_task[2];       // the pair's first ticket, by round parity (written by rank 0)
   uint32_t round;         // next_task calls so far
   LoadCursor load;
-  int tile_rows[4][3];  // a DH task's m-tiles (kDhTiles): expert, first row, end of rows; expert -1: none
   int task;
   int abort;
   // W > 1: this rank's flags, the step's serial and W (set_peers), for wait_counter's
