@@ -398,8 +398,10 @@ MOK_API const char* mok_last_create_error(void); /* this thread's last failed cr
  * gate|up kept, W = 1, MOK_WGRAD_BF16: the forward's workspace holds the SwiGLU output h
  * (F bytes a routed row), which saved then does not, and the backward writes its h and
  * the router path's fp32 dx into d_w13 before the weight gradient itself (where they fit:
- * 2 T K F + 4 T H <= E 4F H bytes). Allocated for each call, the two give a lower peak
- * than one buffer of the larger. */
+ * 2 T K F + 4 T H <= E 4F H bytes). CUDA, W = 1, MOK_WGRAD_BF16: the fp32 nodes of the
+ * router's and shared expert's weight-gradient tree go at d_w13's end, not the backward's
+ * workspace, where they fit behind those. Allocated for each call, the two give a lower
+ * peak than one buffer of the larger. */
 MOK_API mok_status_t mok_workspace_size(const mok_context_t* ctx, size_t* bytes);
 MOK_API mok_status_t mok_workspace_sizes(const mok_context_t* ctx, size_t* forward_bytes, size_t* backward_bytes);
 MOK_API mok_status_t mok_saved_size(const mok_context_t* ctx, size_t* bytes);
