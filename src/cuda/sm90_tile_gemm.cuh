@@ -114,14 +114,15 @@ __device__ __forceinline__ void load_pair(void* dst, const CUtensorMap* map, uin
     }
   }
 }
-// gemm_tiles' Ahead: what thread 0's loads do once the cursor passes the run's last tile.
-// NoAhead, every run but MOK_DH_AHEAD's DH tasks: they stop, and the next run starts its
-// ring again. An Ahead whose call returns true has pointed the cursor (its A, B, num_kb,
-// k_valid_last; kb 0) at the next run's first tile, which is then loading() until its
-// blocks are in, and the next run, primed(), continues the cursor instead (unprime()).
+// gemm_tiles' Ahead: what thread 0's loads do once the cursor passes the run's last tile
+// (its call, there). NoAhead, every run but MOK_DH_AHEAD's DH tasks: they stop, and the
+// next run starts its ring again. An Ahead may point the cursor (its A, B, num_kb,
+// k_valid_last; kb is 0) at the next run's first tile and become primed(): the cursor is
+// then loading() that tile until its blocks are in, and the next run continues the
+// cursor instead of starting the ring (unprime()).
 struct NoAhead {
   static constexpr bool kOn = false;
-  __device__ __forceinline__ bool operator()(LoadCursor&) const { return false; }
+  __device__ __forceinline__ void operator()(LoadCursor&) const {}
   __device__ __forceinline__ bool loading(const LoadCursor&) const { return false; }
   __device__ __forceinline__ bool primed() const { return false; }
   __device__ __forceinline__ void unprime() const {}
