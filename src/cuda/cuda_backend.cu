@@ -240,12 +240,14 @@ static bool x_over_o(const mok_config_t& c) {
 // cfg.T: R F 2 (rounded to 256) + T H 4 (fused routing) <= E/W 2F H 2; fp32 weight
 // gradients are added into, so they keep h in saved.
 static int64_t dw13_h_bytes(const mok_config_t& c) { return (recv_rows(c, c.T) * c.F * 2 + 255) / 256 * 256; }
+// d_w13 [E/W, 2F, H] bf16, in bytes (the room h_in_dw13 and seg_in_dw13 use)
+static int64_t dw13_bytes(const mok_config_t& c) { return c.E / c.W * 2 * c.F * c.H * 2; }
 // h, then the router path's dx_router: d_w13's front, in bytes
 static int64_t dw13_front_bytes(const mok_config_t& c) {
   return dw13_h_bytes(c) + (c.routing == MOK_ROUTING_FUSED ? c.T * c.H * 4 : 0);
 }
 static bool h_in_dw13(const mok_config_t& c) {
-  return x_over_o(c) && c.wgrad == MOK_WGRAD_BF16 && dw13_front_bytes(c) <= c.E / c.W * 2 * c.F * c.H * 2;
+  return x_over_o(c) && c.wgrad == MOK_WGRAD_BF16 && dw13_front_bytes(c) <= dw13_bytes(c);
 }
 
 struct SavedPlan {
@@ -355,7 +357,7 @@ static int64_t seg_bytes(const mok_config_t& c, int64_t T) {
 static bool seg_in_dw13(const mok_config_t& c) {
   if (c.W != 1 || c.wgrad != MOK_WGRAD_BF16) return false;
   const int64_t seg = seg_bytes(c, c.T);
-  return seg > 0 && (h_in_dw13(c) ? dw13_front_bytes(c) : 0) + seg <= c.E * 2 * c.F * c.H * 2;
+  return seg > 0 && (h_in_dw13(c) ? dw13_front_bytes(c) : 0) + seg <= dw13_bytes(c);
 }
 
 struct BwdWsPlan {
@@ -1007,7 +1009,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.seg_partials = reinterpret_cast<float*>(ws + wp.seg_partials);
   p.seg_e0 = (int)El;
   if (seg_in_dw13(c)) {  // (the tail, 256-byte aligned; expert seg_e0's rows hold its first byte)
-    const int64_t expert = 2 * F * H * 2, at = (El * expert - seg_bytes(c, c.T)) / 256 * 256;
+    const int64_t expert = 2 * F * H * 2, at = (dw13_bytes(c) - seg_bytes(c, c.T)) / 256 * 256;  // (expert: its rows)
     p.seg_partials = reinterpret_cast<float*>(static_cast<char*>(a->d_w13) + at);
     p.seg_e0 = (int)(at / expert);
   }

@@ -571,7 +571,14 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
 // only dependency (every DG; the recompute's RG is left out) holds for every later one
 // once one DH task has run. The operands are the whole maps (no cut_maps at an expert's
 // last m-tile: the rows past it are the next expert's, multiplied and never stored), the
-// same in the task's own setup. Unclustered CTAs only (next_task's pairs take two tickets).
+// same in the task's own setup (dh_operands, for both). Unclustered CTAs only (next_task's
+// pairs take two tickets).
+__device__ __forceinline__ void dh_operands(const BwdParams& p, int e, int row0, int row_end, int g, Operand& A,
+                                            Operand& B, int& nk, int& kv) {
+  A = rows128(&p.k_dyrows, row0, 0, row_end - row0);
+  B = wide(&p.m_w2, g * BN, e * p.s.H);
+  nk = p.s.H / BK, kv = BK;
+}
 struct DhAhead {
   Smem& sm;
   const BwdParams& p;
@@ -588,9 +595,7 @@ struct DhAhead {
     int mt = 0, g = 0, e = -1, row0 = 0, row_end = 0;
     expert_band_order(p.sv.tile_band, t - sm.dh_lo, s.max_mt, dh_groups(s), &mt, &g);
     if (!expert_tile(p, mt, &e, &row0, &row_end)) return;
-    c.A = rows128(&p.k_dyrows, row0, 0, row_end - row0);
-    c.B = wide(&p.m_w2, g * BN, e * s.H);
-    c.num_kb = s.H / BK, c.k_valid_last = BK;
+    dh_operands(p, e, row0, row_end, g, c.A, c.B, c.num_kb, c.k_valid_last);
     sm.ahead_primed = 1;
   }
 };
@@ -611,11 +616,7 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
   if (valid)  // (g: the task's one column tile)
     gemm_tiles<0, 1, false, false, 4, kBwdBoxRows>(
         sm, 1,
-        [&](int, Operand& A, Operand& B, int& nk, int& kv) {
-          A = rows128(&p.k_dyrows, row0, 0, row_end - row0);  // (as DhAhead's loads)
-          B = wide(&p.m_w2, g * BN, e * s.H);
-          nk = s.H / BK, kv = BK;
-        },
+        [&](int, Operand& A, Operand& B, int& nk, int& kv) { dh_operands(p, e, row0, row_end, g, A, B, nk, kv); },
         [&](int, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           swiglu_bwd_store<kClamped>(sm, acc, wg, w, l, row0, row_end, g * BN, s.F, &p.m_arows_gu, row0, &p.st_da, row0,
                                      p.d_a, spare, p.h_late, &p.st_hrows, p.sv.h_rows, s.swiglu_alpha, s.swiglu_limit);
