@@ -534,12 +534,8 @@ __device__ __forceinline__ void rgs_task(Smem& sm, const BwdParams& p, int mt, i
 // Column groups of an RG / RGS row tile: what its counter reaches.
 __device__ __forceinline__ uint32_t rg_groups(const Shape& s) { return groups(cdivb(s.F, BF), s.H / BK); }
 __device__ __forceinline__ uint32_t rgs_groups(const Shape& s) { return groups(cdivb(s.Fs, BF), s.H / BK); }
-// The same for DH / DHS (dh's tasks a row tile; MOK_DH_AHEAD: one a column tile)
-#ifdef MOK_DH_AHEAD
-__device__ __forceinline__ int dh_groups(const Shape& s) { return cdivb(s.F, BN); }
-#else
+// The same for DH / DHS (dh's tasks a row tile)
 __device__ __forceinline__ int dh_groups(const Shape& s) { return groups(cdivb(s.F, BN), s.H / BK); }
-#endif
 __device__ __forceinline__ int dhs_groups(const Shape& s) { return groups(cdivb(s.Fs, BN), s.H / BK); }
 
 __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, int g) {
@@ -560,47 +556,6 @@ __device__ __forceinline__ void dhs_task(Smem& sm, const BwdParams& p, int mt, i
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_DHS_ALL], 1);
 }
 
-#ifdef MOK_DH_AHEAD
-// A measurement build (docs/KERNELS.md): DH tasks of one tile each, in band order (the
-// band's m-tiles by column tiles run at once and share both dy rows and w2 in L2: dh's
-// DRAM reads at qwen3-30b-a3b 1.42 GB against 2.43 with a task's column tiles in turn,
-// docs/PERF.md, fourth 2026-12-06 session), without the ring's drain at each task's end
-// that made such tasks slower: as the load cursor passes a DH tile's last K block, thread
-// 0 takes the CTA's next ticket (next_task then hands it out) and, when it is a DH tile
-// too, loads its first K blocks during this tile's last blocks and epilogue. A DH ticket's
-// only dependency (every DG; the recompute's RG is left out) holds for every later one
-// once one DH task has run. The operands are the whole maps (no cut_maps at an expert's
-// last m-tile: the rows past it are the next expert's, multiplied and never stored), the
-// same in the task's own setup (dh_operands, for both). Unclustered CTAs only (next_task's
-// pairs take two tickets).
-__device__ __forceinline__ void dh_operands(const BwdParams& p, int e, int row0, int row_end, int g, Operand& A,
-                                            Operand& B, int& nk, int& kv) {
-  A = rows128(&p.k_dyrows, row0, 0, row_end - row0);
-  B = wide(&p.m_w2, g * BN, e * p.s.H);
-  nk = p.s.H / BK, kv = BK;
-}
-struct DhAhead {
-  Smem& sm;
-  const BwdParams& p;
-  static constexpr bool kOn = true;
-  __device__ __forceinline__ bool primed() const { return sm.ahead_primed != 0; }
-  __device__ __forceinline__ void unprime() const { sm.ahead_primed = 0; }
-  __device__ __forceinline__ bool loading(const LoadCursor& c) const { return sm.ahead_primed != 0 && c.kb < c.num_kb; }
-  __device__ __forceinline__ void operator()(LoadCursor& c) const {  // (thread 0)
-    if (sm.cluster > 1 || sm.ahead_task >= 0 || p.recompute) return;
-    const Shape& s = p.s;
-    const int t = (int)atomicAdd(&p.st.sync->ticket, 1u);
-    sm.ahead_task = t;
-    if (t < sm.dh_lo || t >= sm.dh_hi) return;
-    int mt = 0, g = 0, e = -1, row0 = 0, row_end = 0;
-    expert_band_order(p.sv.tile_band, t - sm.dh_lo, s.max_mt, dh_groups(s), &mt, &g);
-    if (!expert_tile(p, mt, &e, &row0, &row_end)) return;
-    dh_operands(p, e, row0, row_end, g, c.A, c.B, c.num_kb, c.k_valid_last);
-    sm.ahead_primed = 1;
-  }
-};
-#endif
-
 // pairable: this task and the partner CTA's are in the same GEMM phase (next_task);
 // the key of pair_agree is the expert and column group (-1: no rows, nothing to share).
 template <bool kClamped>
@@ -611,18 +566,6 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
                    (!p.recompute || wait_counter(sm, &p.st.sync->counter[c_rg(s, mt)], rg_groups(s), p.st, 20)));
   int e = -1, row0 = 0, row_end = 0;
   const bool valid = ok && expert_tile(p, mt, &e, &row0, &row_end);
-#ifdef MOK_DH_AHEAD
-  (void)pairable;
-  if (valid)  // (g: the task's one column tile)
-    gemm_tiles<0, 1, false, false, 4, kBwdBoxRows>(
-        sm, 1,
-        [&](int, Operand& A, Operand& B, int& nk, int& kv) { dh_operands(p, e, row0, row_end, g, A, B, nk, kv); },
-        [&](int, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
-          swiglu_bwd_store<kClamped>(sm, acc, wg, w, l, row0, row_end, g * BN, s.F, &p.m_arows_gu, row0, &p.st_da, row0,
-                                     p.d_a, spare, p.h_late, &p.st_hrows, p.sv.h_rows, s.swiglu_alpha, s.swiglu_limit);
-        },
-        DhAhead{sm, p});
-#else
   paired_task(sm, pairable, ok, valid, e, g, [&](auto P) {
     const Operand rows = expert_rows(sm, cta_slot(p.cta_maps), &p.k_dyrows, p.dy_rows, s.H, row0, row_end);
     gemm_group<0, 1, decltype(P)::value, kBwdBoxRows>(
@@ -637,7 +580,6 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
                                      s.swiglu_alpha, s.swiglu_limit);
         });
   });
-#endif
   if (!ok) return;
   signal_counter(sm, &p.st.sync->counter[B_FIXED + mt]);
   if (threadIdx.x == 0) {  // (after signal_counter's fence, as its own add)
@@ -1248,11 +1190,7 @@ __device__ __forceinline__ uint32_t only_knob(int k) {
 
 // The phases whose GEMM tasks two CTAs of a cluster may run as a pair: dh, dx, wgrad2,
 // wgrad13 (and its tail).
-#ifdef MOK_DH_AHEAD
-__device__ __forceinline__ bool paired_phase(int k) { return k == 5 || k == 6 || k == 7 || k == 13; }  // (DH alone)
-#else
 __device__ __forceinline__ bool paired_phase(int k) { return k == 2 || k == 5 || k == 6 || k == 7 || k == 13; }
-#endif
 
 // Phases (k): 0 dg, 1 dhs, 2 dh, 3 dxr, 4 dxs, 5 dx, 6 wgrad2, 7 wgrad13, 8 rw, 9 tree,
 // 10 dxsum, 11 rg, 12 rgs, 13 wgrad13's tail (profile kinds 8 + k, 21 and 22 for rg and
@@ -1333,9 +1271,6 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
       t = pad_even(t, s.pairs && paired_phase(k));
       phase_start[i] = t, phase_end[i] = t += n, phase_cols[i] = c > 0 ? c : 1, phase_kind[i] = k;
     }
-#ifdef MOK_DH_AHEAD
-    sm.dh_lo = phase_start[bwd_place(2, p.dx_late)], sm.dh_hi = phase_end[bwd_place(2, p.dx_late)];
-#endif
   }
   __syncthreads();
   const int num_tasks = phase_end[kBwdPhases - 1];
@@ -1393,14 +1328,6 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
     }
     profile_task(sm, p.st, k == 13 ? 15 : k < 11 ? 8 + k : 10 + k);
   }
-#ifdef MOK_DH_AHEAD
-  if (threadIdx.x == 0 && sm.ahead_primed) {  // a DH tile's first blocks loaded, the step stopped before it ran:
-    for (uint32_t u = sm.ring_it; u != sm.load.it; u++)  // they land before the CTA leaves
-      while (!mbar_try_wait(&sm.full[u % kStages], (u / kStages) & 1)) {
-      }
-    sm.ahead_primed = 0;
-  }
-#endif
   finish_step(sm, p.st, p.reuse ? &p.sv.header[0] : nullptr);
 }
 

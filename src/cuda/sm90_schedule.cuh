@@ -17,12 +17,7 @@ __device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_t
   __syncthreads();
   if (sm.cluster == 1) {
     if (threadIdx.x == 0) {
-#ifdef MOK_DH_AHEAD
-      int t = sm.ahead_task >= 0 ? sm.ahead_task : (int)atomicAdd(&st.sync->ticket, 1u);  // (taken ahead: DhAhead)
-      sm.ahead_task = -1;
-#else
       int t = (int)atomicAdd(&st.sync->ticket, 1u);
-#endif
       if (*(volatile uint32_t*)&st.sync->error != 0) t = num_tasks;
       sm.task = t;
     }

@@ -103,13 +103,6 @@ struct alignas(1024) Smem {
   uint32_t stall[kStallKinds];       // MOK_STALL_PROFILE builds: thread 0's waits (kStall*)
   uint32_t stall_from[kStallKinds];  // and the start of the span in progress, per kind
   uint32_t knobs;       // MOK_KNOBS (gpu_params.h)
-#ifdef MOK_DH_AHEAD
-  // (a measurement build: docs/KERNELS.md) the backward's next ticket, taken by thread 0
-  // during a DH task's last K blocks (-1: none), whether that ticket's first K blocks are
-  // already in the ring (its gemm_tiles then continues the load cursor), and the DH
-  // phase's tickets [dh_lo, dh_hi)
-  int ahead_task, ahead_primed, dh_lo, dh_hi;
-#endif
 };
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
 static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
@@ -151,9 +144,6 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
     sm.round = 0;
     sm.load.spare_slot = -1;
     sm.knobs = knobs;
-#ifdef MOK_DH_AHEAD
-    sm.ahead_task = -1, sm.ahead_primed = 0, sm.dh_lo = sm.dh_hi = 0;
-#endif
     sm.cluster = (int)cluster_nctarank();
     sm.rank = (int)cluster_ctarank();
     fence_mbar_init();

@@ -114,24 +114,9 @@ __device__ __forceinline__ void load_pair(void* dst, const CUtensorMap* map, uin
     }
   }
 }
-// gemm_tiles' Ahead: what thread 0's loads do once the cursor passes the run's last tile
-// (its call, there). NoAhead, every run but MOK_DH_AHEAD's DH tasks: they stop, and the
-// next run starts its ring again. An Ahead may point the cursor (its A, B, num_kb,
-// k_valid_last; kb is 0) at the next run's first tile and become primed(): the cursor is
-// then loading() that tile until its blocks are in, and the next run continues the
-// cursor instead of starting the ring (unprime()).
-struct NoAhead {
-  static constexpr bool kOn = false;
-  __device__ __forceinline__ void operator()(LoadCursor&) const {}
-  __device__ __forceinline__ bool loading(const LoadCursor&) const { return false; }
-  __device__ __forceinline__ bool primed() const { return false; }
-  __device__ __forceinline__ void unprime() const {}
-};
-template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, class Setup, class Epi,
-          class Ahead = NoAhead>
-__device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi, Ahead ahead = Ahead()) {
+template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, class Setup, class Epi>
+__device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   static_assert(!(PAIRED && AR), "A-resident runs are unpaired");
-  static_assert(!Ahead::kOn || (!PAIRED && !AR && NB == 4), "runs that load ahead are plain");
   static_assert(NB == 4 || (NB == 1 && !PAIRED && !AR), "narrow tiles are unpaired, not A-resident");
   static_assert(kBoxRows == 64 || (kBoxRows == 128 && NB == 4), "boxes of 64 rows, or 128 for whole tiles");
   constexpr bool kTall = kBoxRows == 128;  // (one load a 128-row or 128-column half: load_pair)
@@ -157,7 +142,6 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     while (c.tile < num_tiles && c.kb >= c.num_kb) {
       c.kb = 0;
       if (++c.tile < num_tiles) setup(c.tile, c.A, c.B, c.num_kb, c.k_valid_last);
-      else if (Ahead::kOn) ahead(c);  // (the next run's first tile, or nothing)
     }
   };
   auto load_next = [&]() {
@@ -165,7 +149,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     // is read again from shared memory after every TMA issue: the asm's memory clobber)
     const uint32_t lit = c.it;
     const int kb = c.kb;
-    if (c.tile >= num_tiles && !(Ahead::kOn && c.tile == num_tiles && ahead.loading(c))) return;
+    if (c.tile >= num_tiles) return;
     const uint32_t s = lit % kStages, ph = (lit / kStages) & 1;
     if ((int)s == c.spare_slot) {
       // the last epilogue's stores from this stage went out first; only its final
@@ -231,12 +215,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     c.it = lit + 1, c.kb = kb + 1;
     settle();
   };
-  if (Ahead::kOn && tid == 0 && num_tiles > 0 && ahead.primed()) {
-    // the last run's loads went on into this run's first tile (its cursor is there)
-    ahead.unprime();
-    c.tile = 0;
-    while (c.it - it < kStages - 1 && c.tile < num_tiles) load_next();
-  } else if (tid == 0 && num_tiles > 0) {
+  if (tid == 0 && num_tiles > 0) {
     c.it = it, c.tile = 0, c.kb = 0;
     setup(0, c.A, c.B, c.num_kb, c.k_valid_last);
     if (AR) {
