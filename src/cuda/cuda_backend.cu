@@ -876,11 +876,15 @@ static bool backward_clustered(const mok_context_t* ctx) {
 }
 
 // One persistent launch, in clusters of 2 when `clusters`.
+// MOK_PRODUCER (a measurement build: sm90_smem.cuh): the forward has a third, producer
+// warpgroup, and runs unclustered (the producer issues no paired runs' loads);
+// MOK_FWD_UNCLUSTERED (its baseline): the forward unclustered alone.
 template <class Params>
 static cudaError_t launch(const mok_context_t* ctx, void (*kernel)(Params), const Params& p, bool clusters,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, int threads = kThreads) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t lc = launch_config(gpu(ctx)->grid, clusters, &attr, stream);
+  cudaLaunchConfig_t lc = launch_config(gpu(ctx)->grid, clusters, &attr, stream);
+  lc.blockDim = dim3(threads);
   return cudaLaunchKernelEx(&lc, kernel, p);
 }
 
@@ -961,7 +965,13 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.shared_o = c.use_shared_gate ? p.sv.shared_o : reinterpret_cast<bf16*>(ws + wp.shared_o);
   MAP_TRY(make_store_map(ctx, &p.st_shared_o, Fs ? p.shared_o : nullptr, T, H, "shared_o"));
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
+#ifdef MOK_PRODUCER
+  CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, false, stream, kThreads + 128));
+#elif defined(MOK_FWD_UNCLUSTERED)
+  CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, false, stream));
+#else
   CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, gpu(ctx)->clusters, stream));
+#endif
   gpu(ctx)->last_stream = stream;
   return MOK_STATUS_SUCCESS;
 }

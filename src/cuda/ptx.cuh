@@ -94,6 +94,14 @@ __device__ __forceinline__ void named_bar_sync(int id, int n) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
+// ---- a warpgroup's register budget (every thread of the warpgroup; multiples of 8) ----
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+
 // ---- clusters of 2 (paired GEMM tasks sharing B through TMA multicast) ----
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r;

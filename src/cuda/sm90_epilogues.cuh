@@ -23,7 +23,7 @@ __device__ __forceinline__ void epi_acquire(Smem& sm) {
     MOK_STALL_ADD(kStallEpiStores);
   }
   MOK_STALL_FROM(kStallEpiBarrier);
-  __syncthreads();
+  cta_sync();
   MOK_STALL_ADD(kStallEpiBarrier);
 }
 
@@ -47,7 +47,7 @@ __device__ __forceinline__ void epi_put(Smem& sm, const float (&acc)[kAcc], int 
       st_shared_v2f32(row1 + c, acc[4 * i + 2], acc[4 * i + 3]);
     }
   }
-  __syncthreads();
+  cta_sync();
 }
 
 // 16-byte piece c (of 16) of tile row r of sm.epi in the plain layout.
@@ -112,7 +112,7 @@ __device__ __forceinline__ void epi_stmatrix_boxes(uint32_t buf, int wg, int w, 
 __device__ __forceinline__ void epi_publish(Smem& sm) {
   fence_proxy_async_smem();
   MOK_STALL_FROM(kStallEpiBarrier);
-  __syncthreads();
+  cta_sync();
   MOK_STALL_ADD(kStallEpiBarrier);
 }
 
@@ -176,7 +176,7 @@ __device__ __forceinline__ void store_tile_tma(Smem& sm, const float (&acc)[kAcc
     epi_publish(sm);
     const bool tail = write(spare, c0 + 128);
     write(sm.epi, c0);
-    if (tail) __syncthreads();  // the spare's tail rows read before thread 0 refills it
+    if (tail) cta_sync();  // the spare's tail rows read before thread 0 refills it
     return;
   }
 #pragma unroll
@@ -390,7 +390,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
       // every group (before load(q + 1)); quarter 3's for all but the newest (quarter 2's
       // d_a, committed after its h)
       if (q == 3 && tid == 0) bulk_wait_read<1>();
-      __syncthreads();
+      cta_sync();
     }
     if (f0 + 64 * q < F) {
       const uint32_t row_a = smem_addr(buf) + r * 128 + 4 * (l % 4);
@@ -444,7 +444,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
       // orders them, and load(q + 2) completes at once (no bytes); a thread still polling
       // would then see the parity it waits for come round again and wait for the next
       // tile's phase: a hang (found by racecheck's slow warps, branch pairs-nopad).
-      if (tail || f0 + 64 * q >= F) __syncthreads();
+      if (tail || f0 + 64 * q >= F) cta_sync();
       if (tid == 0) {
         MOK_STALL_FROM(kStallEpiStores);
         bulk_wait_read();
@@ -462,7 +462,7 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
 #pragma unroll 1
   for (int q = 1; q < 4; q++)
     quarter(q, [&](int i) { return q == 1 ? acc[32 + i] : q == 2 ? acc[64 + i] : acc[96 + i]; });
-  if (tail) __syncthreads();
+  if (tail) cta_sync();
   // no quarter 3 (the last tile of an F that is not a multiple of 256): the last group
   // came from the spare, so it must be read before gemm_tiles refills the spare
   if (tid == 0 && f0 + 192 >= F) bulk_wait_read();

@@ -714,11 +714,11 @@ __device__ __noinline__ void bias_grad(Smem& sm, const BwdParams& p, int which, 
     for (; r < n; r += kLanes) add(*reinterpret_cast<const uint4*>(col + (int64_t)r * cols));
   }
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (the stages as scratch: [kLanes][128] floats)
-  __syncthreads();
+  cta_sync();
   float* lanes = reinterpret_cast<float*>(sm.stage[0]);
   reinterpret_cast<float4*>(lanes + j * BM + 8 * q)[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
   reinterpret_cast<float4*>(lanes + j * BM + 8 * q)[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
-  __syncthreads();
+  cta_sync();
   const int x = mt * BM + threadIdx.x;
   if (threadIdx.x < BM && x < cols) {
     float t = 0.f;
@@ -728,7 +728,7 @@ __device__ __noinline__ void bias_grad(Smem& sm, const BwdParams& p, int which, 
     if (p.wgrad_fp32) static_cast<float*>(out)[at] = __fadd_rn(static_cast<float*>(out)[at], t);
     else static_cast<bf16*>(out)[at] = to_bf(t);
   }
-  __syncthreads();  // (the scratch read before the stages are loaded again)
+  cta_sync();  // (the scratch read before the stages are loaded again)
 }
 
 // h_late: WG2 of this rank's expert e reads the h rows that DH's epilogues of e's m-tiles
@@ -811,7 +811,7 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
 // its dy_rows and h_rows (every K block's TMA load consumed), which is all they need: no
 // wait for the tile's TMA stores (signal_counter's).
 __device__ __noinline__ void wgrad2_done(Smem& sm, const BwdParams& p) {  // (noinline: no spill at the call)
-  __syncthreads();
+  cta_sync();
   if (threadIdx.x == 0) red_release_add(&p.st.sync->counter[B_WG2_ALL], 1);
 }
 // Where d_w_sg's H columns start among the tree's columns (partial_len): after d_b_router's
@@ -832,7 +832,7 @@ __device__ __noinline__ void gate_grad_partial(const BwdParams& p, float* dw, in
       a = __fadd_rn(a, __fmul_rn(d, __low2float(x)));
       b = __fadd_rn(b, __fmul_rn(d, __high2float(x)));
     }
-    dw[h] = a, dw[h + 1] = b;  // (signal_counter's __syncthreads and fence publish them with the tiles)
+    dw[h] = a, dw[h + 1] = b;  // (signal_counter's cta_sync and fence publish them with the tiles)
   }
 }
 // RW[c]: chunk c's partials of the vectors (d_b_router, d_w_sg), each column's sum over
@@ -849,11 +849,11 @@ __device__ __noinline__ void rw_task(Smem& sm, const BwdParams& p, int c) {
       float sum = 0.f;
       if (e < s.E)
         for (int t = k0; t < t1; t++) sum = __fadd_rn(sum, bf(__ldcg(p.dlogits + (int64_t)t * s.Ep + e)));
-      db[e] = sum;  // (signal_counter's __syncthreads and fence publish it with the tiles)
+      db[e] = sum;  // (signal_counter's cta_sync and fence publish it with the tiles)
     }
   }
   if (s.shared_gate) gate_grad_partial(p, part + (gate_grad_at(s) - seg_end(s)), k0);
-  signal_counter(sm, &p.st.sync->counter[B_RW]);  // (its __syncthreads and fence publish the stores)
+  signal_counter(sm, &p.st.sync->counter[B_RW]);  // (its cta_sync and fence publish the stores)
 }
 
 // SEG[seg, g]: the replicated weight gradients over segment seg of this rank's chunks
@@ -908,7 +908,7 @@ __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, 
   const int nt = min(kSegTileGroup, (router ? router_tiles(s) : shared_tiles(s)) - t0);
   float* const out = p.seg_partials + (int64_t)seg * seg_len(s);  // (column x at out[x - seg_skip])
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (earlier epilogues' stores read the nodes' places)
-  __syncthreads();
+  cta_sync();
   gemm_tiles<1, 1, false, false, 1>(
       sm, nt * n,
       [&](int i, Operand& A, Operand& B, int& num_kb, int& kv) {  // (tile, chunk), the chunk fastest
@@ -963,7 +963,7 @@ __device__ __forceinline__ void seg_task(Smem& sm, const BwdParams& p, int seg, 
         }
       });
   fence_proxy_async_smem();  // (the nodes' generic writes before a next task's TMA loads there)
-  signal_counter(sm, &p.st.sync->counter[B_RW]);  // (its __syncthreads and fence publish the stores)
+  signal_counter(sm, &p.st.sync->counter[B_RW]);  // (its cta_sync and fence publish the stores)
 }
 
 // The fixed tree over four adjacent columns' n chunk partials (col[c * stride], c < n,
@@ -1087,7 +1087,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   // a thread's kTreeLevels pending float4 nodes strided by kThreads, in the pipeline
   // stages (106 KB; no GEMM here; the last epilogue's stores have read them)
   if (threadIdx.x == 0) release_stages_from_stores(sm);
-  __syncthreads();
+  cta_sync();
   const SmemNodes4 nodes4{reinterpret_cast<float4*>(sm.stage[0]) + threadIdx.x};
   for (int64_t x = slice * width + 4 * threadIdx.x; x < min(len, (slice + 1) * width); x += 4 * kThreads) {
     int64_t k;
@@ -1126,7 +1126,7 @@ __device__ __noinline__ void tree_task(Smem& sm, const BwdParams& p, int task, u
   }
   if (s.W == 1 && p.seg_e0 < s.e_loc) signal_counter(sm, &p.st.sync->counter[B_TREE]);  // (WG13's tail waits for every TREE)
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
-  __syncthreads();
+  cta_sync();
 }
 
 __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
@@ -1143,7 +1143,7 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
                  // that a DG task that rejects saved leaves every output as it was
     for (int i = t0 * s.K + threadIdx.x; i < t1 * s.K; i += kThreads) p.d_topk_weight[i] = p.dg[i];
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (sum_slot_rows' chunks go there)
-  __syncthreads();
+  cta_sync();
   for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32) {
     const float dl = s.shared_gate ? bf(__ldcg(p.dl_g + t)) : 0.f;  // (DG's, another CTA's: from L2)
     sum_slot_rows<false>(  // dx = sum_j dx_j, slots in order, then + router path, + shared path, + gate path
@@ -1170,10 +1170,10 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
         });
   }
   if (p.x_late) {  // each token's x row back to its K slot rows, whose dx rows are read (WG13's x_rows)
-    __syncthreads();  // (every warp's copies of the rows have landed: cp_async_wait_all)
+    cta_sync();  // (every warp's copies of the rows have landed: cp_async_wait_all)
     int* const sh_pos = scatter_positions(sm);
     for (int i = threadIdx.x; i < (t1 - t0) * s.K; i += kThreads) sh_pos[i] = p.sv.pos[t0 * s.K + i];
-    __syncthreads();
+    cta_sync();
     if (threadIdx.x == 0) {
       fence_proxy_async();  // (the generic reads of the rows before the bulk copies write them)
       scatter_token_rows(sm, p.x, t0, t1, H, s.K, p.sv.x_rows);
@@ -1272,7 +1272,7 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
       phase_start[i] = t, phase_end[i] = t += n, phase_cols[i] = c > 0 ? c : 1, phase_kind[i] = k;
     }
   }
-  __syncthreads();
+  cta_sync();
   const int num_tasks = phase_end[kBwdPhases - 1];
   auto phase_size = [&](int place) { return (uint32_t)(phase_end[place] - phase_start[place]); };
   auto wg2_total = [&] { return phase_size(bwd_place(6, p.dx_late)); };  // (read where used: no register held)

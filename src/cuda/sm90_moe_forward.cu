@@ -22,6 +22,9 @@
 //   COMBINE[b]    (32 tokens) y[t] = bf16(sum_j g[t, j] o_j + shared), slots in order;
 //                 with the shared gate shared = s_g o_s, s_g = sigmoid(x[t] . w_sg) here
 //                 (W > 1: other ranks' o rows from o_kept, local)
+#ifdef MOK_PRODUCER
+#define MOK_PRODUCER_TU  // (this kernel's GEMM loads from a producer warpgroup: sm90_smem.cuh)
+#endif
 #include "sm90_epilogues.cuh"
 #include "sm90_token_rows.cuh"
 #include "sm90_tree.cuh"
@@ -172,7 +175,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
         store_tile<kStoreF32>(sm, acc, wg, w, l, t0, t1, nt * BN, s.Ep, p.logits, s.Ep);
       });
     }
-    __syncthreads();
+    cta_sync();
     MOK_STALL_FROM(kStallRouteTopK);
     route_tokens_any(sm, p, t0, t1);
     MOK_STALL_ADD(kStallRouteTopK);
@@ -190,7 +193,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
   }
   MOK_STALL_FROM(kStallRouteCounts);
   if (threadIdx.x == 0) release_stages_from_stores(sm);
-  __syncthreads();
+  cta_sync();
   // per expert: the block's count and each slot's rank, in token order. Each expert's
   // thread reads all the block's (t1 - t0) K indices from shared memory, where they are
   // broadcast, 32 at a time (8 16-byte loads, then the compares and rank stores; loaded
@@ -199,7 +202,7 @@ __device__ __forceinline__ void route_task(Smem& sm, const FwdParams& p, int b) 
   int* block_idx = reinterpret_cast<int*>(sm.stage);  // [(t1 - t0) K, rounded up to 32] (K <= 32: 16 KB)
   const int n_slots = (t1 - t0) * K, n_padded = (n_slots + 31) / 32 * 32;
   for (int i = threadIdx.x; i < n_padded; i += kThreads) block_idx[i] = i < n_slots ? p.sv.idx[(int64_t)t0 * K + i] : -1;
-  __syncthreads();
+  cta_sync();
   for (int e = threadIdx.x; e < E; e += kThreads) {
     int n = 0;
     for (int i0 = 0; i0 < n_padded; i0 += 32) {  // (i = (t - t0) K + j: tokens, then slots, in order)
@@ -251,7 +254,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
   // and thread 0's serial walks read the counts and offsets from shared memory (the
   // stages: sh_counts [E], sh_off [E + 1], sh_loc_off [E + 1], sh_loc_shift [E]).
   if (threadIdx.x == 0) release_stages_from_stores(sm);
-  __syncthreads();
+  cta_sync();
   int* const sh_counts = reinterpret_cast<int*>(sm.stage);
   int* const sh_off = sh_counts + E, *const sh_loc_off = sh_off + E + 1, *const sh_loc_shift = sh_loc_off + E + 1;
   // the tile table's runs (walk_tiles' visits, at most E), each from its first
@@ -276,7 +279,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     for (int r = 0; r < s.W && s.W > 1; r++) p.px.counts[r][s.rank * (E + 1) + e] = tot;
   }
   if (s.W > 1) {
-    __syncthreads();
+    cta_sync();
     if (threadIdx.x == 0) {
       __threadfence_system();
       publish_peers(p.px, s, kFlagCounts, sm.peer_serial);
@@ -330,7 +333,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
             if (i0 + k * kThreads < n) p.px.stats[r][chunk0 * (int64_t)(E + 1) + i0 + k * kThreads] = v[k];
       }
       __threadfence_system();
-      __syncthreads();
+      cta_sync();
       if (threadIdx.x == 0) publish_peers(p.px, s, kFlagStats, sm.peer_serial);
       if (!wait_peers(sm, p.st, kFlagStats)) return;
       stats = p.px.stats[s.rank];
@@ -352,7 +355,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
       stats[e] = tc.fold();
     }
   __shared__ int over;  // some rank's experts would receive more rows than the capacity
-  __syncthreads();
+  cta_sync();
   if (threadIdx.x == 0) {
     // expert_off[e]: expert e's first row in its owner's buffers (each owner's experts
     // in order); [E]: the rows this rank's experts receive. The tile table covers this
@@ -370,7 +373,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     // written: PREFIX never completes, so the tasks waiting for it give up
     if (over) raise_error(p.st, MOK_STATUS_CAPACITY_EXCEEDED);
   }
-  __syncthreads();
+  cta_sync();
   if (over) return;
   MOK_STALL_FROM(kStallPrefixWalk);
   if (threadIdx.x == 0) {
@@ -415,7 +418,7 @@ __device__ __noinline__ void prefix_task(Smem& sm, const FwdParams& p) {
     for (int k = 0; k < kSavedShapeWords; k++)  // the context's shape (the backward compares it)
       p.sv.header[kHeaderShape + k] = saved_shape_word(s, k);
   }
-  __syncthreads();
+  cta_sync();
   // the tile table and the band table (sv.tile_band, every m-tile slot up to max_mt: the
   // backward reads it too), from the runs and the segments
   auto last_start = [](const int* start, int n, int mt) {  // the last of n sorted starts <= mt
@@ -483,7 +486,7 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
   const int gs = cdiv(s.e_loc, kArriveGroups), groups = cdiv(s.e_loc, gs);
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (copy_rows_smem's chunks go there)
-  __syncthreads();
+  cta_sync();
   const uint32_t buf = smem_addr(sm.stage) + (warp * kCopyChunks * 32 + lane) * 16;
   for (int g = 0; g < groups; g++) {
     for (int r = 0; r < s.W; r++)
@@ -503,7 +506,7 @@ __device__ __noinline__ void dispatch_stream_task(Smem& sm, const FwdParams& p, 
         }
       }
     __threadfence_system();  // (each thread's stores into the owners' rows)
-    __syncthreads();
+    cta_sync();
     if (threadIdx.x < s.W)  // (flag_release_sys: a system-scope fence, then the serial)
       for (int k = d; k < s.nd_slots; k += s.nd) {  // (peers poll nd_slots slots, whatever this grid runs)
         uint64_t* flag = p.px.arrive[threadIdx.x] + ((int64_t)s.rank * kMaxStreams + k) * kArriveGroups + g;
@@ -520,7 +523,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
   if (!wait_counter(sm, &p.st.sync->counter[C_PREFIX], 1, p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), b = t0 / 128, K = s.K, H = s.H;
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (the positions and rows go there)
-  __syncthreads();
+  cta_sync();
   // The slots' positions into shared memory, then thread 0 moves the rows with the bulk
   // copy engine (scatter_token_rows).
   int* const sh_pos = scatter_positions(sm);
@@ -531,7 +534,7 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     p.sv.pos[i] = sh_pos[j] = pos;
     put_topk_out(p, i, e);
   }
-  __syncthreads();
+  cta_sync();
   if (threadIdx.x == 0) scatter_token_rows(sm, p.x, t0, t1, H, K, p.sv.x_rows);
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
@@ -563,7 +566,7 @@ static __device__ __noinline__ bool wait_tile_rows(Smem& sm, const FwdParams& p,
     fence_proxy_async();  // (GEMM1's TMA loads of the rows)
     if (threadIdx.x == 0) count_wait(sm, p.st, 19, t0);
   }
-  __syncthreads();
+  cta_sync();
   return sm.abort == 0;
 }
 
@@ -659,7 +662,7 @@ __device__ __noinline__ void return_task(Smem& sm, const FwdParams& p, int d) {
   const int tiles = *(volatile const int*)p.num_tiles, H = s.H;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = kThreads / 32;
   if (threadIdx.x == 0) release_stages_from_stores(sm);
-  __syncthreads();
+  cta_sync();
   const uint32_t buf = smem_addr(sm.stage) + (warp * kCopyChunks * 32 + lane) * 16;
   for (int mt = d; mt < tiles; mt += s.nr) {
     if (!wait_counter(sm, &p.st.sync->counter[C_FIXED + mt], done, p.st, 19)) return;
@@ -714,7 +717,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
   if (s.Fs > 0 && !wait_counter(sm, &p.st.sync->counter[C_S2], (uint32_t)(s.smt * nHs), p.st, 19)) return;
   const int t0 = sb * kSubTokens, t1 = min(s.T, t0 + kSubTokens), H = s.H;
   if (threadIdx.x == 0) release_stages_from_stores(sm);  // (sum_slot_rows' chunks go there)
-  __syncthreads();
+  cta_sync();
   for (int t = t0 + threadIdx.x / 32; t < t1; t += kThreads / 32) {
     // the shared gate (use_shared_gate; kept in saved for the backward), else 1: not applied
     const float sg = s.shared_gate ? shared_gate_warp(p.x + (int64_t)t * H, p.w_sg, H) : 1.f;
@@ -735,7 +738,7 @@ __device__ __noinline__ void combine_task(Smem& sm, const FwdParams& p, int sb) 
         });
   }
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
-  __syncthreads();
+  cta_sync();
 }
 
 // The phases whose GEMM tasks two CTAs of a cluster may run as a pair: gemm1, gemm2.
@@ -753,6 +756,14 @@ __host__ __device__ constexpr int fwd_order(int i) { return i <= 5 ? i : i == 6 
 template <bool kClamped>
 __device__ __forceinline__ void forward_kernel(const FwdParams& p) {
   Smem& sm = kernel_smem(p.st.knobs);
+#ifdef MOK_PRODUCER_TU
+  if (threadIdx.x >= kThreads) {  // the producer warpgroup: one thread's loads
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == kThreads) producer_loop(sm);
+    return;
+  }
+  setmaxnreg_inc<kWorkerRegs>();
+#endif
   const Shape& s = p.s;
   set_peers(sm, p.px, s, p.st);
   // GEMM tasks per row tile (column-tile groups)
@@ -777,7 +788,7 @@ __device__ __forceinline__ void forward_kernel(const FwdParams& p) {
       phase_start[i] = t, phase_end[i] = t += count[k];
     }
   }
-  __syncthreads();
+  cta_sync();
   const int num_tasks = phase_end[kFwdPhases - 1];
   int task;
   while (next_task(sm, p.st, num_tasks, &task)) {
@@ -801,12 +812,15 @@ __device__ __forceinline__ void forward_kernel(const FwdParams& p) {
     }
     profile_task(sm, p.st, kind == 8 ? 23 : kind);
   }
+#ifdef MOK_PRODUCER_TU
+  producer_stop(sm);
+#endif
   finish_step(sm, p.st);
 }
-__global__ void MOK_KERNEL_BOUNDS sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
+__global__ void MOK_FWD_KERNEL_BOUNDS sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   forward_kernel<false>(p);
 }
-__global__ void MOK_KERNEL_BOUNDS sm90_moe_forward_clamped_kernel(const __grid_constant__ FwdParams p) {
+__global__ void MOK_FWD_KERNEL_BOUNDS sm90_moe_forward_clamped_kernel(const __grid_constant__ FwdParams p) {
   forward_kernel<true>(p);
 }
 

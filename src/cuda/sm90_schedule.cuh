@@ -14,14 +14,14 @@ namespace mok {
 // the last task: the caller skips it), and the two leave only together (an error seen
 // by rank 0 ends both), so that they pass the same cluster barriers.
 __device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_tasks, int* task) {
-  __syncthreads();
+  cta_sync();
   if (sm.cluster == 1) {
     if (threadIdx.x == 0) {
       int t = (int)atomicAdd(&st.sync->ticket, 1u);
       if (*(volatile uint32_t*)&st.sync->error != 0) t = num_tasks;
       sm.task = t;
     }
-    __syncthreads();
+    cta_sync();
     *task = sm.task;
     return sm.task < num_tasks && sm.abort == 0;
   }
@@ -41,9 +41,23 @@ __device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_t
   return base < num_tasks;
 }
 
+#ifdef MOK_PRODUCER_TU
+// MOK_PRODUCER (sm90_tile_gemm.cuh's producer_loop): the epilogue's spare stage back to the
+// ring once the stores have read it (all bulk groups of thread 0's but the newest N),
+// arriving for both warpgroups, which did not release it after their last K block.
+template <int N> __device__ __forceinline__ void release_spare(Smem& sm) {  // (thread 0)
+  if (sm.load.spare_slot < 0) return;
+  bulk_wait_read<N>();
+  mbar_arrive_n(&sm.empty[sm.load.spare_slot], 2);
+  sm.load.spare_slot = -1;
+}
+#endif
 // Thread 0: every TMA store has read shared memory, so no stage is held as a spare (the
 // stages may now be written by anyone: the partner's multicast, another layout's loads).
 __device__ __forceinline__ void release_stages_from_stores(Smem& sm) {
+#ifdef MOK_PRODUCER_TU
+  release_spare<0>(sm);
+#endif
   bulk_wait_read();
   sm.load.spare_slot = -1;
 }
@@ -63,7 +77,7 @@ __device__ __forceinline__ int pair_key(bool shares, int e, int g) { return shar
 __device__ __forceinline__ bool pair_agree(Smem& sm, bool pairable, bool ok, int key) {
   if (!pairable) return false;
   const bool ready = ok && key >= 0;
-  __syncthreads();
+  cta_sync();
   if (threadIdx.x == 0) {
     release_stages_from_stores(sm);
     const uint32_t other = (uint32_t)(sm.rank ^ 1);
@@ -171,14 +185,14 @@ __device__ __forceinline__ bool partner_in_phase(const Smem& sm, const int* star
 // used_up (a backward with MOK_SAVED_REUSE: saved's header[0]) is marked used up unless
 // the step stopped at the header's own check, before anything was written.
 static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st, uint64_t* used_up = nullptr) {
-  __syncthreads();
+  cta_sync();
   if (sm.cluster > 1) cluster_sync();  // no CTA leaves while its partner may still write it
   if (threadIdx.x == 0) {
     bulk_wait_all();
     __threadfence();
     sm.last_cta = atomicAdd(&st.sync->exit_count, 1u) == gridDim.x - 1;
   }
-  __syncthreads();
+  cta_sync();
   if (!sm.last_cta) return;
   __threadfence();
   // the first error since mok_context_sync last read it stays
@@ -186,8 +200,8 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st, uin
   if (threadIdx.x == 0 && *st.status == 0) *st.status = error;
   if (threadIdx.x == 0 && used_up && error != MOK_STATUS_INVALID_SAVED) *used_up = MOK_SAVED_USED_GPU;
   uint32_t* words = st.sync->counter;
-  for (uint32_t i = threadIdx.x; i < st.num_counters; i += blockDim.x) words[i] = 0;
-  __syncthreads();
+  for (uint32_t i = threadIdx.x; i < st.num_counters; i += kProducerTu ? kThreads : blockDim.x) words[i] = 0;
+  cta_sync();
   if (threadIdx.x == 0) {
     st.sync->ticket = 0;
     st.sync->error = 0;

@@ -23,6 +23,26 @@ constexpr int kThreads = 256;
 #else
 #define MOK_KERNEL_BOUNDS __launch_bounds__(kThreads, 1)
 #endif
+// MOK_PRODUCER (a measurement build, docs/KERNELS.md): the forward kernel is 384 threads,
+// warpgroup 2 a producer (setmaxnreg down; one thread issues the GEMM runs' TMA loads
+// from the jobs thread 0 posts, Job) and warpgroups 0-1 the CTA's kThreads working
+// threads (setmaxnreg up): their barrier is named barrier 1 over kThreads, not
+// __syncthreads (cta_sync). sm90_moe_forward.cu defines MOK_PRODUCER_TU for its own
+// translation unit; the backward keeps 256 threads and thread 0's loads.
+#if defined(MOK_PRODUCER_TU)
+constexpr bool kProducerTu = true;
+constexpr int kProducerRegs = 40, kWorkerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536
+#define MOK_FWD_KERNEL_BOUNDS __launch_bounds__(kThreads + 128, 1)
+#else
+constexpr bool kProducerTu = false;
+#define MOK_FWD_KERNEL_BOUNDS MOK_KERNEL_BOUNDS
+#endif
+// Every working thread of the CTA (kThreads; the producer warpgroup, where there is one,
+// takes no part).
+__device__ __forceinline__ void cta_sync() {
+  if constexpr (kProducerTu) asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
+  else __syncthreads();
+}
 constexpr int BM = 128, BN = 256, BK = 64;
 constexpr int BF = BN / 2;       // f per SwiGLU tile: 128 gate columns, then 128 up columns
 constexpr int kAcc = BM * BN / kThreads;  // fp32 accumulators a thread
@@ -55,6 +75,17 @@ struct LoadCursor {
   uint32_t it;
   int tile, kb, num_kb, k_valid_last;
   int spare_slot;
+};
+
+// MOK_PRODUCER: one GEMM tile's loads, as thread 0 posts them to the producer (Smem::job):
+// its operands, K blocks, and what the producer must know of the run (kJob* flags); the
+// cut maps (cut_maps) it must acquire before loading through them (acquire: -1 none).
+enum : int { kJobTA = 1, kJobTB = 2, kJobTall = 4, kJobNarrow = 8, kJobStop = 16 };
+constexpr int kJobs = 2;
+struct Job {
+  Operand A, B;
+  const CUtensorMap* acquire;  // cut maps to acquire first (nacquire of them), or null
+  int num_kb, flags, nacquire;
 };
 
 struct alignas(1024) Smem {
@@ -103,6 +134,15 @@ struct alignas(1024) Smem {
   uint32_t stall[kStallKinds];       // MOK_STALL_PROFILE builds: thread 0's waits (kStall*)
   uint32_t stall_from[kStallKinds];  // and the start of the span in progress, per kind
   uint32_t knobs;       // MOK_KNOBS (gpu_params.h)
+#ifdef MOK_PRODUCER_TU
+  // the jobs' ring (job_full: posted by thread 0; job_empty: read by the producer), jobs
+  // posted so far, and the cut maps made since the last post
+  Job job[kJobs];
+  uint64_t job_full[kJobs], job_empty[kJobs];
+  uint32_t jobs_posted;
+  const CUtensorMap* fresh_maps;
+  int fresh_count;
+#endif
 };
 // + 1024 to align the dynamic base, + 128 for the kernels' static shared memory
 static_assert(sizeof(Smem) + 1024 + 128 <= 227 * 1024, "shared memory");
@@ -144,6 +184,10 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
     sm.round = 0;
     sm.load.spare_slot = -1;
     sm.knobs = knobs;
+#ifdef MOK_PRODUCER_TU
+    for (int j = 0; j < kJobs; j++) mbar_init(&sm.job_full[j], 1), mbar_init(&sm.job_empty[j], 1);
+    sm.jobs_posted = 0, sm.fresh_maps = nullptr, sm.fresh_count = 0;
+#endif
     sm.cluster = (int)cluster_nctarank();
     sm.rank = (int)cluster_ctarank();
     fence_mbar_init();

@@ -58,7 +58,7 @@ static __device__ __noinline__ bool wait_counter(Smem& sm, const uint32_t* count
     fence_proxy_async();
     count_wait(sm, st, prof_slot, t0);
   }
-  __syncthreads();
+  cta_sync();
   return sm.abort == 0;
 }
 
@@ -119,7 +119,7 @@ __device__ __forceinline__ void profile_task(Smem& sm, const GpuStep& st, int sl
 // CTA waits for thread 0 here (at the next task's barrier) while the task's TMA stores
 // land: MOK_STALL_PROFILE counts it as kStallSignal.
 __device__ __forceinline__ void signal_counter(Smem& sm, uint32_t* counter) {
-  __syncthreads();
+  cta_sync();
   if (threadIdx.x == 0) {
     MOK_STALL_FROM(kStallSignal);
     bulk_wait_all();  // the task's TMA stores (issued by thread 0) have landed
@@ -138,7 +138,7 @@ static __device__ __noinline__ bool wait_peers(Smem& sm, const GpuStep& st, int 
     poll_peers(sm, st, kind);
     fence_proxy_async();
   }
-  __syncthreads();
+  cta_sync();
   return sm.abort == 0;
 }
 
@@ -165,7 +165,7 @@ __device__ __forceinline__ void signal_counter_publish(Smem& sm, uint32_t* count
                                                        const PeerExchange& px, const Shape& s, int kind,
                                                        uint64_t serial) {
   if (s.W == 1) return signal_counter(sm, counter);
-  __syncthreads();
+  cta_sync();
   if (threadIdx.x == 0) {
     bulk_wait_all();
     __threadfence_system();

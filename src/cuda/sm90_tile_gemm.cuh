@@ -114,6 +114,75 @@ __device__ __forceinline__ void load_pair(void* dst, const CUtensorMap* map, uin
     }
   }
 }
+#ifdef MOK_PRODUCER_TU
+// MOK_PRODUCER (sm90_smem.cuh): thread 0 posts each tile of a plain run (not paired, not
+// A-resident) as a Job, kJobs tiles ahead of the one it multiplies, and the producer
+// thread issues its K blocks' loads into the same ring, waiting for free stages itself,
+// so that the working threads neither issue loads nor wait for stages. The stage of a
+// tile's last K block (the epilogue's spare) goes back to the ring only once the
+// epilogue's stores have read it: thread 0's bulk groups, so thread 0 waits for them and
+// arrives for both warpgroups (release_spare, sm90_schedule.cuh), at the next tile's first
+// K block, before a task that reuses the stages, or at the end of the kernel.
+// Thread 0: the next job's slot, once the producer has read what it held last; fill it
+// (fill(Job&)), then hand it over.
+template <class Fill> __device__ __forceinline__ void post_job(Smem& sm, Fill fill) {
+  const uint32_t j = sm.jobs_posted++, slot = j % kJobs;
+  while (!mbar_try_wait(&sm.job_empty[slot], ((j / kJobs) & 1) ^ 1)) {
+  }
+  Job& jb = sm.job[slot];
+  fill(jb);
+  jb.acquire = sm.fresh_maps, jb.nacquire = sm.fresh_count;  // (cut maps since the last job)
+  sm.fresh_maps = nullptr, sm.fresh_count = 0;
+  mbar_arrive(&sm.job_full[slot]);
+}
+// The producer thread (warpgroup 2's first): every posted job's K blocks into the ring,
+// in order, until the stop job (the kernel's end). ring position pit runs with the
+// working threads' sm.ring_it: both advance by a tile's K blocks.
+__device__ __forceinline__ void producer_loop(Smem& sm) {
+  uint32_t pit = 0;
+  for (uint32_t j = 0;; j++) {
+    const uint32_t slot = j % kJobs;
+    while (!mbar_try_wait(&sm.job_full[slot], (j / kJobs) & 1)) {
+    }
+    const Job jb = sm.job[slot];
+    mbar_arrive(&sm.job_empty[slot]);
+    if (jb.flags & kJobStop) return;
+    for (int m = 0; m < jb.nacquire; m++) tensormap_acquire(jb.acquire + m);
+    const bool ta = jb.flags & kJobTA, tb = jb.flags & kJobTB, tall = jb.flags & kJobTall;
+    const int nb = jb.flags & kJobNarrow ? 1 : 4, a_boxes = tall || jb.A.rows > 64 ? 2 : 1;
+    for (int kb = 0; kb < jb.num_kb; kb++, pit++) {
+      const uint32_t s = pit % kStages;
+      while (!mbar_try_wait(&sm.empty[s], ((pit / kStages) & 1) ^ 1)) {
+      }
+      uint64_t* const bar = &sm.full[s];
+      mbar_arrive_expect_tx(bar, (nb + a_boxes) * kBoxBytes);
+      uint8_t* const dst = sm.stage[s];
+      const int k = kb * BK;
+      if (tall) {
+        load_pair<true>(dst, jb.A.map, bar, ta, jb.A.pos[0], jb.A.pos[1], jb.A.k0 + k);
+        load_pair<true>(dst + 2 * kBoxBytes, jb.B.map, bar, tb, jb.B.pos[0], jb.B.pos[1], jb.B.k0 + k);
+        load_pair<true>(dst + 4 * kBoxBytes, jb.B.map, bar, tb, jb.B.pos[2], jb.B.pos[3], jb.B.k0 + k);
+      } else {
+        for (int b = 0; b < a_boxes; b++) {
+          if (ta) tma_load_2d(dst + b * kBoxBytes, jb.A.map, bar, jb.A.pos[b], jb.A.k0 + k);
+          else tma_load_2d(dst + b * kBoxBytes, jb.A.map, bar, jb.A.k0 + k, jb.A.pos[b]);
+        }
+        for (int b = 0; b < nb; b++) {
+          if (tb) tma_load_2d(dst + (2 + b) * kBoxBytes, jb.B.map, bar, jb.B.pos[b], jb.B.k0 + k);
+          else tma_load_2d(dst + (2 + b) * kBoxBytes, jb.B.map, bar, jb.B.k0 + k, jb.B.pos[b]);
+        }
+      }
+    }
+  }
+}
+// Thread 0 at the kernel's end: the last spare back, and the producer's stop.
+__device__ __forceinline__ void producer_stop(Smem& sm) {
+  if (threadIdx.x != 0) return;
+  release_spare<0>(sm);
+  post_job(sm, [](Job& jb) { jb.flags = kJobStop, jb.num_kb = 0; });
+}
+#endif
+
 template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, class Setup, class Epi>
 __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup, Epi epi) {
   static_assert(!(PAIRED && AR), "A-resident runs are unpaired");
@@ -215,7 +284,23 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     c.it = lit + 1, c.kb = kb + 1;
     settle();
   };
-  if (tid == 0 && num_tiles > 0) {
+#ifdef MOK_PRODUCER_TU
+  constexpr bool kProd = !PAIRED && !AR;  // (the producer's runs; the others load from thread 0)
+  // tile t's job: its operands and how the producer loads them
+  auto post_tile = [&](int t) {
+    post_job(sm, [&](Job& jb) {
+      int kv;
+      setup(t, jb.A, jb.B, jb.num_kb, kv);
+      jb.flags = (TA ? kJobTA : 0) | (TB ? kJobTB : 0) | (kTall ? kJobTall : 0) | (NB == 1 ? kJobNarrow : 0);
+    });
+  };
+  if (kProd && tid == 0)
+    for (int t = 0; t < num_tiles && t < kJobs; t++) post_tile(t);
+#else
+  constexpr bool kProd = false;
+  auto post_tile = [](int) {};
+#endif
+  if (!kProd && tid == 0 && num_tiles > 0) {
     c.it = it, c.tile = 0, c.kb = 0;
     setup(0, c.A, c.B, c.num_kb, c.k_valid_last);
     if (AR) {
@@ -250,6 +335,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     // has landed (the last one as below). (A loop of its own: a condition in the K loop
     // would be one more register beside the accumulators, and the backward spilled.)
     // (NB = 1: both warpgroups always multiply, so that nothing but a wgmma writes acc)
+    if (kProd && tid == 0 && num_kb == 0 && tile + kJobs < num_tiles) post_tile(tile + kJobs);  // (no K loop to post it)
     if (NB == 4 && wg == 1 && A.rows <= 64) {
       for (int kb = 0; kb < num_kb; kb++, it++) {
         while (!mbar_try_wait(&full[it % kStages], (it / kStages) & 1)) {
@@ -286,7 +372,14 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         wgmma_wait<1>();
         MOK_STALL_ADD(kStallMma);
         if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
-        if (tid == 0) load_next();
+        if (kProd && tid == 0 && kb == 0) {
+#ifdef MOK_PRODUCER_TU
+          release_spare<1>(sm);  // (the last tile's spare; the newest group came from sm.epi)
+#endif
+          if (tile + kJobs < num_tiles) post_tile(tile + kJobs);
+        } else if (!kProd && tid == 0) {
+          load_next();
+        }
       }
     }
     MOK_STALL_FROM(kStallDrain);
@@ -297,7 +390,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     // after a CTA barrier (the other warpgroup's wgmmas may still read it until then).
     // Paired, its release waits for that refill (load_next): until then the partner's
     // multicast must not write it.
-    if (!PAIRED && num_kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
+    if (!PAIRED && !kProd && num_kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
     if (PAIRED && tid == 0 && c.spare_slot >= 0) {
       // an earlier tile's spare never refilled (this tile has fewer than kStages K
       // blocks): released now, its stores read first
@@ -310,9 +403,14 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     MOK_STALL_FROM(kStallEpilogue);
     epi(tile, acc, et / 128, (et % 128) / 32, et % 32, spare);
     MOK_STALL_ADD(kStallEpilogue);
-    if (tid == 0 && num_kb > 0) c.spare_slot = (int)((it - 1) % kStages);
+    if (tid == 0 && num_kb > 0) {
+#ifdef MOK_PRODUCER_TU
+      if (kProd) release_spare<0>(sm);  // (one left by a tile without K blocks)
+#endif
+      c.spare_slot = (int)((it - 1) % kStages);
+    }
   }
-  __syncthreads();
+  cta_sync();
   if (tid == 0) {
     (PAIRED ? sm.ring2_it : sm.ring_it) = it;
     if (PAIRED && c.spare_slot >= 0) {  // the last tile's spare, not refilled in this task
@@ -327,7 +425,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
       sm.a_phase ^= 1;
     }
   }
-  __syncthreads();
+  cta_sync();
 }
 
 // Copies of two 2-D tensor maps ([rows, cols], ld elements a row) cut to rows [row0,
@@ -360,6 +458,9 @@ __device__ __forceinline__ void cut_maps(Smem& sm, CUtensorMap* dst, const CUten
   if (tid == 0) {
     tensormap_acquire(dst);
     if (b) tensormap_acquire(dst + 1);
+#ifdef MOK_PRODUCER_TU
+    sm.fresh_maps = dst, sm.fresh_count = maps;  // (the producer loads through them: it acquires them too)
+#endif
   }
 }
 // rows128's A operand of an expert's m-tile (rows [row0, row_end) of the map `full` over

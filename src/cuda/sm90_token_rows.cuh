@@ -106,7 +106,7 @@ __device__ __forceinline__ void copy_rows_smem(uint32_t buf, const bf16* const (
 }
 
 // scatter_token_rows' positions: [(t1 - t0) K] ints at the stages' start (K <= 32: 4 KB),
-// written by the caller (then __syncthreads); the rows' ring follows them.
+// written by the caller (then cta_sync); the rows' ring follows them.
 constexpr uint32_t kScatterPosBytes = 4096;
 __device__ __forceinline__ int* scatter_positions(Smem& sm) { return reinterpret_cast<int*>(sm.stage); }
 // Thread 0: token rows t0 .. t1 - 1 of src [T, H] bf16, each out to its K slot rows,
