@@ -148,6 +148,9 @@ __device__ __forceinline__ void producer_loop(Smem& sm) {
     mbar_arrive(&sm.job_empty[slot]);
     if (jb.flags & kJobStop) return;
     for (int m = 0; m < jb.nacquire; m++) tensormap_acquire(jb.acquire + m);
+    // the operands' generic writes (other CTAs', acquired by the working threads' counter
+    // waits, then ordered here by the job's barrier) before this thread's TMA reads them
+    fence_proxy_async();
     const bool ta = jb.flags & kJobTA, tb = jb.flags & kJobTB, tall = jb.flags & kJobTall;
     const int nb = jb.flags & kJobNarrow ? 1 : 4, a_boxes = tall || jb.A.rows > 64 ? 2 : 1;
     for (int kb = 0; kb < jb.num_kb; kb++, pit++) {
