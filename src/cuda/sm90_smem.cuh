@@ -79,7 +79,7 @@ struct LoadCursor {
 
 // MOK_PRODUCER: one GEMM tile's loads, as thread 0 posts them to the producer (Smem::job):
 // its operands, K blocks, and what the producer must know of the run (kJob* flags); the
-// cut maps (cut_maps) it must acquire before loading through them (acquire: -1 none).
+// cut maps (cut_maps) it must acquire before loading through them (acquire: null, none).
 enum : int { kJobTA = 1, kJobTB = 2, kJobTall = 4, kJobNarrow = 8, kJobStop = 16 };
 constexpr int kJobs = 2;
 struct Job {
@@ -192,7 +192,7 @@ __device__ __forceinline__ Smem& kernel_smem(uint32_t knobs) {
     sm.rank = (int)cluster_ctarank();
     fence_mbar_init();
   }
-  __syncthreads();
+  __syncthreads();  // (every thread of the CTA, MOK_PRODUCER's producer warpgroup too: not cta_sync)
   if (sm.cluster > 1) cluster_sync();  // the partner's barriers exist before any remote use
   return sm;
 }
