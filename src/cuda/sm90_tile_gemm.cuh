@@ -64,9 +64,11 @@ __device__ __forceinline__ void mma_block(float (&acc)[kAcc], const uint8_t* sta
 // A run of output tiles through one continuous pipeline: for tile i, setup(i, A, B,
 // num_kb, k_valid_last) names its operands, then acc (per thread: kAcc floats) =
 // A[128 x K] B[K x 256] over num_kb K blocks of 64, then epi(i, acc, wg, warp, lane, spare).
-// Thread 0 loads kStages - 1 K blocks ahead of the wgmmas, across tile boundaries, so
-// the next tile's first blocks arrive during this tile's epilogue; epi also gets `spare`,
-// the stage of the tile's last K block (48 KB, or null), free during the epilogue.
+// Thread 0 (MOK_PRODUCER's forward: the producer thread, from the jobs thread 0 posts;
+// producer_loop below) loads kStages - 1 K blocks ahead of the wgmmas, across tile
+// boundaries, so the next tile's first blocks arrive during this tile's epilogue; epi
+// also gets `spare`, the stage of the tile's last K block (48 KB, or null), free during
+// the epilogue.
 // TA / TB = 1 when that operand is MN-major. k_valid_last < 64: the operands' k rows
 // past it in the last block are zeros (TMA's fill, through maps cut there: cut_maps),
 // and that block's k16 steps past it are skipped.
