@@ -92,7 +92,9 @@
 #                 (docs/PERF.md, nineteenth session)
 # WARM=S: trace, stalls and kernel-times first run S seconds of back-to-back steps, so
 # that the measured steps run at a sustained run's clock (default 0: from idle).
-# COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench.
+# COMMIT (default: git rev-parse, or "?" on a tree without .git) labels the bench. Pass it:
+# on 2026-12-06 git rev-parse in the device machine's copy of the tree answered the
+# session's first commit (a4a6cde) for a tree and library at 1885960.
 # Example, built here and carried: make build/libmok.so build/mok_gpu_tests, then the
 # device tool with carry ["build/libmok.so", "build/mok_gpu_tests"] runs
 # PREBUILT=1 COMMIT=<sha> bench/gpu_session.sh test bench
