@@ -211,11 +211,12 @@ static int return_tasks(const mok_config_t& c, int grid, bool clusters) {
 }
 
 // ---- byte plans (every piece 256-byte aligned); for the context's max T ----
+static int64_t up256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 struct Plan {
   size_t at = 0;
   size_t take(size_t bytes) {
     size_t here = at;
-    at += (bytes + 255) / 256 * 256;
+    at += up256((int64_t)bytes);
     return here;
   }
 };
@@ -239,7 +240,7 @@ static bool x_over_o(const mok_config_t& c) {
 // after every DXSUM (x_late), the last reader of both. Only where both fit in d_w13 at
 // cfg.T: R F 2 (rounded to 256) + T H 4 (fused routing) <= E/W 2F H 2; fp32 weight
 // gradients are added into, so they keep h in saved.
-static int64_t dw13_h_bytes(const mok_config_t& c) { return (recv_rows(c, c.T) * c.F * 2 + 255) / 256 * 256; }
+static int64_t dw13_h_bytes(const mok_config_t& c) { return up256(recv_rows(c, c.T) * c.F * 2); }
 // d_w13 [E/W, 2F, H] bf16, in bytes (the room h_in_dw13 and seg_in_dw13 use)
 static int64_t dw13_bytes(const mok_config_t& c) { return c.E / c.W * 2 * c.F * c.H * 2; }
 // h, then the router path's dx_router: d_w13's front, in bytes
@@ -345,7 +346,7 @@ static FwdWsPlan plan_fwd_ws(const mok_config_t& c, int64_t T) {
 // (fused) and the shared expert's 3 Fs H fp32 columns.
 static int64_t seg_bytes(const mok_config_t& c, int64_t T) {
   const int64_t cols = (c.routing == MOK_ROUTING_FUSED) * c.E * c.H + 3 * c.Fs * c.H;
-  return (seg_cap(cdiv(T, MOK_REDUCE_CHUNK_TOKENS), c.W) * cols * 4 + 255) / 256 * 256;
+  return up256(seg_cap(cdiv(T, MOK_REDUCE_CHUNK_TOKENS), c.W) * cols * 4);
 }
 // SEG's nodes at the tail of d_w13 instead of the workspace (deepseek-v3 at 8192 tokens:
 // 81 MB of the backward's 85 MB; 1.9 GB with a 2048-wide shared expert). d_w13 is free
@@ -427,11 +428,12 @@ void mok_cuda_sizes(const mok_context_t* ctx, size_t* saved_bytes, size_t* forwa
 // A persistent launch of either kernel: grid CTAs of kThreads with the kernels' shared
 // memory, in clusters of 2 when `clusters` (*attr holds that attribute; it must outlive
 // the configuration's use).
-static cudaLaunchConfig_t launch_config(int grid, bool clusters, cudaLaunchAttribute* attr, cudaStream_t stream) {
+static cudaLaunchConfig_t launch_config(int grid, bool clusters, cudaLaunchAttribute* attr, cudaStream_t stream,
+                                        int threads = kThreads) {
   attr->id = cudaLaunchAttributeClusterDimension;
   attr->val.clusterDim.x = 2, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
   cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(grid), lc.blockDim = dim3(kThreads), lc.dynamicSmemBytes = sizeof(Smem) + 1024;
+  lc.gridDim = dim3(grid), lc.blockDim = dim3(threads), lc.dynamicSmemBytes = sizeof(Smem) + 1024;
   lc.stream = stream, lc.attrs = attr, lc.numAttrs = clusters ? 1 : 0;  // (0: a plain launch)
   return lc;
 }
@@ -446,7 +448,6 @@ static mok_status_t setup_peers(mok_context_t* ctx, GpuContext& g) {
   mok_status_t st = mok_nccl_comm_create(c.comm_unique_id, c.W, c.rank, &comm, err, sizeof err);
   if (st) return MOK_ERR(ctx, st, "cfg.comm_unique_id, W = %d, rank = %d: %s", c.W, c.rank, err);
   g.comm = comm;
-  auto up256 = [](size_t n) { return (n + 255) / 256 * 256; };
   const size_t rows_bytes = (size_t)c.capacity * c.H * 2;  // x_rows, o_rows, dy_rows, dx_rows
   const size_t counts_bytes = up256((size_t)c.W * (c.E + 1) * 4), flags_bytes = up256((size_t)c.W * kFlagKinds * 8);
   const size_t stats_bytes = up256((size_t)c.W * cdiv(c.T, MOK_REDUCE_CHUNK_TOKENS) * (c.E + 1) * 4);  // (T_r <= c.T)
@@ -875,16 +876,12 @@ static bool backward_clustered(const mok_context_t* ctx) {
   return gpu(ctx)->clusters && ctx->cfg.cta_pairs == MOK_CTA_PAIRS_ON;
 }
 
-// One persistent launch, in clusters of 2 when `clusters`.
-// MOK_PRODUCER (a measurement build: sm90_smem.cuh): the forward has a third, producer
-// warpgroup, and runs unclustered (the producer issues no paired runs' loads);
-// MOK_FWD_UNCLUSTERED (its baseline): the forward unclustered alone.
+// One persistent launch of `threads` a CTA, in clusters of 2 when `clusters`.
 template <class Params>
 static cudaError_t launch(const mok_context_t* ctx, void (*kernel)(Params), const Params& p, bool clusters,
                           cudaStream_t stream, int threads = kThreads) {
   cudaLaunchAttribute attr;
-  cudaLaunchConfig_t lc = launch_config(gpu(ctx)->grid, clusters, &attr, stream);
-  lc.blockDim = dim3(threads);
+  const cudaLaunchConfig_t lc = launch_config(gpu(ctx)->grid, clusters, &attr, stream, threads);
   return cudaLaunchKernelEx(&lc, kernel, p);
 }
 
@@ -965,13 +962,7 @@ mok_status_t mok_cuda_forward(mok_context_t* ctx, const mok_forward_args_t* a) {
   p.shared_o = c.use_shared_gate ? p.sv.shared_o : reinterpret_cast<bf16*>(ws + wp.shared_o);
   MAP_TRY(make_store_map(ctx, &p.st_shared_o, Fs ? p.shared_o : nullptr, T, H, "shared_o"));
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
-#ifdef MOK_PRODUCER
-  CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, false, stream, kThreads + 128));
-#elif defined(MOK_FWD_UNCLUSTERED)
-  CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, false, stream));
-#else
-  CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, gpu(ctx)->clusters, stream));
-#endif
+  CUDA_TRY(ctx, launch(ctx, forward_kernel(c), p, kFwdClusters && gpu(ctx)->clusters, stream, kFwdThreads));
   gpu(ctx)->last_stream = stream;
   return MOK_STATUS_SUCCESS;
 }
@@ -1019,7 +1010,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.seg_partials = reinterpret_cast<float*>(ws + wp.seg_partials);
   p.seg_e0 = (int)El;
   if (seg_in_dw13(c)) {  // (the tail, 256-byte aligned; expert seg_e0's rows hold its first byte)
-    const int64_t expert = 2 * F * H * 2, at = (dw13_bytes(c) - seg_bytes(c, c.T)) / 256 * 256;  // (expert: its rows)
+    const int64_t expert = dw13_bytes(c) / El, at = (dw13_bytes(c) - seg_bytes(c, c.T)) / 256 * 256;  // (expert: its rows)
     p.seg_partials = reinterpret_cast<float*>(static_cast<char*>(a->d_w13) + at);
     p.seg_e0 = (int)(at / expert);
   }

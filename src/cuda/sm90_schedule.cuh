@@ -56,10 +56,11 @@ template <int N> __device__ __forceinline__ void release_spare(Smem& sm) {  // (
 // stages may now be written by anyone: the partner's multicast, another layout's loads).
 __device__ __forceinline__ void release_stages_from_stores(Smem& sm) {
 #ifdef MOK_PRODUCER_TU
-  release_spare<0>(sm);
-#endif
+  release_spare<0>(sm);  // (the same wait, and the spare's arrivals)
+#else
   bulk_wait_read();
   sm.load.spare_slot = -1;
+#endif
 }
 
 // pair_agree's key of a task on expert e's column group g (fewer than 4096 groups), or
@@ -200,7 +201,7 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st, uin
   if (threadIdx.x == 0 && *st.status == 0) *st.status = error;
   if (threadIdx.x == 0 && used_up && error != MOK_STATUS_INVALID_SAVED) *used_up = MOK_SAVED_USED_GPU;
   uint32_t* words = st.sync->counter;
-  for (uint32_t i = threadIdx.x; i < st.num_counters; i += kProducerTu ? kThreads : blockDim.x) words[i] = 0;
+  for (uint32_t i = threadIdx.x; i < st.num_counters; i += kThreads) words[i] = 0;
   cta_sync();
   if (threadIdx.x == 0) {
     st.sync->ticket = 0;

@@ -29,10 +29,23 @@ constexpr int kThreads = 256;
 // threads (setmaxnreg up): their barrier is named barrier 1 over kThreads, not
 // __syncthreads (cta_sync). sm90_moe_forward.cu defines MOK_PRODUCER_TU for its own
 // translation unit; the backward keeps 256 threads and thread 0's loads.
+// The forward's launch (cuda_backend.cu): MOK_PRODUCER's 384 threads, unclustered (the
+// producer issues no paired runs' loads); MOK_FWD_UNCLUSTERED, its baseline: main's
+// forward unclustered.
+#ifdef MOK_PRODUCER
+constexpr int kFwdThreads = kThreads + 128;
+#else
+constexpr int kFwdThreads = kThreads;
+#endif
+#if defined(MOK_PRODUCER) || defined(MOK_FWD_UNCLUSTERED)
+constexpr bool kFwdClusters = false;
+#else
+constexpr bool kFwdClusters = true;
+#endif
 #if defined(MOK_PRODUCER_TU)
 constexpr bool kProducerTu = true;
 constexpr int kProducerRegs = 40, kWorkerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536
-#define MOK_FWD_KERNEL_BOUNDS __launch_bounds__(kThreads + 128, 1)
+#define MOK_FWD_KERNEL_BOUNDS __launch_bounds__(kFwdThreads, 1)
 #else
 constexpr bool kProducerTu = false;
 #define MOK_FWD_KERNEL_BOUNDS MOK_KERNEL_BOUNDS

@@ -340,7 +340,12 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     // has landed (the last one as below). (A loop of its own: a condition in the K loop
     // would be one more register beside the accumulators, and the backward spilled.)
     // (NB = 1: both warpgroups always multiply, so that nothing but a wgmma writes acc)
-    if (kProd && tid == 0 && num_kb == 0 && tile + kJobs < num_tiles) post_tile(tile + kJobs);  // (no K loop to post it)
+    if (kProd && tid == 0 && num_kb == 0) {  // (no K loop: the last spare and the next post here)
+#ifdef MOK_PRODUCER_TU
+      release_spare<0>(sm);
+#endif
+      if (tile + kJobs < num_tiles) post_tile(tile + kJobs);
+    }
     if (NB == 4 && wg == 1 && A.rows <= 64) {
       for (int kb = 0; kb < num_kb; kb++, it++) {
         while (!mbar_try_wait(&full[it % kStages], (it / kStages) & 1)) {
@@ -408,12 +413,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     MOK_STALL_FROM(kStallEpilogue);
     epi(tile, acc, et / 128, (et % 128) / 32, et % 32, spare);
     MOK_STALL_ADD(kStallEpilogue);
-    if (tid == 0 && num_kb > 0) {
-#ifdef MOK_PRODUCER_TU
-      if (kProd) release_spare<0>(sm);  // (one left by a tile without K blocks)
-#endif
-      c.spare_slot = (int)((it - 1) % kStages);
-    }
+    if (tid == 0 && num_kb > 0) c.spare_slot = (int)((it - 1) % kStages);
   }
   cta_sync();
   if (tid == 0) {
