@@ -201,9 +201,8 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st, uin
   if (threadIdx.x == 0 && *st.status == 0) *st.status = error;
   if (threadIdx.x == 0 && used_up && error != MOK_STATUS_INVALID_SAVED) *used_up = MOK_SAVED_USED_GPU;
   uint32_t* words = st.sync->counter;
-  // (MOK_PRODUCER: the working threads alone; kThreads in every build would be simpler, but
-  // moves the default SASS away from the tested one: left for a session with a GPU run)
-  for (uint32_t i = threadIdx.x; i < st.num_counters; i += kProducerTu ? kThreads : blockDim.x) words[i] = 0;
+  // the working threads alone (kThreads; MOK_PRODUCER's producer warpgroup has stopped)
+  for (uint32_t i = threadIdx.x; i < st.num_counters; i += kThreads) words[i] = 0;
   cta_sync();
   if (threadIdx.x == 0) {
     st.sync->ticket = 0;
