@@ -873,7 +873,7 @@ static GpuStep make_step(const mok_context_t* ctx) {
 // the backward reads the forward's bands, saved's tile_band), an unclustered backward
 // then skipping a ticket at a paired phase's odd start. The bits are the same (D2).
 static bool backward_clustered(const mok_context_t* ctx) {
-  return gpu(ctx)->clusters && ctx->cfg.cta_pairs == MOK_CTA_PAIRS_ON;
+  return !kBwdProducer && gpu(ctx)->clusters && ctx->cfg.cta_pairs == MOK_CTA_PAIRS_ON;
 }
 
 // One persistent launch of `threads` a CTA, in clusters of 2 when `clusters`.
@@ -1084,7 +1084,7 @@ mok_status_t mok_cuda_backward(mok_context_t* ctx, const mok_backward_args_t* a)
   p.w_sg = c.use_shared_gate ? static_cast<const bf16*>(a->w_sg) : nullptr;
   p.d_w_sg = c.use_shared_gate ? a->d_w_sg : nullptr;
   cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
-  CUDA_TRY(ctx, launch(ctx, backward_kernel(c), p, backward_clustered(ctx), stream));
+  CUDA_TRY(ctx, launch(ctx, backward_kernel(c), p, backward_clustered(ctx), stream, kBwdThreads));
   gpu(ctx)->last_stream = stream;
   return MOK_STATUS_SUCCESS;
 }

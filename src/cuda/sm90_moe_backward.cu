@@ -21,6 +21,11 @@
 //                 to 16 chunks' partials summed along the tree (seg_task), per 128 x 64 tile
 //   WG13[e,m,n]   dw13[e] = d_a^T x_rows (x_late: after every DXSUM)
 //   TREE[slice]   the fixed pairwise tree over the chunks, then written out
+// MOK_BWD_PRODUCER (a measurement build, sm90_smem.cuh): the forward's producer split
+// (MOK_PRODUCER) in this kernel.
+#ifdef MOK_BWD_PRODUCER
+#define MOK_PRODUCER_TU
+#endif
 #include "sm90_epilogues.cuh"
 #include "sm90_token_rows.cuh"
 #include "sm90_tree.cuh"
@@ -802,7 +807,9 @@ __device__ __forceinline__ void wgrad_task(Smem& sm, const BwdParams& p, int whi
   };
   // an expert of at most kArBlocks K blocks (deepseek-v3: 4 on average): every tile of
   // the task has the same A, kept resident while B streams (32 KB a block, not 48)
-  if (paired) run(Flag<true>(), Flag<false>());
+  // (MOK_BWD_PRODUCER: unclustered, and the producer loads no A-resident runs: plain runs only)
+  if constexpr (kProducerTu) run(Flag<false>(), Flag<false>());
+  else if (paired) run(Flag<true>(), Flag<false>());
   else if (nk > 0 && nk <= kArBlocks) run(Flag<false>(), Flag<true>());
   else run(Flag<false>(), Flag<false>());
 }
@@ -1228,6 +1235,14 @@ static_assert(bwd_place_inverts_order(), "bwd_place is bwd_order's inverse");
 template <bool kClamped>
 __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
   Smem& sm = kernel_smem(p.st.knobs);
+#ifdef MOK_BWD_PRODUCER
+  if (threadIdx.x >= kThreads) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == kThreads) producer_loop(sm);
+    return;
+  }
+  setmaxnreg_inc<kWorkerRegs>();
+#endif
   const Shape& s = p.s;
   set_peers(sm, p.px, s, p.st);
   if (threadIdx.x == 0 && !saved_header_ok(p)) raise_error(p.st, MOK_STATUS_INVALID_SAVED);  // (before any task)
@@ -1328,13 +1343,16 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
     }
     profile_task(sm, p.st, k == 13 ? 15 : k < 11 ? 8 + k : 10 + k);
   }
+#ifdef MOK_BWD_PRODUCER
+  producer_stop(sm);
+#endif
   finish_step(sm, p.st, p.reuse ? &p.sv.header[0] : nullptr);
 }
 
-__global__ void MOK_KERNEL_BOUNDS sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
+__global__ void MOK_BWD_KERNEL_BOUNDS sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
   backward_kernel<false>(p);
 }
-__global__ void MOK_KERNEL_BOUNDS sm90_moe_backward_clamped_kernel(const __grid_constant__ BwdParams p) {
+__global__ void MOK_BWD_KERNEL_BOUNDS sm90_moe_backward_clamped_kernel(const __grid_constant__ BwdParams p) {
   backward_kernel<true>(p);
 }
 

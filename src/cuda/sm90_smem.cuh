@@ -28,14 +28,23 @@ constexpr int kThreads = 256;
 // from the jobs thread 0 posts, Job) and warpgroups 0-1 the CTA's kThreads working
 // threads (setmaxnreg up): their barrier is named barrier 1 over kThreads, not
 // __syncthreads (cta_sync). sm90_moe_forward.cu defines MOK_PRODUCER_TU for its own
-// translation unit; the backward keeps 256 threads and thread 0's loads.
-// The forward's launch (cuda_backend.cu): MOK_PRODUCER's 384 threads, unclustered (the
-// producer issues no paired runs' loads); MOK_FWD_UNCLUSTERED, its baseline: main's
-// forward unclustered.
+// translation unit. MOK_BWD_PRODUCER (a measurement build) does the same for the
+// backward (sm90_moe_backward.cu); without it the backward keeps 256 threads and thread
+// 0's loads. The launches (cuda_backend.cu): a producer's kernel at 384 threads,
+// unclustered (the producer issues no paired runs' loads); MOK_FWD_UNCLUSTERED, the
+// forward producer's baseline: main's forward unclustered (the backward is unclustered
+// by default).
 #ifdef MOK_PRODUCER
 constexpr int kFwdThreads = kThreads + 128;
 #else
 constexpr int kFwdThreads = kThreads;
+#endif
+#ifdef MOK_BWD_PRODUCER
+constexpr int kBwdThreads = kThreads + 128;
+constexpr bool kBwdProducer = true;
+#else
+constexpr int kBwdThreads = kThreads;
+constexpr bool kBwdProducer = false;
 #endif
 #if defined(MOK_PRODUCER) || defined(MOK_FWD_UNCLUSTERED)
 constexpr bool kFwdClusters = false;
@@ -46,9 +55,11 @@ constexpr bool kFwdClusters = true;
 constexpr bool kProducerTu = true;
 constexpr int kProducerRegs = 40, kWorkerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536
 #define MOK_FWD_KERNEL_BOUNDS __launch_bounds__(kFwdThreads, 1)
+#define MOK_BWD_KERNEL_BOUNDS __launch_bounds__(kBwdThreads, 1)
 #else
 constexpr bool kProducerTu = false;
 #define MOK_FWD_KERNEL_BOUNDS MOK_KERNEL_BOUNDS
+#define MOK_BWD_KERNEL_BOUNDS MOK_KERNEL_BOUNDS
 #endif
 // Every working thread of the CTA (kThreads; the producer warpgroup, where there is one,
 // takes no part).

@@ -521,8 +521,11 @@ template <bool V> struct Flag {
 };
 // f(Flag<paired>()): a GEMM task's body in its paired and its unpaired instantiation
 // (gemm_tiles' PAIRED), chosen at run time by pair_agree's answer.
+// (MOK_PRODUCER_TU: its kernels run unclustered, so never paired: the paired instance
+// is not compiled)
 template <class F> __device__ __forceinline__ void with_pairing(bool paired, F f) {
-  if (paired) f(Flag<true>());
+  if constexpr (kProducerTu) f(Flag<false>());
+  else if (paired) f(Flag<true>());
   else f(Flag<false>());
 }
 // A GEMM task of a paired phase on expert e's column group g: both CTAs agree whether to
