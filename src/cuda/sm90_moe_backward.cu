@@ -158,7 +158,7 @@ static __device__ __noinline__ bool saved_tables_ok(const BwdParams& p) {
     ok &= (rows > 0) & (first <= q) & (q < first + rows) & (first + rows <= s.max_mt) &
           (q > first ? prev == b : q == 0 || (int)(prev >> 8) + (int)(prev & 255u) == q);
   }
-  return __syncthreads_and(ok);
+  return cta_reduce<false>(ok);
 }
 
 // A token's slots in the router backward, lane j holding slot j (K <= 32): its expert
@@ -464,7 +464,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   // a slot rejected: no signal, so that no task after DG (every writer of an output waits
   // for all of DG) runs; they see the error and leave the step
-  if (__syncthreads_or(bad)) return;
+  if (cta_reduce<true>(bad)) return;
   if (s.W > 1) __threadfence_system();  // (each thread's dy rows into owners' buffers)
   signal_counter_publish(sm, &p.st.sync->counter[B_DG], (uint32_t)s.ns, p.px, s, kFlagDg, sm.peer_serial);
 }
