@@ -201,7 +201,7 @@ static __device__ __noinline__ void finish_step(Smem& sm, const GpuStep& st, uin
   if (threadIdx.x == 0 && *st.status == 0) *st.status = error;
   if (threadIdx.x == 0 && used_up && error != MOK_STATUS_INVALID_SAVED) *used_up = MOK_SAVED_USED_GPU;
   uint32_t* words = st.sync->counter;
-  // the working threads alone (kThreads; MOK_PRODUCER's producer warpgroup has stopped)
+  // the working threads alone (kThreads; a producer warpgroup has stopped)
   for (uint32_t i = threadIdx.x; i < st.num_counters; i += kThreads) words[i] = 0;
   cta_sync();
   if (threadIdx.x == 0) {

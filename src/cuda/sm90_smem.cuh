@@ -71,14 +71,13 @@ __device__ __forceinline__ void cta_sync() {
 // producer: barrier 0 would wait for the producer thread, which never arrives).
 template <bool kOr> __device__ __forceinline__ bool cta_reduce(bool v) {
   if constexpr (!kProducerTu) return kOr ? __syncthreads_or(v) : __syncthreads_and(v);
+  const uint32_t in = kOr ? !v : v;  // (or(v) = !and(!v))
   uint32_t r;
-  if constexpr (kOr)
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, 1, %2, p;\n selp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(r) : "r"((uint32_t)v), "n"(kThreads) : "memory");
-  else
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, 1, %2, p;\n selp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(r) : "r"((uint32_t)v), "n"(kThreads) : "memory");
-  return r != 0;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, 1, %2, p;\n selp.u32 %0, 1, 0, q;\n}"
+               : "=r"(r)
+               : "r"(in), "n"(kThreads)
+               : "memory");
+  return kOr ? r == 0 : r != 0;
 }
 constexpr int BM = 128, BN = 256, BK = 64;
 constexpr int BF = BN / 2;       // f per SwiGLU tile: 128 gate columns, then 128 up columns
