@@ -1235,14 +1235,7 @@ static_assert(bwd_place_inverts_order(), "bwd_place is bwd_order's inverse");
 template <bool kClamped>
 __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
   Smem& sm = kernel_smem(p.st.knobs);
-#ifdef MOK_BWD_PRODUCER
-  if (threadIdx.x >= kThreads) {
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == kThreads) producer_loop(sm);
-    return;
-  }
-  setmaxnreg_inc<kWorkerRegs>();
-#endif
+  if (!producer_split(sm)) return;  // (a producer's kernel: its warpgroup 2 leaves)
   const Shape& s = p.s;
   set_peers(sm, p.px, s, p.st);
   if (threadIdx.x == 0 && !saved_header_ok(p)) raise_error(p.st, MOK_STATUS_INVALID_SAVED);  // (before any task)
@@ -1343,9 +1336,7 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
     }
     profile_task(sm, p.st, k == 13 ? 15 : k < 11 ? 8 + k : 10 + k);
   }
-#ifdef MOK_BWD_PRODUCER
   producer_stop(sm);
-#endif
   finish_step(sm, p.st, p.reuse ? &p.sv.header[0] : nullptr);
 }
 

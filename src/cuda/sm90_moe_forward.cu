@@ -756,14 +756,7 @@ __host__ __device__ constexpr int fwd_order(int i) { return i <= 5 ? i : i == 6 
 template <bool kClamped>
 __device__ __forceinline__ void forward_kernel(const FwdParams& p) {
   Smem& sm = kernel_smem(p.st.knobs);
-#ifdef MOK_PRODUCER_TU
-  if (threadIdx.x >= kThreads) {  // the producer warpgroup: one thread's loads
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == kThreads) producer_loop(sm);
-    return;
-  }
-  setmaxnreg_inc<kWorkerRegs>();
-#endif
+  if (!producer_split(sm)) return;  // (a producer's kernel: its warpgroup 2 leaves)
   const Shape& s = p.s;
   set_peers(sm, p.px, s, p.st);
   // GEMM tasks per row tile (column-tile groups)
@@ -812,9 +805,7 @@ __device__ __forceinline__ void forward_kernel(const FwdParams& p) {
     }
     profile_task(sm, p.st, kind == 8 ? 23 : kind);
   }
-#ifdef MOK_PRODUCER_TU
   producer_stop(sm);
-#endif
   finish_step(sm, p.st);
 }
 __global__ void MOK_FWD_KERNEL_BOUNDS sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {

@@ -41,26 +41,25 @@ __device__ __forceinline__ bool next_task(Smem& sm, const GpuStep& st, int num_t
   return base < num_tasks;
 }
 
-#ifdef MOK_PRODUCER_TU
-// MOK_PRODUCER (sm90_tile_gemm.cuh's producer_loop): the epilogue's spare stage back to the
-// ring once the stores have read it (all bulk groups of thread 0's but the newest N),
-// arriving for both warpgroups, which did not release it after their last K block.
+// A producer's kernel (MOK_PRODUCER_TU; sm90_tile_gemm.cuh's producer_loop): the
+// epilogue's spare stage back to the ring once the stores have read it (all bulk groups
+// of thread 0's but the newest N), arriving for both warpgroups, which did not release
+// it after their last K block.
 template <int N> __device__ __forceinline__ void release_spare(Smem& sm) {  // (thread 0)
   if (sm.load.spare_slot < 0) return;
   bulk_wait_read<N>();
   mbar_arrive_n(&sm.empty[sm.load.spare_slot], 2);
   sm.load.spare_slot = -1;
 }
-#endif
 // Thread 0: every TMA store has read shared memory, so no stage is held as a spare (the
 // stages may now be written by anyone: the partner's multicast, another layout's loads).
 __device__ __forceinline__ void release_stages_from_stores(Smem& sm) {
-#ifdef MOK_PRODUCER_TU
-  release_spare<0>(sm);  // (the same wait, and the spare's arrivals)
-#else
-  bulk_wait_read();
-  sm.load.spare_slot = -1;
-#endif
+  if constexpr (kProducerTu) {
+    release_spare<0>(sm);  // (the same wait, and the spare's arrivals)
+  } else {
+    bulk_wait_read();
+    sm.load.spare_slot = -1;
+  }
 }
 
 // pair_agree's key of a task on expert e's column group g (fewer than 4096 groups), or

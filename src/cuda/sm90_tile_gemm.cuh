@@ -116,6 +116,21 @@ __device__ __forceinline__ void load_pair(void* dst, const CUtensorMap* map, uin
     }
   }
 }
+// An operand's boxes of K block k (at its k0 + k) into dst, completing on bar: boxes
+// [0, n) of at most kMax, 64 x 64 each from pos[b], or with tall maps two a load
+// (load_pair): the producer's loads, and thread 0's of A (gemm_tiles' load_next; its B
+// loops stay as they were: this helper there moved the kernels' SASS, untested on a GPU).
+template <bool kTall, int kMax>
+__device__ __forceinline__ void load_boxes(uint8_t* dst, const Operand& op, uint64_t* bar, bool mn_major, int n,
+                                           int k) {
+#pragma unroll
+  for (int b = 0; b < kMax; b += kTall ? 2 : 1) {
+    if (b >= n) break;
+    if constexpr (kTall) load_pair<true>(dst + b * kBoxBytes, op.map, bar, mn_major, op.pos[b], op.pos[b + 1], op.k0 + k);
+    else if (mn_major) tma_load_2d(dst + b * kBoxBytes, op.map, bar, op.pos[b], op.k0 + k);
+    else tma_load_2d(dst + b * kBoxBytes, op.map, bar, op.k0 + k, op.pos[b]);
+  }
+}
 #ifdef MOK_PRODUCER_TU
 // MOK_PRODUCER (sm90_smem.cuh): thread 0 posts each tile of a plain run (not paired, not
 // A-resident) as a Job, kJobs tiles ahead of the one it multiplies, and the producer
@@ -164,21 +179,26 @@ __device__ __forceinline__ void producer_loop(Smem& sm) {
       uint8_t* const dst = sm.stage[s];
       const int k = kb * BK;
       if (tall) {
-        load_pair<true>(dst, jb.A.map, bar, ta, jb.A.pos[0], jb.A.pos[1], jb.A.k0 + k);
-        load_pair<true>(dst + 2 * kBoxBytes, jb.B.map, bar, tb, jb.B.pos[0], jb.B.pos[1], jb.B.k0 + k);
-        load_pair<true>(dst + 4 * kBoxBytes, jb.B.map, bar, tb, jb.B.pos[2], jb.B.pos[3], jb.B.k0 + k);
+        load_boxes<true, 2>(dst, jb.A, bar, ta, 2, k);
+        load_boxes<true, 4>(dst + 2 * kBoxBytes, jb.B, bar, tb, 4, k);
       } else {
-        for (int b = 0; b < a_boxes; b++) {
-          if (ta) tma_load_2d(dst + b * kBoxBytes, jb.A.map, bar, jb.A.pos[b], jb.A.k0 + k);
-          else tma_load_2d(dst + b * kBoxBytes, jb.A.map, bar, jb.A.k0 + k, jb.A.pos[b]);
-        }
-        for (int b = 0; b < nb; b++) {
-          if (tb) tma_load_2d(dst + (2 + b) * kBoxBytes, jb.B.map, bar, jb.B.pos[b], jb.B.k0 + k);
-          else tma_load_2d(dst + (2 + b) * kBoxBytes, jb.B.map, bar, jb.B.k0 + k, jb.B.pos[b]);
-        }
+        load_boxes<false, 2>(dst, jb.A, bar, ta, a_boxes, k);
+        load_boxes<false, 4>(dst + 2 * kBoxBytes, jb.B, bar, tb, nb, k);
       }
     }
   }
+}
+// At the kernel's start, after kernel_smem: warpgroup 2 gives up registers and its first
+// thread runs producer_loop, warpgroups 0-1 take theirs; false for the producer
+// warpgroup, which then leaves the kernel.
+__device__ __forceinline__ bool producer_split(Smem& sm) {
+  if (threadIdx.x >= kThreads) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == kThreads) producer_loop(sm);
+    return false;
+  }
+  setmaxnreg_inc<kWorkerRegs>();
+  return true;
 }
 // Thread 0 at the kernel's end: the last spare back, and the producer's stop.
 __device__ __forceinline__ void producer_stop(Smem& sm) {
@@ -186,6 +206,10 @@ __device__ __forceinline__ void producer_stop(Smem& sm) {
   release_spare<0>(sm);
   post_job(sm, [](Job& jb) { jb.flags = kJobStop, jb.num_kb = 0; });
 }
+#else
+// (no producer: every thread works, nothing to stop)
+__device__ __forceinline__ bool producer_split(Smem&) { return true; }
+__device__ __forceinline__ void producer_stop(Smem&) {}
 #endif
 
 template <int TA, int TB, bool PAIRED = false, bool AR = false, int NB = 4, int kBoxRows = 64, class Setup, class Epi>
@@ -248,16 +272,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     uint8_t* dst = sm.stage[s];
     uint8_t* const b_dst = AR ? stage_at(s) : dst + 2 * kBoxBytes;  // B's first box (AR: A is resident)
     const int k = kb * BK;
-    if (!AR && kTall) {
-      load_pair<true>(dst, A.map, &full[s], TA, A.pos[0], A.pos[1], A.k0 + k);
-    } else if (!AR) {
-#pragma unroll
-      for (int b = 0; b < 2; b++) {
-        if (b >= a_boxes) break;
-        if (TA) tma_load_2d(dst + b * kBoxBytes, A.map, &full[s], A.pos[b], A.k0 + k);
-        else tma_load_2d(dst + b * kBoxBytes, A.map, &full[s], A.k0 + k, A.pos[b]);
-      }
-    }
+    if (!AR) load_boxes<kTall, 2>(dst, A, &full[s], TA, kTall ? 2 : a_boxes, k);
     const Operand B = c.B;
     if (PAIRED && kTall) {  // B boxes 2 rank, 2 rank + 1 (one tall load) into both CTAs
       const bool hi = sm.rank != 0;
@@ -341,9 +356,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
     // would be one more register beside the accumulators, and the backward spilled.)
     // (NB = 1: both warpgroups always multiply, so that nothing but a wgmma writes acc)
     if (kProd && tid == 0 && num_kb == 0) {  // (no K loop: the last spare and the next post here)
-#ifdef MOK_PRODUCER_TU
       release_spare<0>(sm);
-#endif
       if (tile + kJobs < num_tiles) post_tile(tile + kJobs);
     }
     if (NB == 4 && wg == 1 && A.rows <= 64) {
@@ -383,9 +396,7 @@ __device__ __forceinline__ void gemm_tiles(Smem& sm, int num_tiles, Setup setup,
         MOK_STALL_ADD(kStallMma);
         if (kb > 0 && tid % 128 == 0) release((it - 1) % kStages, 1);
         if (kProd && tid == 0 && kb == 0) {
-#ifdef MOK_PRODUCER_TU
           release_spare<1>(sm);  // (the last tile's spare; the newest group came from sm.epi)
-#endif
           if (tile + kJobs < num_tiles) post_tile(tile + kJobs);
         } else if (!kProd && tid == 0) {
           load_next();
