@@ -163,6 +163,7 @@ test_verdict() {
   fi
 }
 TEST_LIMIT=${TEST_LIMIT:-420}
+export PYTHONUNBUFFERED=1  # (a part cut by a time limit keeps the rows it printed)
 for part in "$@"; do
   case "$part" in
     test)
@@ -209,7 +210,7 @@ for part in "$@"; do
           fi
           (cd "$tree" && MOK_LIBRARY="$OLDPWD/$lib" python3 bench/bench_moe.py --mok-only \
             $([ -n "${SKEWED:-}" ] || echo --uniform-only) --shapes "$SHAPES" --commit "$lib" 2>&1) |
-            grep -v "^-\|^shape" | tee -a "$OUT/ab.txt"
+            grep --line-buffered -v "^-\|^shape" | tee -a "$OUT/ab.txt"
         done
       done
       ;;
