@@ -446,9 +446,10 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
           part = __fadd_rn(part, __fmul_rn(bf(d[k]), bf(o[k])));
           dj[k] = to_bf(__fmul_rn(x.g, bf(d[k])));
         }
-#ifndef MOK_WHATIF_NO_ROW_COPIES  // (what-if: the GEMMs would gather dy and scale it)
-        x.dst[x.v0 + 32 * c] = out;
+#ifdef MOK_WHATIF_NO_ROW_COPIES  // (what-if: the GEMMs would gather dy and scale it; the
+        if (p.forward_serial == 1)    // first backward copies, so that later ones read real rows)
 #endif
+        x.dst[x.v0 + 32 * c] = out;
       }
       if (u % rounds == rounds - 1) {  // the slot's last round
         const int m = b + u / rounds;
@@ -1195,9 +1196,10 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
     cta_sync();
     if (threadIdx.x == 0) {
       fence_proxy_async();  // (the generic reads of the rows before the bulk copies write them)
-#ifndef MOK_WHATIF_NO_ROW_COPIES  // (what-if: WG13 would gather x)
-      scatter_token_rows(sm, p.x, t0, t1, H, s.K, p.sv.x_rows);
+#ifdef MOK_WHATIF_NO_ROW_COPIES  // (what-if: WG13 would gather x; the first backward copies)
+      if (p.forward_serial == 1)
 #endif
+      scatter_token_rows(sm, p.x, t0, t1, H, s.K, p.sv.x_rows);
     }
   }
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
