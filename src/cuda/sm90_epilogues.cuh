@@ -361,19 +361,9 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
                                                  int row_end, int f0, int F, const CUtensorMap* ld_a, int a_row,
                                                  const StoreMap* st_da, int map_row, bf16* d_a, uint8_t* spare,
                                                  bool with_h = false, const StoreMap* st_h = nullptr,
-                                                 bf16* h_rows = nullptr, float alpha = 0.f, float limit = 0.f
-#ifdef MOK_WHATIF_DG_FROM_DH
-                                                 , float* whatif_dg = nullptr, int whatif_n = 1
-#endif
-) {
+                                                 bf16* h_rows = nullptr, float alpha = 0.f, float limit = 0.f) {
   if (sm.knobs & 2) return;
   const int tid = tid_here(), rows = min(BM, row_end - row0);
-#ifdef MOK_WHATIF_DG_FROM_DH
-  // docs/PERF.md's what-if build: d_g as SonicMoE takes it, <dh, h> over F, each tile's
-  // part of a row's sum (rows r, r + 8 of this thread) to global memory; its cost, not its
-  // value (no slot map, no sum of the parts)
-  float whatif_dot[2] = {0.f, 0.f};
-#endif
   auto load = [&](int q) {  // thread 0: quarter q's gate and up boxes (none past F)
     uint8_t* buf = q % 2 ? sm.epi : spare;
     uint64_t* bar = &sm.epi_full[q % 2];
@@ -428,9 +418,6 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
               swiglu_bwd(gate, up, dh, dg[x], du[x], si);
               hv[x] = __fmul_rn(si, up);  // (swiglu_h<false>'s operations)
             }
-#ifdef MOK_WHATIF_DG_FROM_DH
-            whatif_dot[h] = __fmaf_rn(dh, hv[x], whatif_dot[h]);
-#endif
           }
           st_shared_b32(at, pack_bf16x2(dg[0], dg[1]));
           st_shared_b32(at + kBox, pack_bf16x2(du[0], du[1]));
@@ -475,16 +462,6 @@ __device__ __forceinline__ void swiglu_bwd_store(Smem& sm, float (&acc)[kAcc], i
 #pragma unroll 1
   for (int q = 1; q < 4; q++)
     quarter(q, [&](int i) { return q == 1 ? acc[32 + i] : q == 2 ? acc[64 + i] : acc[96 + i]; });
-#ifdef MOK_WHATIF_DG_FROM_DH
-  if (whatif_dg)
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      float v = whatif_dot[h];
-      v += __shfl_xor_sync(~0u, v, 1);
-      v += __shfl_xor_sync(~0u, v, 2);
-      if (l % 4 == 0 && r + 8 * h < rows) whatif_dg[(row0 + r + 8 * h) % whatif_n] = v;
-    }
-#endif
   if (tail) cta_sync();
   // no quarter 3 (the last tile of an F that is not a multiple of 256): the last group
   // came from the spare, so it must be read before gemm_tiles refills the spare

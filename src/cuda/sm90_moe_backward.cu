@@ -414,9 +414,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
         for (int c = 0; c < kDgInFlight; c++)
           if (x.v0 + 32 * c < nv) {
             cp_async_16(x.at + c * 512, x.dy + x.v0 + 32 * c);
-#ifndef MOK_WHATIF_DG_FROM_DH
             cp_async_16(x.at + (kDgInFlight + c) * 512, x.o + x.v0 + 32 * c);
-#endif
           }
       }
       cp_async_commit();
@@ -432,11 +430,7 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
 #pragma unroll
       for (int c = 0; c < kDgInFlight; c++) {
         if (x.v0 + 32 * c >= nv) continue;
-#ifdef MOK_WHATIF_DG_FROM_DH  // (docs/PERF.md's what-if builds: no o rows read; d_g wrong)
-        const uint4 dr = ld_shared_v4(x.at + c * 512), orw = dr;
-#else
         const uint4 dr = ld_shared_v4(x.at + c * 512), orw = ld_shared_v4(x.at + (kDgInFlight + c) * 512);
-#endif
         const bf16* d = reinterpret_cast<const bf16*>(&dr);
         const bf16* o = reinterpret_cast<const bf16*>(&orw);
         uint4 out;
@@ -446,9 +440,6 @@ __device__ __noinline__ void dg_task(Smem& sm, const BwdParams& p, int sb) {
           part = __fadd_rn(part, __fmul_rn(bf(d[k]), bf(o[k])));
           dj[k] = to_bf(__fmul_rn(x.g, bf(d[k])));
         }
-#ifdef MOK_WHATIF_NO_ROW_COPIES  // (what-if: the GEMMs would gather dy and scale it; the
-        if (p.forward_serial == 1)    // first backward copies, so that later ones read real rows)
-#endif
         x.dst[x.v0 + 32 * c] = out;
       }
       if (u % rounds == rounds - 1) {  // the slot's last round
@@ -591,11 +582,7 @@ __device__ __forceinline__ void dh_task(Smem& sm, const BwdParams& p, int mt, in
         [&](int nt, float(&acc)[kAcc], int wg, int w, int l, uint8_t* spare) {
           swiglu_bwd_store<kClamped>(sm, acc, wg, w, l, row0, row_end, nt * BN, s.F, &p.m_arows_gu, row0, &p.st_da,
                                      row0, p.d_a, spare, p.h_late, &p.st_hrows, p.sv.h_rows,
-                                     s.swiglu_alpha, s.swiglu_limit
-#ifdef MOK_WHATIF_DG_FROM_DH
-                                     , p.dg, s.T * s.K
-#endif
-          );
+                                     s.swiglu_alpha, s.swiglu_limit);
         });
   });
   if (!ok) return;
@@ -1196,9 +1183,6 @@ __device__ __noinline__ void dxsum_task(Smem& sm, const BwdParams& p, int sb) {
     cta_sync();
     if (threadIdx.x == 0) {
       fence_proxy_async();  // (the generic reads of the rows before the bulk copies write them)
-#ifdef MOK_WHATIF_NO_ROW_COPIES  // (what-if: WG13 would gather x; the first backward copies)
-      if (p.forward_serial == 1)
-#endif
       scatter_token_rows(sm, p.x, t0, t1, H, s.K, p.sv.x_rows);
     }
   }

@@ -535,9 +535,6 @@ __device__ __noinline__ void dispatch_task(Smem& sm, const FwdParams& p, int sb)
     put_topk_out(p, i, e);
   }
   cta_sync();
-#ifdef MOK_WHATIF_NO_ROW_COPIES  // (docs/PERF.md's what-if builds: GEMM1 would gather x; the
-  if (p.serial == 1)               // context's first forward copies, so that later ones read real rows)
-#endif
   if (threadIdx.x == 0) scatter_token_rows(sm, p.x, t0, t1, H, K, p.sv.x_rows);
   fence_proxy_async_smem();  // (the stages' generic writes before a next GEMM task's TMA loads)
   signal_counter(sm, &p.st.sync->counter[C_DISPATCH]);
