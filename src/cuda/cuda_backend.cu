@@ -879,7 +879,7 @@ static bool backward_clustered(const mok_context_t* ctx) {
 // One persistent launch of `threads` a CTA, in clusters of 2 when `clusters`.
 template <class Params>
 static cudaError_t launch(const mok_context_t* ctx, void (*kernel)(Params), const Params& p, bool clusters,
-                          cudaStream_t stream, int threads = kThreads) {
+                          cudaStream_t stream, int threads) {
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t lc = launch_config(gpu(ctx)->grid, clusters, &attr, stream, threads);
   return cudaLaunchKernelEx(&lc, kernel, p);

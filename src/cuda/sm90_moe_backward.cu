@@ -1340,10 +1340,10 @@ __device__ __forceinline__ void backward_kernel(const BwdParams& p) {
   finish_step(sm, p.st, p.reuse ? &p.sv.header[0] : nullptr);
 }
 
-__global__ void MOK_BWD_KERNEL_BOUNDS sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
+__global__ void MOK_KERNEL_BOUNDS sm90_moe_backward_kernel(const __grid_constant__ BwdParams p) {
   backward_kernel<false>(p);
 }
-__global__ void MOK_BWD_KERNEL_BOUNDS sm90_moe_backward_clamped_kernel(const __grid_constant__ BwdParams p) {
+__global__ void MOK_KERNEL_BOUNDS sm90_moe_backward_clamped_kernel(const __grid_constant__ BwdParams p) {
   backward_kernel<true>(p);
 }
 

@@ -808,10 +808,10 @@ __device__ __forceinline__ void forward_kernel(const FwdParams& p) {
   producer_stop(sm);
   finish_step(sm, p.st);
 }
-__global__ void MOK_FWD_KERNEL_BOUNDS sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
+__global__ void MOK_KERNEL_BOUNDS sm90_moe_forward_kernel(const __grid_constant__ FwdParams p) {
   forward_kernel<false>(p);
 }
-__global__ void MOK_FWD_KERNEL_BOUNDS sm90_moe_forward_clamped_kernel(const __grid_constant__ FwdParams p) {
+__global__ void MOK_KERNEL_BOUNDS sm90_moe_forward_clamped_kernel(const __grid_constant__ FwdParams p) {
   forward_kernel<true>(p);
 }
 

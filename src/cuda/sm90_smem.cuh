@@ -14,15 +14,6 @@
 namespace mok {
 
 constexpr int kThreads = 256;
-// Both megakernels' launch bounds: one CTA of kThreads an SM (255 registers a thread), or,
-// in measurement builds, -DMOK_MAXNREG=N: at most N registers in every function, the
-// budget a producer warpgroup's setmaxnreg split would leave the consumers (LOCAL_MEM_OK=1
-// when it spills; docs/KERNELS.md)
-#ifdef MOK_MAXNREG
-#define MOK_KERNEL_BOUNDS __maxnreg__(MOK_MAXNREG)
-#else
-#define MOK_KERNEL_BOUNDS __launch_bounds__(kThreads, 1)
-#endif
 // MOK_PRODUCER (a measurement build, docs/KERNELS.md): the forward kernel is 384 threads,
 // warpgroup 2 a producer (setmaxnreg down; one thread issues the GEMM runs' TMA loads
 // from the jobs thread 0 posts, Job) and warpgroups 0-1 the CTA's kThreads working
@@ -35,31 +26,40 @@ constexpr int kThreads = 256;
 // forward producer's baseline: main's forward unclustered (the backward is unclustered
 // by default).
 #ifdef MOK_PRODUCER
-constexpr int kFwdThreads = kThreads + 128;
+constexpr bool kFwdProducer = true;
 #else
-constexpr int kFwdThreads = kThreads;
+constexpr bool kFwdProducer = false;
 #endif
 #ifdef MOK_BWD_PRODUCER
-constexpr int kBwdThreads = kThreads + 128;
 constexpr bool kBwdProducer = true;
 #else
-constexpr int kBwdThreads = kThreads;
 constexpr bool kBwdProducer = false;
 #endif
-#if defined(MOK_PRODUCER) || defined(MOK_FWD_UNCLUSTERED)
+#ifdef MOK_FWD_UNCLUSTERED
 constexpr bool kFwdClusters = false;
 #else
-constexpr bool kFwdClusters = true;
+constexpr bool kFwdClusters = !kFwdProducer;
 #endif
+constexpr int kProducerThreads = 128;  // (warpgroup 2)
+constexpr int kFwdThreads = kThreads + (kFwdProducer ? kProducerThreads : 0);
+constexpr int kBwdThreads = kThreads + (kBwdProducer ? kProducerThreads : 0);
 #if defined(MOK_PRODUCER_TU)
 constexpr bool kProducerTu = true;
 constexpr int kProducerRegs = 40, kWorkerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536
-#define MOK_FWD_KERNEL_BOUNDS __launch_bounds__(kFwdThreads, 1)
-#define MOK_BWD_KERNEL_BOUNDS __launch_bounds__(kBwdThreads, 1)
 #else
 constexpr bool kProducerTu = false;
-#define MOK_FWD_KERNEL_BOUNDS MOK_KERNEL_BOUNDS
-#define MOK_BWD_KERNEL_BOUNDS MOK_KERNEL_BOUNDS
+#endif
+// Both megakernels' launch bounds: one CTA of kThreads an SM (255 registers a thread); in
+// a producer's translation unit kThreads + kProducerThreads; or, in measurement builds,
+// -DMOK_MAXNREG=N: at most N registers in every function, the budget a producer
+// warpgroup's setmaxnreg split would leave the consumers (LOCAL_MEM_OK=1 when it spills;
+// docs/KERNELS.md)
+#if defined(MOK_PRODUCER_TU)
+#define MOK_KERNEL_BOUNDS __launch_bounds__(kThreads + kProducerThreads, 1)
+#elif defined(MOK_MAXNREG)
+#define MOK_KERNEL_BOUNDS __maxnreg__(MOK_MAXNREG)
+#else
+#define MOK_KERNEL_BOUNDS __launch_bounds__(kThreads, 1)
 #endif
 // Every working thread of the CTA (kThreads; the producer warpgroup, where there is one,
 // takes no part).

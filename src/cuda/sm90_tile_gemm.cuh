@@ -119,7 +119,8 @@ __device__ __forceinline__ void load_pair(void* dst, const CUtensorMap* map, uin
 // An operand's boxes of K block k (at its k0 + k) into dst, completing on bar: boxes
 // [0, n) of at most kMax, 64 x 64 each from pos[b], or with tall maps two a load
 // (load_pair): the producer's loads, and thread 0's of A (gemm_tiles' load_next; its B
-// loops stay as they were: this helper there moved the kernels' SASS, untested on a GPU).
+// loops stay their own: they carry MOK_KNOBS 16 and 32, and this helper there moved the
+// default kernels' SASS, not yet tested on a GPU).
 template <bool kTall, int kMax>
 __device__ __forceinline__ void load_boxes(uint8_t* dst, const Operand& op, uint64_t* bar, bool mn_major, int n,
                                            int k) {
