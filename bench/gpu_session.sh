@@ -13,7 +13,8 @@
 #                 420: a hang then still leaves its log's last lines, not a silent call)
 #   trace         MOK_TRACE of one step per shape, bench/trace_report.py per shape
 #   kernel-times  bench_moe.py --kernel-times (the GPU's kernel time inside a step)
-#   bench         bench_moe.py, every shape and routing, JSON in $OUT/bench.json
+#   bench         bench_moe.py, every routing of five shapes (all but kimi-k2; SHAPES
+#                 sets them), JSON in $OUT/bench.json
 #                 (BENCH_ROUNDS=N: mok and the peer timed N times a row, in turn;
 #                 BENCH_ARGS: more bench_moe.py options, e.g. --recompute-gate-up)
 #   variants      bench_moe.py --variants: mok's step with every variant off and with each
@@ -102,6 +103,9 @@ set -u
 export NCCL_NVLS_ENABLE=0  # never NVLink multicast
 RESULTS=${OUT:-/tmp/mok-out}   # <part>.tar of each part; the parts write into OUT
 OUT=$(mktemp -d /tmp/mok-part-XXXXXX)
+# bench's default: issue 35's five shapes but kimi-k2 (65 GiB a step: a call of its own);
+# the other parts' default: the four with SonicMoE's 2026-12-01 figures
+BENCH_SHAPES=${SHAPES:-qwen3-30b-a3b,gpt-oss-120b,deepseek-v3,qwen3.5,mixtral-8x7b}
 SHAPES=${SHAPES:-qwen3-30b-a3b,gpt-oss-120b,mixtral-8x7b,deepseek-v3}
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
 cd "$(dirname "$0")/.."
@@ -183,7 +187,7 @@ for part in "$@"; do
       python3 bench/bench_moe.py --kernel-times --shapes "$SHAPES" --warm "${WARM:-0}" 2>&1 | tee "$OUT/kernel-times.txt"
       ;;
     bench)
-      python3 bench/bench_moe.py --shapes "$SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" \
+      python3 bench/bench_moe.py --shapes "$BENCH_SHAPES" --commit "$COMMIT" --json "$OUT/bench.json" \
         --rounds "${BENCH_ROUNDS:-1}" ${BENCH_ARGS:-} 2>&1 |
         tee "$OUT/bench.txt"
       ;;
