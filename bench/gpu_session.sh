@@ -204,7 +204,7 @@ for part in "$@"; do
         libs="$REF build/libmok.so"
         [ $((round % 2)) -eq 0 ] && libs="build/libmok.so $REF"
         for lib in $libs; do
-          echo "== ab round $round: $lib"
+          echo "== ab round $round: $lib" | tee -a "$OUT/ab.txt"
           # a build with its own bench/ and python/ (build_refs.sh's tree.tar) runs them:
           # another commit's binding may not load this one's library, nor this one its
           tree=$PWD dir=$(dirname "$lib")
