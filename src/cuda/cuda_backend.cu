@@ -425,9 +425,10 @@ void mok_cuda_sizes(const mok_context_t* ctx, size_t* saved_bytes, size_t* forwa
 
 // ---- context ----
 
-// A persistent launch of either kernel: grid CTAs of kThreads with the kernels' shared
-// memory, in clusters of 2 when `clusters` (*attr holds that attribute; it must outlive
-// the configuration's use).
+// A persistent launch of either kernel: grid CTAs of `threads` (the launches pass
+// kFwdThreads / kBwdThreads; the cluster occupancy query takes kThreads) with the kernels'
+// shared memory, in clusters of 2 when `clusters` (*attr holds that attribute; it must
+// outlive the configuration's use).
 static cudaLaunchConfig_t launch_config(int grid, bool clusters, cudaLaunchAttribute* attr, cudaStream_t stream,
                                         int threads = kThreads) {
   attr->id = cudaLaunchAttributeClusterDimension;

@@ -53,13 +53,12 @@ template <int N> __device__ __forceinline__ void release_spare(Smem& sm) {  // (
 }
 // Thread 0: every TMA store has read shared memory, so no stage is held as a spare (the
 // stages may now be written by anyone: the partner's multicast, another layout's loads).
+// (A producer's kernel also gives the spare back to the ring; the wait itself stays
+// unconditional: with no spare held, the last epilogue's store from sm.epi may still read.)
 __device__ __forceinline__ void release_stages_from_stores(Smem& sm) {
-  if constexpr (kProducerTu) {
-    release_spare<0>(sm);  // (the same wait, and the spare's arrivals)
-  } else {
-    bulk_wait_read();
-    sm.load.spare_slot = -1;
-  }
+  if constexpr (kProducerTu) release_spare<0>(sm);
+  bulk_wait_read();
+  sm.load.spare_slot = -1;
 }
 
 // pair_agree's key of a task on expert e's column group g (fewer than 4096 groups), or
